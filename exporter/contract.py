@@ -48,3 +48,83 @@ def datatype_name(code: int) -> str:
 def redop_name(code: int) -> str:
     # Values >= ncclNumOps are user-created ops (ncclRedOpCreatePreMulSum).
     return NCCL_REDOPS.get(code, f"ncclRedOp({code})")
+
+
+# --- Operations ---------------------------------------------------------------
+# One vocabulary everywhere: metric labels, trace span names, SQL rows.
+# op code (shared with bpf/nccl.c through -D defines) -> op name.
+
+COLLECTIVE_OPS = {
+    1: "ALL_REDUCE",
+    2: "ALL_GATHER",
+    3: "REDUCE_SCATTER",
+    4: "BROADCAST",
+    5: "REDUCE",
+    6: "SEND",
+    7: "RECV",
+    8: "ALL_TO_ALL",
+    9: "GATHER",
+    10: "SCATTER",
+}
+
+LIFECYCLE_OPS = {
+    16: "GET_UNIQUE_ID",
+    17: "COMM_INIT_RANK",
+    18: "COMM_INIT_RANK_CONFIG",
+    19: "COMM_INIT_ALL",
+    20: "COMM_INIT_RANK_SCALABLE",
+    21: "COMM_SPLIT",
+    22: "COMM_FINALIZE",
+    23: "COMM_DESTROY",
+    24: "COMM_ABORT",
+    25: "GROUP_START",
+    26: "GROUP_END",
+    27: "COMM_COUNT",
+    28: "COMM_USER_RANK",
+}
+
+OPS = {**COLLECTIVE_OPS, **LIFECYCLE_OPS}
+OP_CODES = {name: code for code, name in OPS.items()}
+
+
+def op_name(code: int) -> str:
+    return OPS.get(code, f"OP_{code}")
+
+
+# Public NCCL function -> (op name, argument layout in bpf/nccl.c).
+# The layout names the BPF entry handler that decodes that signature; the
+# `*Config` variants take the same leading arguments plus a trailing config.
+NCCL_FUNCTIONS = {
+    "ncclAllReduce": ("ALL_REDUCE", "reduce_like"),
+    "ncclAllReduceConfig": ("ALL_REDUCE", "reduce_like"),
+    "ncclReduceScatter": ("REDUCE_SCATTER", "reduce_like"),
+    "ncclReduceScatterConfig": ("REDUCE_SCATTER", "reduce_like"),
+    "ncclAllGather": ("ALL_GATHER", "gather_like"),
+    "ncclAllGatherConfig": ("ALL_GATHER", "gather_like"),
+    "ncclAlltoAll": ("ALL_TO_ALL", "gather_like"),
+    "ncclAlltoAllConfig": ("ALL_TO_ALL", "gather_like"),
+    "ncclBroadcast": ("BROADCAST", "rooted"),
+    "ncclBroadcastConfig": ("BROADCAST", "rooted"),
+    "ncclGather": ("GATHER", "rooted"),
+    "ncclGatherConfig": ("GATHER", "rooted"),
+    "ncclScatter": ("SCATTER", "rooted"),
+    "ncclScatterConfig": ("SCATTER", "rooted"),
+    "ncclReduce": ("REDUCE", "reduce"),
+    "ncclReduceConfig": ("REDUCE", "reduce"),
+    "ncclBcast": ("BROADCAST", "bcast"),
+    "ncclSend": ("SEND", "p2p"),
+    "ncclRecv": ("RECV", "p2p"),
+    "ncclGetUniqueId": ("GET_UNIQUE_ID", "get_unique_id"),
+    "ncclCommInitRank": ("COMM_INIT_RANK", "init_rank"),
+    "ncclCommInitRankConfig": ("COMM_INIT_RANK_CONFIG", "init_rank"),
+    "ncclCommInitAll": ("COMM_INIT_ALL", "init_all"),
+    "ncclCommInitRankScalable": ("COMM_INIT_RANK_SCALABLE", "init_scalable"),
+    "ncclCommSplit": ("COMM_SPLIT", "split"),
+    "ncclCommFinalize": ("COMM_FINALIZE", "comm_only"),
+    "ncclCommDestroy": ("COMM_DESTROY", "comm_only"),
+    "ncclCommAbort": ("COMM_ABORT", "comm_only"),
+    "ncclGroupStart": ("GROUP_START", "no_args"),
+    "ncclGroupEnd": ("GROUP_END", "no_args"),
+    "ncclCommCount": ("COMM_COUNT", "comm_query"),
+    "ncclCommUserRank": ("COMM_USER_RANK", "comm_query"),
+}
