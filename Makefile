@@ -1,0 +1,63 @@
+# nccl-exporter: set-up, tests and demo on Debian 12 (run as root).
+# Every target is idempotent and prints nothing when there is nothing to do.
+
+SHELL      := /bin/bash
+SYSPYTHON  := /usr/bin/python3
+VENV       := .venv
+PY         := $(VENV)/bin/python
+BCC_SRC    := /usr/lib/python3/dist-packages/bcc
+NCCL_WHEEL := nvidia-nccl-cu12==2.32.3
+
+MAKEFLAGS  += --no-print-directory
+
+.PHONY: deps venv nccl-wheel demo test check clean
+
+## deps: Debian packages, kernel-header links, tracefs (scripts/setup-system.sh)
+deps:
+	@$(SHELL) scripts/setup-system.sh
+
+## venv: .venv with bcc (Debian's, via .pth) and `pip install -e .[test]`
+venv: $(VENV)/.stamp-install
+	@:
+
+$(PY):
+	@echo "venv: creating $(VENV) with $(SYSPYTHON)"
+	@$(SYSPYTHON) -m venv $(VENV)
+
+# Only the bcc package from dist-packages, not the rest of it.
+$(VENV)/bcc-site/bcc: | $(PY)
+	@test -d $(BCC_SRC) || { echo "venv: $(BCC_SRC) missing; run 'make deps' (python3-bpfcc)" >&2; exit 1; }
+	@mkdir -p $(VENV)/bcc-site
+	@ln -sfn $(BCC_SRC) $@
+	@site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  echo "../../../bcc-site" > "$$site/bcc-site.pth" && \
+	  echo "venv: bcc linked from $(BCC_SRC) via $$site/bcc-site.pth"
+
+$(VENV)/.stamp-install: pyproject.toml | $(VENV)/bcc-site/bcc
+	@echo "venv: pip install -e '.[test]'"
+	@$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+## nccl-wheel: the real libnccl.so.2 (NCCL 2.32.3) into .venv, for tests
+nccl-wheel: $(VENV)/.stamp-nccl
+	@:
+
+$(VENV)/.stamp-nccl: | $(VENV)/.stamp-install
+	@echo "nccl-wheel: pip install $(NCCL_WHEEL)"
+	@$(PY) -m pip install -q '$(NCCL_WHEEL)'
+	@touch $@
+
+## demo: run the exporter against the simulated workload
+demo: deps venv
+	$(VENV)/bin/nccl-exporter demo
+
+## test: everything needed, then the whole suite
+test: deps venv nccl-wheel
+	$(PY) -m pytest -v tests/
+
+## check: preflight checks of this host
+check: venv
+	@$(VENV)/bin/nccl-exporter check
+
+clean:
+	rm -rf build/ $(VENV)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# System set-up for nccl-exporter on Debian 12 (run as root; idempotent).
+# Silent when there is nothing to do; prints one line per change it makes.
+set -euo pipefail
+
+PACKAGES=(
+    python3-bpfcc python3-venv linux-headers-amd64 gcc make libc6-dev
+    nftables iproute2 procps binutils prometheus prometheus-alertmanager
+    bpftrace
+)
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "setup-system: must run as root (apt-get, /lib/modules, mount)" >&2
+    exit 1
+fi
+
+# --- 1. Debian packages: apt-get only when something is missing -----------
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+    status=$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null || true)
+    [ "$status" = "installed" ] || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "setup-system: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# --- 2. Kernel headers for the running kernel --------------------------------
+# BCC compiles against /lib/modules/$(uname -r)/build. On hosts whose kernel
+# is not a Debian one (e.g. a VM's custom kernel) nothing provides it: link
+# the newest Debian linux-headers-amd64 tree instead.
+kver=$(uname -r)
+moddir="${MODULES_ROOT:-/lib/modules}/$kver"
+if [ ! -e "$moddir/build/include" ]; then
+    build=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1 || true)
+    source=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -n 1 || true)
+    if [ -z "$build" ] || [ -z "$source" ]; then
+        echo "setup-system: no /usr/src/linux-headers-*-amd64 to link; is linux-headers-amd64 installed?" >&2
+        exit 1
+    fi
+    mkdir -p "$moddir"
+    ln -sfn "$build" "$moddir/build"
+    ln -sfn "$source" "$moddir/source"
+    echo "setup-system: linked $moddir/build -> $build"
+    echo "setup-system: linked $moddir/source -> $source"
+fi
+
+# --- 3. tracefs (uprobe_events, tracepoints) ------------------------------
+if [ ! -e /sys/kernel/tracing/uprobe_events ] && ! mountpoint -q /sys/kernel/tracing; then
+    mount -t tracefs nodev /sys/kernel/tracing
+    echo "setup-system: mounted tracefs on /sys/kernel/tracing"
+fi
