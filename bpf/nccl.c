@@ -1,0 +1,625 @@
+// NCCL call surface: uprobes on libnccl's public API, aggregated in the kernel.
+//
+// Loaded by exporter/probes.py with BCC. Op codes (OP_*), map sizes (MAX_*)
+// and the per-function entry stubs are generated there from
+// exporter/contract.py, so the names live in one place.
+//
+// Per call, nothing crosses to user space: the return probe folds the call
+// into `collective_stats` (count, bytes, latency histogram). Only rare
+// lifecycle calls, and calls the user asked for (slow ones, or every call
+// while recording), are sent as events on the `events` ring buffer.
+
+#include <uapi/linux/ptrace.h>
+
+// ---- Histogram layout: HIST_MIN_LOG2, HIST_MAX_LOG2, HIST_SUB come from
+// exporter/histogram.py. Bucket 0: d <= 2^MIN ns. Then HIST_SUB linear
+// sub-buckets per power of two up to 2^MAX ns: bucket 1 + SUB*(k-MIN) + s
+// holds 2^k + s*2^k/SUB < d <= 2^k + (s+1)*2^k/SUB. The last is overflow.
+#define HIST_FINITE (1 + (HIST_MAX_LOG2 - HIST_MIN_LOG2) * HIST_SUB)
+#define HIST_SLOTS (HIST_FINITE + 1)
+
+// Indexes into `counters`: CNT_* come from exporter/probes.py (COUNTERS).
+
+#define EVENT_CALL 1
+#define EVENT_LIFECYCLE 2
+
+#define NCCL_SUCCESS 0
+#define NCCL_IN_PROGRESS 7
+#define MAX_INIT_ALL 16
+
+struct series_key {
+    u64 comm_hash;  // 0: communicator unknown to the agent
+    s32 rank;       // -1: unknown
+    s32 nranks;     // -1: unknown
+    u32 op;
+    u32 pad;
+};
+
+struct series_stats {
+    u64 calls;
+    u64 bytes;
+    u64 sum_ns;
+    u64 buckets[HIST_SLOTS];
+};
+
+struct error_key {
+    u32 op;
+    s32 result;
+};
+
+struct comm_key {
+    u32 tgid;
+    u32 pad;
+    u64 comm;  // the ncclComm_t pointer value in that process
+};
+
+struct comm_info {
+    u64 comm_hash;
+    u64 nccl_hash;  // NCCL's commHash; 0 when not derivable (split children)
+    u64 seq;        // collectives called on this comm since its init
+    u64 splits;     // ncclCommSplit calls made on this comm (child id input)
+    s32 rank;
+    s32 nranks;
+};
+
+// One outermost NCCL call in progress on a thread.
+struct call {
+    u64 start_ns;
+    u64 comm;
+    u64 comm_hash;
+    u64 nccl_hash;
+    u64 count;
+    u64 stream;
+    u64 out;         // ncclComm_t* / int* the call writes its result to
+    u64 nested_out;  // ncclUniqueId* of an inner ncclGetUniqueId
+    u64 seq;
+    u64 aux;         // split: parent's split sequence number
+    s32 rank;
+    s32 nranks;
+    u32 op;
+    u32 depth;       // inner public calls made by this one (not counted)
+    s32 datatype;
+    s32 red_op;
+    s32 root;
+    s32 peer;
+    s32 color;
+};
+
+struct event {
+    u64 start_ns;    // CLOCK_MONOTONIC
+    u64 end_ns;
+    u64 comm;
+    u64 comm_hash;
+    u64 nccl_hash;
+    u64 count;
+    u64 bytes;
+    u64 stream;
+    u64 seq;
+    u32 kind;
+    u32 pid;
+    u32 tid;
+    u32 op;
+    s32 rank;
+    s32 nranks;
+    s32 datatype;
+    s32 red_op;
+    s32 root;
+    s32 peer;
+    s32 result;
+    s32 color;
+};
+
+BPF_HASH(collective_stats, struct series_key, struct series_stats, MAX_SERIES);
+BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
+BPF_HASH(communicators, struct comm_key, struct comm_info, MAX_COMMS);
+BPF_HASH(inflight, u32, struct call, MAX_THREADS);
+// Launcher rank (RANK, SLURM_PROCID, ...) per process, written by user space:
+// the rank label of calls on a communicator the agent never saw created.
+BPF_HASH(process_rank, u32, s32, MAX_PROCESSES);
+// Per-op slow-call threshold in ns (0: off); index OP_COUNT: 1 = every call.
+BPF_ARRAY(event_config, u64, OP_COUNT + 1);
+BPF_ARRAY(counters, u64, CNT_SLOTS);
+// All zeros, never written: the initial value of a new series (too big for the stack).
+BPF_ARRAY(empty_stats, struct series_stats, 1);
+BPF_RINGBUF_OUTPUT(events, EVENT_PAGES);
+// Scratch for the 128-byte ncclUniqueId (too big for the BPF stack next to a call).
+struct unique_id { u64 words[16]; };
+BPF_PERCPU_ARRAY(uid_scratch, struct unique_id, 1);
+
+static __always_inline void count_up(u32 slot) {
+    u64 *v = counters.lookup(&slot);
+    if (v)
+        __sync_fetch_and_add(v, 1);
+}
+
+static __always_inline u32 datatype_size(s32 dt) {
+    switch (dt) {
+    case 0: case 1: case 10: case 11: return 1;  // int8 uint8 fp8e4m3 fp8e5m2
+    case 6: case 9: return 2;                    // float16 bfloat16
+    case 2: case 3: case 7: return 4;            // int32 uint32 float32
+    case 4: case 5: case 8: return 8;            // int64 uint64 float64
+    }
+    return 0;
+}
+
+static __always_inline u32 log2_floor(u64 v) {
+    u32 r = 0;
+    if (v >> 32) { v >>= 32; r += 32; }
+    if (v >> 16) { v >>= 16; r += 16; }
+    if (v >> 8)  { v >>= 8;  r += 8; }
+    if (v >> 4)  { v >>= 4;  r += 4; }
+    if (v >> 2)  { v >>= 2;  r += 2; }
+    if (v >> 1)  { r += 1; }
+    return r;
+}
+
+static __always_inline u32 bucket_of(u64 d) {
+    if (d <= (1ULL << HIST_MIN_LOG2))
+        return 0;
+    u64 v = d - 1;  // an exact upper bound belongs to its own bucket (Prometheus `le`)
+    u32 k = log2_floor(v);
+    if (k >= HIST_MAX_LOG2)
+        return HIST_FINITE;
+    u32 sub = (v >> (k - HIST_SUB_BITS)) & (HIST_SUB - 1);
+    return 1 + (k - HIST_MIN_LOG2) * HIST_SUB + sub;
+}
+
+static __always_inline u64 splitmix64(u64 x) {
+    u64 z = x + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+// Hash a ncclUniqueId at user address `uid` into c->comm_hash / c->nccl_hash
+// (see exporter/hashing.py for the definitions).
+static __always_inline void hash_unique_id(struct call *c, const void *uid) {
+    u32 zero = 0;
+    struct unique_id *id = uid_scratch.lookup(&zero);
+    if (!id || bpf_probe_read_user(id, sizeof(*id), uid) != 0)
+        return;
+    u64 *w = id->words;
+    u64 h = 0;
+    #pragma unroll
+    for (int i = 0; i < 16; i++)
+        h = splitmix64(h ^ w[i]);
+    u64 djb = 5381;
+    const signed char *b = (const signed char *)w;
+    #pragma unroll
+    for (int i = 0; i < 128; i++)
+        djb = ((djb << 5) + djb) ^ (u64)(s64)b[i];  // NCCL's char is signed
+    c->comm_hash = h;
+    c->nccl_hash = djb;
+}
+
+// Stack argument n (1-based) at a uprobe on the first instruction: [sp] holds
+// the return address, so the 7th integer argument is at sp+8, the 8th at sp+16.
+static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {
+    u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * n));
+    return v;
+}
+
+// Start tracking a call on this thread. Returns 0 when the call is nested in
+// another public NCCL call of the same thread: it only deepens the outer one.
+static __always_inline struct call *begin(u32 op, u32 *tid_out) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    *tid_out = tid;
+    struct call *outer = inflight.lookup(&tid);
+    if (outer) {
+        outer->depth++;
+        return 0;
+    }
+    struct call c = {};
+    c.op = op;
+    c.rank = -1;
+    c.nranks = -1;
+    c.datatype = -1;
+    c.red_op = -1;
+    c.root = -1;
+    c.peer = -1;
+    c.color = -1;
+    if (inflight.insert(&tid, &c) != 0) {
+        count_up(CNT_INFLIGHT_FULL);
+        return 0;
+    }
+    return inflight.lookup(&tid);
+}
+
+// Attach the communicator's identity (and a sequence number) to a collective.
+static __always_inline void resolve_comm(struct call *c, u64 comm) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct comm_key k = {.tgid = tgid, .comm = comm};
+    c->comm = comm;
+    struct comm_info *info = communicators.lookup(&k);
+    if (info) {
+        c->comm_hash = info->comm_hash;
+        c->nccl_hash = info->nccl_hash;
+        c->rank = info->rank;
+        c->nranks = info->nranks;
+        c->seq = __sync_fetch_and_add(&info->seq, 1) + 1;
+        return;
+    }
+    s32 *launcher_rank = process_rank.lookup(&tgid);
+    if (launcher_rank)
+        c->rank = *launcher_rank;
+}
+
+static __always_inline int collective(u32 op, u64 count, s32 dt, s32 red_op,
+                                      s32 root, s32 peer, u64 comm, u64 stream) {
+    u32 tid;
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    c->count = count;
+    c->datatype = dt;
+    c->red_op = red_op;
+    c->root = root;
+    c->peer = peer;
+    c->stream = stream;
+    resolve_comm(c, comm);
+    c->start_ns = bpf_ktime_get_ns();  // last, so map work is not timed
+    return 0;
+}
+
+// ---- Entry decoders, one per signature shape (x86-64 System V) --------------
+// Integer arguments: rdi rsi rdx rcx r8 r9 (PARM1..6), then the stack.
+
+// ncclAllReduce / ncclReduceScatter (+Config):
+//   (sendbuff, recvbuff, count, datatype, op, comm, stream[, config])
+static __always_inline int enter_reduce_like(struct pt_regs *ctx, u32 op) {
+    return collective(op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx),
+                      -1, -1, PT_REGS_PARM6(ctx), stack_arg(ctx, 1));
+}
+
+// ncclAllGather / ncclAlltoAll (+Config):
+//   (sendbuff, recvbuff, count, datatype, comm, stream[, config])
+static __always_inline int enter_gather_like(struct pt_regs *ctx, u32 op) {
+    return collective(op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), -1, -1, -1,
+                      PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx));
+}
+
+// ncclBroadcast / ncclGather / ncclScatter (+Config):
+//   (sendbuff, recvbuff, count, datatype, root, comm, stream[, config])
+static __always_inline int enter_rooted(struct pt_regs *ctx, u32 op) {
+    return collective(op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), -1,
+                      PT_REGS_PARM5(ctx), -1, PT_REGS_PARM6(ctx), stack_arg(ctx, 1));
+}
+
+// ncclReduce (+Config): (sendbuff, recvbuff, count, datatype, op, root, comm, stream[, config])
+// comm and stream are the 7th and 8th arguments: on the stack.
+static __always_inline int enter_reduce(struct pt_regs *ctx, u32 op) {
+    return collective(op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx),
+                      PT_REGS_PARM6(ctx), -1, stack_arg(ctx, 1), stack_arg(ctx, 2));
+}
+
+// ncclBcast: (buff, count, datatype, root, comm, stream)
+static __always_inline int enter_bcast(struct pt_regs *ctx, u32 op) {
+    return collective(op, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), -1,
+                      PT_REGS_PARM4(ctx), -1, PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx));
+}
+
+// ncclSend / ncclRecv: (buff, count, datatype, peer, comm, stream)
+static __always_inline int enter_p2p(struct pt_regs *ctx, u32 op) {
+    return collective(op, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), -1, -1,
+                      PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx));
+}
+
+// ncclGetUniqueId(ncclUniqueId* out)
+static __always_inline int enter_get_unique_id(struct pt_regs *ctx, u32 op) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    struct call *outer = inflight.lookup(&tid);
+    if (outer) {
+        // Inside ncclCommInitAll: remember where the id it makes will be.
+        outer->depth++;
+        if (outer->op == OP_COMM_INIT_ALL)
+            outer->nested_out = PT_REGS_PARM1(ctx);
+        return 0;
+    }
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    c->out = PT_REGS_PARM1(ctx);
+    c->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+// ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank)
+// ncclCommInitRankConfig(..., int rank, ncclConfig_t* config)
+// The 128-byte commId is a MEMORY-class argument: it is copied onto the
+// stack at sp+8 and takes no register, so `rank` arrives in rdx.
+static __always_inline int enter_init_rank(struct pt_regs *ctx, u32 op) {
+    u32 tid;
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    c->out = PT_REGS_PARM1(ctx);
+    c->nranks = PT_REGS_PARM2(ctx);
+    c->rank = PT_REGS_PARM3(ctx);
+    hash_unique_id(c, (void *)(PT_REGS_SP(ctx) + 8));
+    c->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+// ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist)
+static __always_inline int enter_init_all(struct pt_regs *ctx, u32 op) {
+    u32 tid;
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    c->out = PT_REGS_PARM1(ctx);
+    c->nranks = PT_REGS_PARM2(ctx);
+    c->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+// ncclCommInitRankScalable(ncclComm_t* newcomm, int nranks, int myrank,
+//                          int nId, ncclUniqueId* commIds, ncclConfig_t* config)
+static __always_inline int enter_init_scalable(struct pt_regs *ctx, u32 op) {
+    u32 tid;
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    c->out = PT_REGS_PARM1(ctx);
+    c->nranks = PT_REGS_PARM2(ctx);
+    c->rank = PT_REGS_PARM3(ctx);
+    hash_unique_id(c, (void *)PT_REGS_PARM5(ctx));  // the first of nId ids
+    c->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+// ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config)
+static __always_inline int enter_split(struct pt_regs *ctx, u32 op) {
+    u32 tid;
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    u64 parent = PT_REGS_PARM1(ctx);
+    struct comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent};
+    c->comm = parent;
+    c->color = PT_REGS_PARM2(ctx);
+    c->out = PT_REGS_PARM4(ctx);
+    struct comm_info *info = communicators.lookup(&k);
+    if (info) {
+        c->comm_hash = info->comm_hash;  // the parent's, until the return
+        c->rank = info->rank;
+        c->nranks = info->nranks;
+        c->aux = __sync_fetch_and_add(&info->splits, 1);
+    }
+    c->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+// ncclCommFinalize / ncclCommDestroy / ncclCommAbort(ncclComm_t comm)
+static __always_inline int enter_comm_only(struct pt_regs *ctx, u32 op) {
+    u32 tid;
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    resolve_comm(c, PT_REGS_PARM1(ctx));
+    c->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+// ncclCommCount / ncclCommUserRank(const ncclComm_t comm, int* out)
+static __always_inline int enter_comm_query(struct pt_regs *ctx, u32 op) {
+    u32 tid;
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    c->comm = PT_REGS_PARM1(ctx);
+    c->out = PT_REGS_PARM2(ctx);
+    c->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+// ncclGroupStart / ncclGroupEnd (void)
+static __always_inline int enter_no_args(struct pt_regs *ctx, u32 op) {
+    u32 tid;
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    c->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+// ---- Return: communicator bookkeeping ---------------------------------------
+
+static __always_inline void remember_comm(u64 comm, u64 hash, u64 nccl_hash,
+                                          s32 rank, s32 nranks) {
+    if (!comm)
+        return;
+    struct comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = comm};
+    struct comm_info info = {.comm_hash = hash, .nccl_hash = nccl_hash,
+                             .rank = rank, .nranks = nranks};
+    if (communicators.update(&k, &info) != 0)
+        count_up(CNT_COMMS_FULL);
+}
+
+static __always_inline u64 read_user_u64(u64 addr) {
+    u64 v = 0;
+    if (addr)
+        bpf_probe_read_user(&v, sizeof(v), (void *)addr);
+    return v;
+}
+
+static __always_inline void lifecycle_return(struct call *c, s32 result) {
+    u32 op = c->op;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (op == OP_COMM_INIT_RANK || op == OP_COMM_INIT_RANK_CONFIG ||
+        op == OP_COMM_INIT_RANK_SCALABLE) {
+        if (result != NCCL_SUCCESS && result != NCCL_IN_PROGRESS)
+            return;
+        c->comm = read_user_u64(c->out);
+        remember_comm(c->comm, c->comm_hash, c->nccl_hash, c->rank, c->nranks);
+    } else if (op == OP_COMM_INIT_ALL) {
+        if (result != NCCL_SUCCESS)
+            return;
+        #pragma unroll
+        for (int i = 0; i < MAX_INIT_ALL; i++) {
+            if (i >= c->nranks)
+                break;
+            u64 comm = read_user_u64(c->out + 8 * i);
+            if (i == 0)
+                c->comm = comm;
+            remember_comm(comm, c->comm_hash, c->nccl_hash, i, c->nranks);
+        }
+    } else if (op == OP_COMM_SPLIT) {
+        if (result != NCCL_SUCCESS || !c->comm_hash)
+            return;
+        u64 child = read_user_u64(c->out);
+        // Same derivation as exporter/hashing.py split_comm_id_hash().
+        u64 mixed = splitmix64(c->comm_hash ^ SPLIT_TAG);
+        c->comm_hash = splitmix64(mixed ^ (((c->aux & 0xFFFFFFFFULL) << 32) |
+                                           ((u64)(u32)c->color)));
+        c->nccl_hash = 0;
+        c->comm = child;
+        c->rank = -1;  // the child's rank and size depend on every rank's key:
+        c->nranks = -1;  // learnt when the program asks (ncclCommUserRank/Count)
+        remember_comm(child, c->comm_hash, 0, -1, -1);
+    } else if (op == OP_COMM_DESTROY || op == OP_COMM_ABORT) {
+        struct comm_key k = {.tgid = tgid, .comm = c->comm};
+        communicators.delete(&k);
+    } else if (op == OP_COMM_COUNT || op == OP_COMM_USER_RANK) {
+        if (result != NCCL_SUCCESS)
+            return;
+        s32 v = 0;
+        if (bpf_probe_read_user(&v, sizeof(v), (void *)c->out) != 0)
+            return;
+        struct comm_key k = {.tgid = tgid, .comm = c->comm};
+        struct comm_info *info = communicators.lookup(&k);
+        if (!info)
+            return;
+        if (op == OP_COMM_COUNT)
+            info->nranks = v;
+        else
+            info->rank = v;
+    } else if (op == OP_GET_UNIQUE_ID) {
+        if (result == NCCL_SUCCESS)
+            hash_unique_id(c, (void *)c->out);
+    }
+}
+
+static __always_inline int is_rare_lifecycle(u32 op) {
+    return op >= OP_GET_UNIQUE_ID && op <= OP_COMM_ABORT;
+}
+
+static __always_inline void emit(struct call *c, u32 kind, u32 tid, u64 end, s32 result) {
+    struct event *e = events.ringbuf_reserve(sizeof(struct event));
+    if (!e) {
+        count_up(CNT_EVENTS_LOST);
+        return;
+    }
+    e->kind = kind;
+    e->start_ns = c->start_ns;
+    e->end_ns = end;
+    e->comm = c->comm;
+    e->comm_hash = c->comm_hash;
+    e->nccl_hash = c->nccl_hash;
+    e->count = c->count;
+    e->bytes = c->count * datatype_size(c->datatype);
+    e->stream = c->stream;
+    e->seq = c->seq;
+    e->pid = bpf_get_current_pid_tgid() >> 32;
+    e->tid = tid;
+    e->op = c->op;
+    e->rank = c->rank;
+    e->nranks = c->nranks;
+    e->datatype = c->datatype;
+    e->red_op = c->red_op;
+    e->root = c->root;
+    e->peer = c->peer;
+    e->result = result;
+    e->color = c->color;
+    events.ringbuf_submit(e, 0);
+}
+
+static __always_inline void account(struct call *c, u64 duration) {
+    struct series_key key = {.comm_hash = c->comm_hash, .rank = c->rank,
+                             .nranks = c->nranks, .op = c->op};
+    if (c->op >= OP_GET_UNIQUE_ID) {
+        // Lifecycle calls: one series per op (nccl_lifecycle_duration_seconds).
+        key.comm_hash = 0;
+        key.rank = -1;
+        key.nranks = -1;
+    }
+    struct series_stats *s = collective_stats.lookup(&key);
+    if (!s) {
+        u32 zero_key = 0;
+        struct series_stats *zero = empty_stats.lookup(&zero_key);
+        if (!zero)
+            return;
+        collective_stats.insert(&key, zero);
+        s = collective_stats.lookup(&key);
+        if (!s) {
+            count_up(CNT_STATS_FULL);
+            return;
+        }
+    }
+    u32 b = bucket_of(duration);
+    if (b >= HIST_SLOTS)
+        b = HIST_SLOTS - 1;
+    __sync_fetch_and_add(&s->calls, 1);
+    __sync_fetch_and_add(&s->bytes, c->count * datatype_size(c->datatype));
+    __sync_fetch_and_add(&s->sum_ns, duration);
+    __sync_fetch_and_add(&s->buckets[b], 1);
+}
+
+int on_return(struct pt_regs *ctx) {
+    u64 end = bpf_ktime_get_ns();
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct call *c = inflight.lookup(&tid);
+    if (!c)
+        return 0;
+    if (c->depth > 0) {  // an inner public call returned; the outer one goes on
+        c->depth--;
+        // The first inner return after ncclCommInitAll's inner ncclGetUniqueId
+        // entered is that call's own: the id it wrote is the new comms' id.
+        if (c->op == OP_COMM_INIT_ALL && c->nested_out && !c->comm_hash)
+            hash_unique_id(c, (void *)c->nested_out);
+        return 0;
+    }
+    s32 result = (s32)PT_REGS_RC(ctx);
+    u64 duration = end - c->start_ns;
+    u32 op = c->op;
+
+    if (op >= OP_GET_UNIQUE_ID)
+        lifecycle_return(c, result);
+    account(c, duration);
+    if (result != NCCL_SUCCESS) {
+        struct error_key ek = {.op = op, .result = result};
+        u64 one = 1;
+        u64 *n = call_errors.lookup(&ek);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+        else if (call_errors.insert(&ek, &one) != 0)
+            count_up(CNT_ERRORS_FULL);
+    }
+
+    if (is_rare_lifecycle(op)) {
+        emit(c, EVENT_LIFECYCLE, tid, end, result);
+    } else {
+        u32 all = OP_COUNT;
+        u64 *record_all = event_config.lookup(&all);
+        u64 *threshold = event_config.lookup(&op);
+        if ((record_all && *record_all) || (threshold && *threshold && duration >= *threshold))
+            emit(c, EVENT_CALL, tid, end, result);
+    }
+    inflight.delete(&tid);
+    return 0;
+}
+
+// A thread that exits inside a call (killed, crashed, longjmp'd) never
+// returns: drop its entry so it shows no phantom hang and leaks nothing.
+TRACEPOINT_PROBE(sched, sched_process_exit) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    inflight.delete(&tid);
+    if ((u32)id == (u32)(id >> 32)) {
+        u32 tgid = id >> 32;
+        process_rank.delete(&tgid);
+    }
+    return 0;
+}

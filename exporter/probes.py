@@ -1,0 +1,175 @@
+"""The NCCL probe set: compile bpf/nccl.c with BCC and attach it to libraries.
+
+One `NcclProbes` per agent. `attach(path)` puts a uprobe and a uretprobe on
+every public NCCL function the library exports, once per address: `ncclX` is
+a weak alias of `pncclX`, and two probes on one address would count every
+call twice.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import contract, histogram
+from .elf import exported_functions
+
+# Map sizes: the bounds on what the kernel side can hold (and so on the
+# cardinality of what is exported). A full map is counted, never fatal.
+MAX_SERIES = 2048      # (op, comm, rank) series in collective_stats
+MAX_COMMS = 4096       # live communicators, all processes
+MAX_THREADS = 16384    # threads inside an NCCL call at one time
+MAX_ERRORS = 512       # (op, result) pairs
+MAX_PROCESSES = 4096   # processes with a known launcher rank
+EVENT_PAGES = 256      # ring buffer: 1 MiB
+
+# Slots of the `counters` array map.
+COUNTERS = {
+    "STATS_FULL": 0,
+    "COMMS_FULL": 1,
+    "INFLIGHT_FULL": 2,
+    "ERRORS_FULL": 3,
+    "EVENTS_LOST": 4,
+}
+COUNTER_SLOTS = 8
+
+OP_COUNT = 32  # op codes are < 32; event_config[OP_COUNT] = record every call
+
+MAP_CAPACITY = {
+    "collective_stats": MAX_SERIES,
+    "communicators": MAX_COMMS,
+    "inflight": MAX_THREADS,
+    "call_errors": MAX_ERRORS,
+    "process_rank": MAX_PROCESSES,
+}
+
+
+def bpf_source_dir() -> Path:
+    """bpf/ beside the package (editable install), or shipped inside it."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "bpf", here / "bpf"):
+        if (candidate / "nccl.c").is_file():
+            return candidate
+    raise FileNotFoundError(f"bpf/nccl.c not found next to {here}")
+
+
+def entry_stub(op: str, layout: str) -> str:
+    return f"enter_{op.lower()}_{layout}"
+
+
+def generated_header() -> str:
+    """#defines and entry stubs that tie bpf/nccl.c to exporter/contract.py."""
+    lines = [f"#define OP_{name} {code}" for code, name in contract.OPS.items()]
+    lines += [
+        f"#define OP_COUNT {OP_COUNT}",
+        f"#define MAX_SERIES {MAX_SERIES}",
+        f"#define MAX_COMMS {MAX_COMMS}",
+        f"#define MAX_THREADS {MAX_THREADS}",
+        f"#define MAX_ERRORS {MAX_ERRORS}",
+        f"#define MAX_PROCESSES {MAX_PROCESSES}",
+        f"#define EVENT_PAGES {EVENT_PAGES}",
+        f"#define HIST_MIN_LOG2 {histogram.MIN_LOG2}",
+        f"#define HIST_MAX_LOG2 {histogram.MAX_LOG2}",
+        f"#define HIST_SUB_BITS {histogram.SUB_BITS}",
+        f"#define HIST_SUB {histogram.SUB}",
+        f"#define SPLIT_TAG 0x{_split_tag():016x}ULL",
+        f"#define CNT_SLOTS {COUNTER_SLOTS}",
+    ]
+    lines += [f"#define CNT_{name} {slot}" for name, slot in COUNTERS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def generated_stubs() -> str:
+    stubs = sorted({(op, layout) for op, layout in contract.NCCL_FUNCTIONS.values()})
+    return "".join(
+        f"int {entry_stub(op, layout)}(struct pt_regs *ctx) "
+        f"{{ return enter_{layout}(ctx, OP_{op}); }}\n"
+        for op, layout in stubs
+    )
+
+
+def _split_tag() -> int:
+    from .hashing import SPLIT_TAG
+
+    return SPLIT_TAG
+
+
+@dataclass
+class AttachReport:
+    """What happened when one library was attached."""
+
+    path: str
+    attached: dict[str, str] = field(default_factory=dict)  # function -> op
+    aliases: dict[str, str] = field(default_factory=dict)   # function -> the one probed at its address
+    missing: list[str] = field(default_factory=list)        # not exported by this library
+    failed: dict[str, str] = field(default_factory=dict)    # function -> error
+
+
+class ProbeError(RuntimeError):
+    """The probe set could not be compiled or loaded."""
+
+
+class NcclProbes:
+    """The compiled BPF program and the libraries it is attached to."""
+
+    def __init__(self, extra_cflags: tuple[str, ...] = ()):
+        try:
+            from bcc import BPF
+        except ImportError as e:  # pragma: no cover - depends on the host
+            raise ProbeError(
+                "the bcc module is not importable: install python3-bpfcc (make deps)"
+            ) from e
+        source = generated_header() + (bpf_source_dir() / "nccl.c").read_text() + generated_stubs()
+        try:
+            self.bpf = BPF(text=source, cflags=["-Wno-unused-function", *extra_cflags])
+        except Exception as e:
+            raise ProbeError(f"could not load the NCCL probes: {e}") from e
+        self.reports: list[AttachReport] = []
+        self._attached_files: set[tuple[int, int]] = set()
+
+    def attach(self, path: str) -> AttachReport | None:
+        """Probe every public NCCL function of `path`; None if already done."""
+        st = os.stat(path)
+        file_id = (st.st_dev, st.st_ino)
+        if file_id in self._attached_files:
+            return None
+        exported = exported_functions(path)
+        report = AttachReport(path=path)
+        by_address: dict[int, str] = {}
+        for function, (op, layout) in contract.NCCL_FUNCTIONS.items():
+            address = exported.get(function, exported.get("p" + function))
+            if address is None:
+                report.missing.append(function)
+                continue
+            if address in by_address:
+                report.aliases[function] = by_address[address]
+                continue
+            by_address[address] = function
+            try:
+                self.bpf.attach_uprobe(name=path, addr=address, fn_name=entry_stub(op, layout))
+                self.bpf.attach_uretprobe(name=path, addr=address, fn_name="on_return")
+            except Exception as e:
+                report.failed[function] = str(e)
+                continue
+            report.attached[function] = op
+        self._attached_files.add(file_id)
+        self.reports.append(report)
+        return report
+
+    # --- settings written into the kernel ---------------------------------
+
+    def set_record_all(self, on: bool) -> None:
+        cfg = self.bpf["event_config"]
+        cfg[cfg.Key(OP_COUNT)] = cfg.Leaf(1 if on else 0)
+
+    def set_slow_threshold(self, op: str, threshold_ns: int) -> None:
+        cfg = self.bpf["event_config"]
+        cfg[cfg.Key(contract.OP_CODES[op])] = cfg.Leaf(int(threshold_ns))
+
+    def set_process_rank(self, pid: int, rank: int) -> None:
+        table = self.bpf["process_rank"]
+        table[table.Key(pid)] = table.Leaf(rank)
+
+    def close(self) -> None:
+        self.bpf.cleanup()
