@@ -128,3 +128,23 @@ NCCL_FUNCTIONS = {
     "ncclCommCount": ("COMM_COUNT", "comm_query"),
     "ncclCommUserRank": ("COMM_USER_RANK", "comm_query"),
 }
+
+
+# --- Metric names (a contract with dashboards, alerts and users) -------------
+
+COLLECTIVE_DURATION = "nccl_collective_duration_seconds"
+COLLECTIVE_BYTES = "nccl_collective_bytes_total"
+CALL_ERRORS = "nccl_call_errors_total"
+LIFECYCLE_DURATION = "nccl_lifecycle_duration_seconds"
+INFLIGHT_OLDEST = "nccl_inflight_oldest_seconds"
+COMMUNICATOR_INFO = "nccl_communicator_info"
+
+EXPORTER_BUILD_INFO = "nccl_exporter_build_info"
+EXPORTER_PROBE_ATTACHED = "nccl_exporter_probe_attached"
+EXPORTER_MAP_ENTRIES = "nccl_exporter_map_entries"
+EXPORTER_MAP_CAPACITY = "nccl_exporter_map_capacity"
+EXPORTER_MAP_FULL = "nccl_exporter_map_full_total"
+EXPORTER_EVENTS_LOST = "nccl_exporter_events_lost_total"
+EXPORTER_SCRAPE_DURATION = "nccl_exporter_scrape_duration_seconds"
+
+DEFAULT_PORT = 9862
