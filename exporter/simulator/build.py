@@ -1,0 +1,49 @@
+"""Compile nccl_sim.c into a shared library named exactly ``libnccl.so.2``."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import tempfile
+
+SOURCE = pathlib.Path(__file__).resolve().parent / "nccl_sim.c"
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+LIB_NAME = "libnccl.so.2"
+CFLAGS = ["-O2", "-g", "-fPIC", "-shared", "-pthread"]
+
+
+def default_outdir() -> pathlib.Path:
+    env = os.environ.get("NCCL_SIM_BUILD")
+    return pathlib.Path(env) if env else REPO_ROOT / "build" / "sim"
+
+
+def build_library(outdir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Return the path of libnccl.so.2, (re)building it if missing or stale."""
+    out = pathlib.Path(outdir) if outdir is not None else default_outdir()
+    out.mkdir(parents=True, exist_ok=True)
+    lib = out / LIB_NAME
+    if lib.exists() and lib.stat().st_mtime >= SOURCE.stat().st_mtime:
+        return lib
+    fd, tmp = tempfile.mkstemp(prefix=".libnccl.", suffix=".tmp", dir=out)
+    os.close(fd)
+    try:
+        cmd = ["gcc", *CFLAGS, "-o", tmp, str(SOURCE)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError as e:
+            raise RuntimeError(f"cannot build {LIB_NAME}: gcc not found ({e})") from None
+        if proc.returncode != 0:
+            first = (proc.stderr.strip().splitlines() or ["(no output)"])
+            errs = [l for l in first if "error" in l] or first
+            raise RuntimeError(f"gcc failed building {LIB_NAME} (rc={proc.returncode}): {errs[0]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+if __name__ == "__main__":
+    print(build_library())

@@ -1,0 +1,441 @@
+"""One simulated training rank: loads libnccl.so.2 with ctypes and calls it the
+way PyTorch's ProcessGroupNCCL would (ncclUniqueId passed by value).
+
+    python -m exporter.simulator.rank --lib build/sim/libnccl.so.2 \
+        --rank 0 --nranks 4 --rendezvous /tmp/rdv --workload mixed
+
+Exit status 0 only if every NCCL call succeeded and every result was correct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import pathlib
+import random
+import struct
+import sys
+import time
+
+NCCL_UNIQUE_ID_BYTES = 128
+
+
+class ncclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * NCCL_UNIQUE_ID_BYTES)]
+
+
+# ncclDataType_t -> struct format ("bf16" handled by hand), size
+DTYPES = {
+    0: ("b", 1), 1: ("B", 1), 2: ("i", 4), 3: ("I", 4), 4: ("q", 8), 5: ("Q", 8),
+    6: ("e", 2), 7: ("f", 4), 8: ("d", 8), 9: ("bf16", 2),
+}
+INT_DTYPES = {0: (8, True), 1: (8, False), 2: (32, True), 3: (32, False), 4: (64, True), 5: (64, False)}
+SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
+FLOAT32, INT32, FLOAT16, BF16, FLOAT64, INT8, UINT8, UINT32, INT64, UINT64 = 7, 2, 6, 9, 8, 0, 1, 3, 4, 5
+c_p = ctypes.c_void_p
+c_sz = ctypes.c_size_t
+c_i = ctypes.c_int
+
+
+class NcclError(RuntimeError):
+    pass
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _f2bf_bits(x: float) -> int:
+    u = struct.unpack("<I", struct.pack("<f", x))[0]
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return ((u >> 16) | 0x40) & 0xFFFF
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF
+    return u >> 16
+
+
+def _bf_bits2f(b: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (b & 0xFFFF) << 16))[0]
+
+
+def encode(dt: int, values: list) -> bytes:
+    fmt, _ = DTYPES[dt]
+    if fmt == "bf16":
+        return struct.pack(f"<{len(values)}H", *(_f2bf_bits(float(v)) for v in values))
+    if dt in INT_DTYPES:
+        values = [wrap(dt, int(v)) for v in values]
+    return struct.pack(f"<{len(values)}{fmt}", *values)
+
+
+def decode(dt: int, raw: bytes) -> list:
+    fmt, size = DTYPES[dt]
+    n = len(raw) // size
+    if fmt == "bf16":
+        return [_bf_bits2f(b) for b in struct.unpack(f"<{n}H", raw[: n * 2])]
+    return list(struct.unpack(f"<{n}{fmt}", raw[: n * size]))
+
+
+def wrap(dt: int, v: int) -> int:
+    bits, signed = INT_DTYPES[dt]
+    v &= (1 << bits) - 1
+    if signed and v >= 1 << (bits - 1):
+        v -= 1 << bits
+    return v
+
+
+def quantize(dt: int, v: float) -> float:
+    """What one float value looks like after a store in dtype dt."""
+    if dt == FLOAT32:
+        return _f32(v)
+    if dt == FLOAT16:
+        return struct.unpack("<e", struct.pack("<e", _f32(v)))[0]
+    if dt == BF16:
+        return _bf_bits2f(_f2bf_bits(_f32(v)))
+    return float(v)
+
+
+def reduce_expected(dt: int, op: int, per_rank: list[list]) -> list:
+    n = len(per_rank)
+    out = []
+    for vals in zip(*per_rank):
+        if op in (SUM, AVG):
+            v = sum(vals)
+        elif op == PROD:
+            v = 1
+            for x in vals:
+                v *= x
+        elif op == MAX:
+            v = max(vals)
+        else:
+            v = min(vals)
+        if dt in INT_DTYPES:
+            v = wrap(dt, v)
+            if op == AVG:
+                v = int(v / n)  # C division truncates toward zero
+        else:
+            if op == AVG:
+                v = v / n
+            v = quantize(dt, v)
+        out.append(v)
+    return out
+
+
+def close_enough(dt: int, got: list, want: list) -> bool:
+    if len(got) != len(want):
+        return False
+    if dt in INT_DTYPES:
+        return got == want
+    rel = 1e-2 if dt in (FLOAT16, BF16) else 1e-6
+    return all(abs(g - w) <= 1e-6 + rel * abs(w) for g, w in zip(got, want))
+
+
+class Nccl:
+    """Thin ctypes wrapper with NCCL's exact prototypes."""
+
+    def __init__(self, path: str, rank: int):
+        self.lib = ctypes.CDLL(path)
+        L = self.lib
+        pcomm = ctypes.POINTER(c_p)
+        protos = {
+            "ncclGetVersion": [ctypes.POINTER(c_i)],
+            "ncclGetUniqueId": [ctypes.POINTER(ncclUniqueId)],
+            "ncclCommInitRank": [pcomm, c_i, ncclUniqueId, c_i],
+            "ncclCommInitRankConfig": [pcomm, c_i, ncclUniqueId, c_i, c_p],
+            "ncclCommSplit": [c_p, c_i, c_i, pcomm, c_p],
+            "ncclCommFinalize": [c_p], "ncclCommDestroy": [c_p], "ncclCommAbort": [c_p],
+            "ncclCommCount": [c_p, ctypes.POINTER(c_i)], "ncclCommUserRank": [c_p, ctypes.POINTER(c_i)],
+            "ncclCommCuDevice": [c_p, ctypes.POINTER(c_i)],
+            "ncclGroupStart": [], "ncclGroupEnd": [],
+            "ncclAllReduce": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p],
+            "ncclAllReduceConfig": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p, c_p],
+            "ncclReduceScatter": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p],
+            "ncclAllGather": [c_p, c_p, c_sz, c_i, c_p, c_p],
+            "ncclAlltoAll": [c_p, c_p, c_sz, c_i, c_p, c_p],
+            "ncclBroadcast": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p],
+            "ncclBcast": [c_p, c_sz, c_i, c_i, c_p, c_p],
+            "ncclReduce": [c_p, c_p, c_sz, c_i, c_i, c_i, c_p, c_p],
+            "ncclGather": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p],
+            "ncclScatter": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p],
+            "ncclSend": [c_p, c_sz, c_i, c_i, c_p, c_p],
+            "ncclRecv": [c_p, c_sz, c_i, c_i, c_p, c_p],
+        }
+        for name, args in protos.items():
+            f = getattr(L, name)
+            f.argtypes = args
+            f.restype = c_i
+        L.ncclGetErrorString.argtypes = [c_i]
+        L.ncclGetErrorString.restype = ctypes.c_char_p
+        self.ncalls = 0
+        # An opaque, per-rank "stream" handle (host memory stands in for the GPU).
+        self._stream_obj = ctypes.create_string_buffer(64)
+        self.stream = c_p(ctypes.addressof(self._stream_obj))
+
+    def __call__(self, name: str, *args) -> None:
+        self.ncalls += 1
+        rc = getattr(self.lib, name)(*args)
+        if rc != 0:
+            msg = self.lib.ncclGetErrorString(rc).decode()
+            raise NcclError(f"{name} -> {rc} ({msg})")
+
+
+# --------------------------------------------------------------- rendezvous --
+def publish_or_fetch(nccl: Nccl, rank: int, rdv: pathlib.Path, name: str, timeout: float = 120.0) -> ncclUniqueId:
+    path = rdv / f"{name}.uid"
+    if rank == 0:
+        uid = ncclUniqueId()
+        nccl("ncclGetUniqueId", ctypes.byref(uid))
+        tmp = rdv / f".{name}.uid.{os.getpid()}.tmp"
+        # uid.internal (a c_char array) stops at the first NUL: take the raw 128 bytes
+        tmp.write_bytes(ctypes.string_at(ctypes.addressof(uid), NCCL_UNIQUE_ID_BYTES))
+        os.replace(tmp, path)
+        return uid
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            raw = path.read_bytes()
+            if len(raw) == NCCL_UNIQUE_ID_BYTES:
+                uid = ncclUniqueId()
+                ctypes.memmove(ctypes.addressof(uid), raw, NCCL_UNIQUE_ID_BYTES)
+                return uid
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise NcclError(f"rendezvous: {path} did not appear in {timeout:.0f}s")
+        time.sleep(0.02)
+
+
+# ----------------------------------------------------------------- workloads --
+class Rank:
+    def __init__(self, args):
+        self.a = args
+        self.rank, self.n = args.rank, args.nranks
+        self.rdv = pathlib.Path(args.rendezvous)
+        self.nccl: Nccl | None = None
+        self.checks = 0
+        self.rng = random.Random(args.seed)
+
+    # buffers
+    def buf(self, dt: int, values: list | None = None, count: int | None = None):
+        if values is not None:
+            raw = encode(dt, values)
+            return ctypes.create_string_buffer(raw, len(raw))
+        return ctypes.create_string_buffer(max(1, count * DTYPES[dt][1]))
+
+    def read(self, dt: int, b, count: int) -> list:
+        return decode(dt, b.raw[: count * DTYPES[dt][1]])
+
+    def check(self, what: str, dt: int, got: list, want: list) -> None:
+        self.checks += 1
+        if not close_enough(dt, got, want):
+            bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
+            raise NcclError(f"wrong result in {what}: index {bad}: got {got[bad] if bad is not None else got[:4]} "
+                            f"want {want[bad] if bad is not None else want[:4]}")
+
+    def delay(self) -> None:
+        if self.a.compute_delay_ms > 0:
+            time.sleep(self.a.compute_delay_ms / 1000.0)
+
+    @staticmethod
+    def values(dt: int, op: int, rank: int, it: int, count: int, salt: int = 0) -> list:
+        if op == PROD:
+            base = [((rank + i + it + salt) % 2) + 1 for i in range(count)]
+        else:
+            base = [((rank * 7 + i * 3 + it + salt) % 5) + 1 for i in range(count)]
+        return base if dt in INT_DTYPES else [float(v) for v in base]
+
+    def comm_init(self, name: str, config: bool = False) -> c_p:
+        uid = publish_or_fetch(self.nccl, self.rank, self.rdv, name)
+        comm = c_p()
+        if config:
+            cfg = ctypes.create_string_buffer(256)  # opaque ncclConfig_t; ignored by the simulator
+            self.nccl("ncclCommInitRankConfig", ctypes.byref(comm), self.n, uid, self.rank, cfg)
+        else:
+            self.nccl("ncclCommInitRank", ctypes.byref(comm), self.n, uid, self.rank)
+        return comm
+
+    # -------- individual collectives, each checked
+    def allreduce(self, comm, crank, cn, dt, op, it, count, fn="ncclAllReduce", inplace=False):
+        vals = [self.values(dt, op, r, it, count) for r in range(cn)]
+        sb = self.buf(dt, vals[crank])
+        rb = sb if inplace else self.buf(dt, count=count)
+        self.delay()
+        extra = (None,) if fn == "ncclAllReduceConfig" else ()
+        self.nccl(fn, sb, rb, count, dt, op, comm, self.nccl.stream, *extra)
+        self.check(f"{fn}(dt={dt},op={op})", dt, self.read(dt, rb, count), reduce_expected(dt, op, vals))
+
+    def allgather(self, comm, crank, cn, dt, it, count):
+        vals = [self.values(dt, SUM, r, it, count, 11) for r in range(cn)]
+        sb, rb = self.buf(dt, vals[crank]), self.buf(dt, count=count * cn)
+        self.delay()
+        self.nccl("ncclAllGather", sb, rb, count, dt, comm, self.nccl.stream)
+        want = [v for r in range(cn) for v in vals[r]]
+        if dt not in INT_DTYPES:
+            want = [quantize(dt, v) for v in want]
+        self.check("ncclAllGather", dt, self.read(dt, rb, count * cn), want)
+
+    def reducescatter(self, comm, crank, cn, dt, op, it, count):
+        vals = [self.values(dt, op, r, it, count * cn, 5) for r in range(cn)]
+        sb, rb = self.buf(dt, vals[crank]), self.buf(dt, count=count)
+        self.delay()
+        self.nccl("ncclReduceScatter", sb, rb, count, dt, op, comm, self.nccl.stream)
+        full = reduce_expected(dt, op, vals)
+        self.check("ncclReduceScatter", dt, self.read(dt, rb, count), full[crank * count:(crank + 1) * count])
+
+    def broadcast(self, comm, crank, cn, dt, root, it, count, bcast=False):
+        src = self.values(dt, SUM, root, it, count, 3)
+        want = src if dt in INT_DTYPES else [quantize(dt, v) for v in src]
+        self.delay()
+        if bcast:
+            b = self.buf(dt, src) if crank == root else self.buf(dt, count=count)
+            self.nccl("ncclBcast", b, count, dt, root, comm, self.nccl.stream)
+            self.check("ncclBcast", dt, self.read(dt, b, count), want)
+        else:
+            sb = self.buf(dt, src) if crank == root else self.buf(dt, count=count)
+            rb = self.buf(dt, count=count)
+            self.nccl("ncclBroadcast", sb, rb, count, dt, root, comm, self.nccl.stream)
+            self.check("ncclBroadcast", dt, self.read(dt, rb, count), want)
+
+    def reduce(self, comm, crank, cn, dt, op, root, it, count):
+        vals = [self.values(dt, op, r, it, count, 7) for r in range(cn)]
+        sb, rb = self.buf(dt, vals[crank]), self.buf(dt, count=count)
+        self.delay()
+        self.nccl("ncclReduce", sb, rb, count, dt, op, root, comm, self.nccl.stream)
+        if crank == root:
+            self.check("ncclReduce", dt, self.read(dt, rb, count), reduce_expected(dt, op, vals))
+
+    def gather(self, comm, crank, cn, dt, root, it, count):
+        vals = [self.values(dt, SUM, r, it, count, 13) for r in range(cn)]
+        sb, rb = self.buf(dt, vals[crank]), self.buf(dt, count=count * cn)
+        self.delay()
+        self.nccl("ncclGather", sb, rb, count, dt, root, comm, self.nccl.stream)
+        if crank == root:
+            self.check("ncclGather", dt, self.read(dt, rb, count * cn), [v for r in range(cn) for v in vals[r]])
+
+    def scatter(self, comm, crank, cn, dt, root, it, count):
+        full = self.values(dt, SUM, root, it, count * cn, 17)
+        sb = self.buf(dt, full) if crank == root else self.buf(dt, count=count * cn)
+        rb = self.buf(dt, count=count)
+        self.delay()
+        self.nccl("ncclScatter", sb, rb, count, dt, root, comm, self.nccl.stream)
+        self.check("ncclScatter", dt, self.read(dt, rb, count), full[crank * count:(crank + 1) * count])
+
+    def alltoall(self, comm, crank, cn, dt, it, count):
+        def chunk(src, dst):
+            return [((src * 31 + dst * 7 + i + it) % 100) for i in range(count)]
+        mine = [v for d in range(cn) for v in chunk(crank, d)]
+        sb, rb = self.buf(dt, mine), self.buf(dt, count=count * cn)
+        self.delay()
+        self.nccl("ncclAlltoAll", sb, rb, count, dt, comm, self.nccl.stream)
+        self.check("ncclAlltoAll", dt, self.read(dt, rb, count * cn), [v for s in range(cn) for v in chunk(s, crank)])
+
+    def sendrecv_ring(self, comm, crank, cn, dt, it, count):
+        nxt, prv = (crank + 1) % cn, (crank - 1) % cn
+        out = [((crank * 13 + i + it) % 97) for i in range(count)]
+        sb, rb = self.buf(dt, out), self.buf(dt, count=count)
+        self.delay()
+        self.nccl("ncclGroupStart")
+        self.nccl("ncclSend", sb, count, dt, nxt, comm, self.nccl.stream)
+        self.nccl("ncclRecv", rb, count, dt, prv, comm, self.nccl.stream)
+        self.nccl("ncclGroupEnd")
+        self.check("ncclSend/ncclRecv", dt, self.read(dt, rb, count), [((prv * 13 + i + it) % 97) for i in range(count)])
+
+    # -------- workloads
+    def run_allreduce(self):
+        world = self.comm_init("world")
+        for it in range(self.a.iterations):
+            self.allreduce(world, self.rank, self.n, FLOAT32, SUM, it, self.a.count)
+        self.nccl("ncclCommDestroy", world)
+
+    def run_mixed(self):
+        if self.n < 4:
+            raise NcclError("workload 'mixed' needs --nranks >= 4")
+        r, n, cnt = self.rank, self.n, self.a.count
+        world = self.comm_init("world")
+        world2 = self.comm_init("world2", config=True)
+        split = c_p()
+        self.nccl("ncclCommSplit", world, r % 2, r, ctypes.byref(split), None)
+        srank, scount = c_i(-1), c_i(-1)
+        self.nccl("ncclCommUserRank", split, ctypes.byref(srank))
+        self.nccl("ncclCommCount", split, ctypes.byref(scount))
+        want_n = len([x for x in range(n) if x % 2 == r % 2])
+        if (srank.value, scount.value) != (r // 2, want_n):
+            raise NcclError(f"split: got rank {srank.value}/{scount.value}, want {r // 2}/{want_n}")
+        sr, sn = srank.value, scount.value
+        reduce_cases = [(FLOAT32, SUM), (INT32, MAX), (FLOAT16, SUM), (BF16, AVG), (FLOAT64, PROD),
+                        (INT8, MIN), (UINT64, SUM), (INT64, AVG), (UINT8, PROD), (UINT32, MIN)]
+        for it in range(self.a.iterations):
+            root = it % n
+            for dt, op in reduce_cases:
+                self.allreduce(world, r, n, dt, op, it, cnt)
+            self.allreduce(world, r, n, FLOAT32, AVG, it, cnt, inplace=True)
+            self.allreduce(world2, r, n, FLOAT32, SUM, it, cnt, fn="ncclAllReduceConfig")
+            self.allgather(world2, r, n, FLOAT32, it, cnt)
+            self.reducescatter(split, sr, sn, INT32, SUM, it, cnt)
+            self.reducescatter(world, r, n, FLOAT16, MAX, it, cnt)
+            self.broadcast(world, r, n, FLOAT32, root, it, cnt)
+            self.broadcast(split, sr, sn, INT64, it % sn, it, cnt, bcast=True)
+            self.reduce(world, r, n, FLOAT64, SUM, root, it, cnt)
+            self.gather(world2, r, n, INT32, root, it, cnt)
+            self.scatter(world, r, n, FLOAT32, root, it, cnt)
+            self.alltoall(world, r, n, INT32, it, cnt)
+            self.sendrecv_ring(world, r, n, FLOAT32, it, cnt)
+            self.sendrecv_ring(split, sr, sn, UINT8, it, cnt)
+        self.nccl("ncclCommFinalize", world2)
+        for c in (split, world2, world):
+            self.nccl("ncclCommDestroy", c)
+
+    def run_hang(self):
+        world = self.comm_init("world")
+        if self.rank == 0:
+            sys.stdout.write(f"rank 0: initialized, hanging (never enters ncclAllReduce)\n")
+            sys.stdout.flush()
+            while True:
+                time.sleep(3600)
+        self.allreduce(world, self.rank, self.n, FLOAT32, SUM, 0, self.a.count)
+        self.nccl("ncclCommDestroy", world)
+
+    def main(self) -> int:
+        t0 = time.monotonic()
+        self.nccl = Nccl(self.a.lib, self.rank)
+        if self.a.startup_delay_ms > 0:
+            time.sleep(self.a.startup_delay_ms / 1000.0)
+        try:
+            getattr(self, f"run_{self.a.workload}")()
+        except NcclError as e:
+            print(f"rank {self.rank}: FAIL workload={self.a.workload} pid={os.getpid()} calls={self.nccl.ncalls} "
+                  f"checks={self.checks}: {e}", flush=True)
+            return 1
+        print(f"rank {self.rank}: OK workload={self.a.workload} pid={os.getpid()} iterations={self.a.iterations} "
+              f"calls={self.nccl.ncalls} checks={self.checks} elapsed={time.monotonic() - t0:.2f}s", flush=True)
+        return 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m exporter.simulator.rank", description=__doc__.splitlines()[0])
+    p.add_argument("--lib", required=True, help="path of libnccl.so.2")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--nranks", type=int, required=True)
+    p.add_argument("--rendezvous", required=True, help="directory shared by all ranks (<name>.uid files)")
+    p.add_argument("--workload", choices=["mixed", "allreduce", "hang"], default="allreduce")
+    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--count", type=int, default=1024, help="elements per collective")
+    p.add_argument("--compute-delay-ms", type=float, default=0.0, help="sleep before every collective")
+    p.add_argument("--startup-delay-ms", type=float, default=0.0, help="sleep before the first NCCL call")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--truth", default=None, help="append ground truth (JSON lines) to this file")
+    a = p.parse_args(argv)
+    if not (0 <= a.rank < a.nranks):
+        p.error("--rank must be in [0, nranks)")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.truth:
+        os.environ["NCCL_SIM_TRUTH"] = str(pathlib.Path(a.truth).resolve())
+    pathlib.Path(a.rendezvous).mkdir(parents=True, exist_ok=True)
+    return Rank(a).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
