@@ -1,0 +1,250 @@
+"""`nccl-exporter check`: can this host run the agent? One line per check.
+
+Every path is a keyword argument with the real default, so tests can point
+a check at a fake tracefs or a missing headers directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterable, TextIO
+
+from . import libfind
+
+__all__ = ["Check", "run_checks", "main", "bpf_map_create_works"]
+
+TRACEFS_ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+TRACEPOINTS = ("tcp/tcp_retransmit_skb", "sched/sched_process_exit")
+
+CAP_SYS_ADMIN = 21
+CAP_PERFMON = 38
+CAP_BPF = 39
+
+SYS_bpf = 321  # x86_64
+BPF_MAP_CREATE = 0
+BPF_MAP_TYPE_ARRAY = 2
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    required: bool
+    detail: str
+
+
+def _cap_eff(status_path: str) -> int | None:
+    try:
+        with open(status_path) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_privileges(euid: int | None = None, status_path: str = "/proc/self/status") -> Check:
+    euid = os.geteuid() if euid is None else euid
+    caps = _cap_eff(status_path)
+    has = (lambda bit: caps is not None and bool(caps >> bit & 1))
+    if euid == 0:
+        return Check("privileges", True, True, "running as root")
+    if has(CAP_SYS_ADMIN):
+        return Check("privileges", True, True, f"uid {euid} with CAP_SYS_ADMIN")
+    if has(CAP_BPF) and has(CAP_PERFMON):
+        return Check("privileges", True, True, f"uid {euid} with CAP_BPF+CAP_PERFMON")
+    return Check("privileges", False, True,
+                 f"uid {euid} without CAP_BPF+CAP_PERFMON or CAP_SYS_ADMIN — run as root "
+                 f"(sudo), or grant the capabilities (setcap/container securityContext)")
+
+
+def bpf_map_create_works() -> tuple[bool, str]:
+    """Create and close a one-entry BPF array map with the raw bpf(2) syscall."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = (ctypes.c_uint32 * 32)()  # union bpf_attr prefix; the rest stays zero
+    attr[0] = BPF_MAP_TYPE_ARRAY
+    attr[1] = 4  # key_size
+    attr[2] = 8  # value_size
+    attr[3] = 1  # max_entries
+    libc.syscall.restype = ctypes.c_long
+    fd = libc.syscall(ctypes.c_long(SYS_bpf), ctypes.c_int(BPF_MAP_CREATE),
+                      ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        return False, f"bpf(BPF_MAP_CREATE) failed: {os.strerror(err)} (errno {err})"
+    os.close(fd)
+    return True, "bpf(BPF_MAP_CREATE) of an array map works"
+
+
+def check_bpf_syscall(probe: Callable[[], tuple[bool, str]] = bpf_map_create_works) -> Check:
+    try:
+        ok, detail = probe()
+    except Exception as e:  # ctypes trouble: report, do not crash the check
+        ok, detail = False, f"bpf syscall probe crashed: {e}"
+    if not ok:
+        detail += (" — needs root/CAP_BPF; check kernel.unprivileged_bpf_disabled, "
+                   "seccomp (containers: --privileged or allow bpf) and CONFIG_BPF_SYSCALL")
+    return Check("bpf syscall", ok, True, detail)
+
+
+def _tracefs_root(roots: Iterable[str]) -> str | None:
+    for root in roots:
+        if os.path.isdir(os.path.join(root, "events")):
+            return root
+    return None
+
+
+def check_tracefs(roots: Iterable[str] = TRACEFS_ROOTS) -> Check:
+    roots = tuple(roots)
+    root = _tracefs_root(roots)
+    if root:
+        return Check("tracefs", True, True, root)
+    return Check("tracefs", False, True,
+                 f"no events/ under {' or '.join(roots)} — mount it: "
+                 f"'mount -t tracefs nodev /sys/kernel/tracing' (or run 'make deps')")
+
+
+def check_uprobes(roots: Iterable[str] = TRACEFS_ROOTS) -> Check:
+    root = _tracefs_root(roots)
+    if root is None:
+        return Check("uprobes", False, True, "tracefs not mounted — fix tracefs first")
+    path = os.path.join(root, "uprobe_events")
+    if os.path.exists(path):
+        return Check("uprobes", True, True, path)
+    return Check("uprobes", False, True,
+                 f"{path} missing — the kernel lacks CONFIG_UPROBE_EVENTS; "
+                 f"use a kernel built with uprobe support")
+
+
+def check_tracepoints(roots: Iterable[str] = TRACEFS_ROOTS,
+                      tracepoints: Iterable[str] = TRACEPOINTS) -> Check:
+    tracepoints = tuple(tracepoints)
+    root = _tracefs_root(roots)
+    if root is None:
+        return Check("tracepoints", False, True, "tracefs not mounted — fix tracefs first")
+    missing = [tp for tp in tracepoints if not os.path.isdir(os.path.join(root, "events", tp))]
+    if not missing:
+        return Check("tracepoints", True, True, ", ".join(tracepoints))
+    return Check("tracepoints", False, True,
+                 f"missing {', '.join(missing)} under {root}/events — "
+                 f"the kernel lacks these tracepoints (needs CONFIG_TRACEPOINTS, a newer kernel)")
+
+
+def check_btf(path: str = "/sys/kernel/btf/vmlinux") -> Check:
+    if os.path.exists(path):
+        return Check("btf", True, False, path)
+    return Check("btf", False, False,
+                 f"{path} missing — optional (BCC uses kernel headers); "
+                 f"kernels with CONFIG_DEBUG_INFO_BTF=y provide it")
+
+
+def check_kernel_headers(modules_root: str = "/lib/modules", release: str | None = None) -> Check:
+    release = release or os.uname().release
+    build = os.path.join(modules_root, release, "build")
+    if os.path.isdir(os.path.join(build, "include")):
+        target = os.path.realpath(build)
+        return Check("kernel headers", True, True,
+                     build if target == build else f"{build} -> {target}")
+    what = f"{build} missing" if not os.path.lexists(build) else f"{build}/include missing"
+    return Check("kernel headers", False, True,
+                 f"{what} — run 'make deps' (installs linux-headers-amd64 and links them)")
+
+
+def check_bcc(module: str = "bcc") -> Check:
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # ImportError, or OSError when libbcc.so is missing
+        return Check("bcc module", False, True,
+                     f"import {module} failed: {e} — run 'make deps venv' (Debian python3-bpfcc, "
+                     f"linked into .venv; never 'pip install bcc', that is another project)")
+    where = os.path.dirname(getattr(mod, "__file__", "") or "") or "?"
+    version = getattr(mod, "__version__", "")
+    return Check("bcc module", True, True, f"{where}{' ' + version if version else ''}")
+
+
+def check_nccl(nccl_libs: Iterable[str] = (), proc: str = "/proc") -> Check:
+    nccl_libs = tuple(nccl_libs)
+    try:
+        explicit = libfind.find_libraries(nccl_libs)
+    except libfind.LibraryError as e:
+        # The user named it: a bad path is an error `run` would refuse too.
+        return Check("nccl libraries", False, True, str(e))
+    try:
+        mapped = libfind.mapped_nccl_libraries(proc)
+    except Exception as e:  # never let discovery break the report
+        mapped = []
+        scan_err = f" (scan failed: {e})"
+    else:
+        scan_err = ""
+    libs = {lib.key: lib for lib in explicit}
+    for lib in mapped:
+        libs.setdefault(lib.key, lib).pids |= lib.pids
+    if not libs:
+        return Check("nccl libraries", False, False,
+                     f"none mapped now; run will attach when a job loads libnccl{scan_err}")
+    parts = []
+    for lib in libs.values():
+        n = len(lib.pids)
+        parts.append(f"{lib.path} ({n} process{'es' if n != 1 else ''})" if n else lib.path)
+    return Check("nccl libraries", True, False, "; ".join(parts) + scan_err)
+
+
+def run_checks(
+    nccl_libs: Iterable[str] = (),
+    *,
+    tracefs_roots: Iterable[str] = TRACEFS_ROOTS,
+    modules_root: str = "/lib/modules",
+    kernel_release: str | None = None,
+    btf_path: str = "/sys/kernel/btf/vmlinux",
+    status_path: str = "/proc/self/status",
+    euid: int | None = None,
+    proc: str = "/proc",
+    bcc_module: str = "bcc",
+    bpf_probe: Callable[[], tuple[bool, str]] = bpf_map_create_works,
+) -> list[Check]:
+    tracefs_roots = tuple(tracefs_roots)
+    return [
+        check_privileges(euid, status_path),
+        check_bpf_syscall(bpf_probe),
+        check_tracefs(tracefs_roots),
+        check_uprobes(tracefs_roots),
+        check_tracepoints(tracefs_roots),
+        check_btf(btf_path),
+        check_kernel_headers(modules_root, kernel_release),
+        check_bcc(bcc_module),
+        check_nccl(nccl_libs, proc),
+    ]
+
+
+def render(checks: list[Check]) -> list[str]:
+    width = max(len(c.name) for c in checks) + 2
+    lines = []
+    for c in checks:
+        status = "ok" if c.ok else ("FAIL" if c.required else "warn")
+        lines.append(f"{status:<6}{c.name:<{width}}{c.detail}")
+    failed = [c.name for c in checks if c.required and not c.ok]
+    warned = [c.name for c in checks if not c.required and not c.ok]
+    if failed:
+        lines.append(f"{len(failed)} required check{'s' if len(failed) != 1 else ''} failed: "
+                     f"{', '.join(failed)} — nccl-exporter cannot run here")
+    else:
+        extra = f" ({len(warned)} optional not met: {', '.join(warned)})" if warned else ""
+        lines.append(f"all required checks passed{extra} — ready to run")
+    return lines
+
+
+def main(nccl_libs: Iterable[str] = (), out: TextIO = sys.stdout, **kwargs) -> int:
+    """Print one line per check and a summary; 0 only if all required checks pass."""
+    checks = run_checks(nccl_libs, **kwargs)
+    for line in render(checks):
+        print(line, file=out)
+    return 0 if all(c.ok for c in checks if c.required) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,129 @@
+import io
+import os
+
+import pytest
+
+from exporter import preflight
+
+
+def _by_name(checks):
+    return {c.name: c for c in checks}
+
+
+@pytest.fixture
+def fake_tracefs(tmp_path):
+    root = tmp_path / "tracing"
+    for tp in preflight.TRACEPOINTS:
+        (root / "events" / tp).mkdir(parents=True)
+    (root / "uprobe_events").write_text("")
+    return root
+
+
+@pytest.fixture
+def fake_modules(tmp_path):
+    root = tmp_path / "modules"
+    (root / "6.99.0-test" / "build" / "include").mkdir(parents=True)
+    return root
+
+
+def test_real_host_required_checks_pass():
+    """As root after `make deps`, every required check passes on this host."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    out = io.StringIO()
+    rc = preflight.main(out=out)
+    text = out.getvalue()
+    assert rc == 0, text
+    lines = text.splitlines()
+    assert len(lines) == len(preflight.run_checks()) + 1
+    assert lines[-1].startswith("all required checks passed")
+    checks = _by_name(preflight.run_checks())
+    assert checks["bpf syscall"].ok and checks["bcc module"].ok
+    assert not checks["nccl libraries"].required
+
+
+def test_all_ok_with_fakes(fake_tracefs, fake_modules, tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tx\nCapEff:\t000000c000000000\n")  # CAP_PERFMON + CAP_BPF
+    checks = preflight.run_checks(
+        tracefs_roots=[str(fake_tracefs)], modules_root=str(fake_modules),
+        kernel_release="6.99.0-test", euid=1000, status_path=str(status),
+        bpf_probe=lambda: (True, "fine"))
+    by = _by_name(checks)
+    for name in ("privileges", "bpf syscall", "tracefs", "uprobes", "tracepoints", "kernel headers"):
+        assert by[name].ok, by[name]
+    assert by["privileges"].detail == "uid 1000 with CAP_BPF+CAP_PERFMON"
+    assert by["tracefs"].detail == str(fake_tracefs)
+
+
+def test_failure_rendering(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("CapEff:\t0000000000000000\n")
+    out = io.StringIO()
+    rc = preflight.main(
+        out=out, tracefs_roots=[str(tmp_path / "no-tracing")], modules_root=str(tmp_path / "mods"),
+        kernel_release="6.18.0-x", btf_path=str(tmp_path / "vmlinux"), euid=1000,
+        status_path=str(status), bcc_module="bcc_does_not_exist_xyz",
+        bpf_probe=lambda: (False, "bpf(BPF_MAP_CREATE) failed: Operation not permitted (errno 1)"))
+    assert rc == 1
+    lines = out.getvalue().splitlines()
+    by = {l[6:22].strip(): l for l in lines[:-1]}  # status(6) + name column(16)
+    assert by["kernel headers"] == (
+        f"FAIL  kernel headers  {tmp_path}/mods/6.18.0-x/build missing — run 'make deps' "
+        "(installs linux-headers-amd64 and links them)")
+    assert by["tracefs"].startswith("FAIL  tracefs ") and "mount -t tracefs" in by["tracefs"]
+    assert by["uprobes"].startswith("FAIL") and by["tracepoints"].startswith("FAIL")
+    assert by["privileges"].startswith("FAIL") and "run as root" in by["privileges"]
+    assert by["bpf syscall"].startswith("FAIL") and "Operation not permitted" in by["bpf syscall"]
+    assert by["bcc module"].startswith("FAIL") and "python3-bpfcc" in by["bcc module"]
+    assert by["btf"].startswith("warn  btf")  # optional: warn, not FAIL
+    assert lines[-1].startswith("7 required checks failed: privileges, bpf syscall, tracefs")
+
+
+def test_missing_uprobes_and_tracepoint(fake_tracefs):
+    (fake_tracefs / "uprobe_events").unlink()
+    (fake_tracefs / "events" / "tcp" / "tcp_retransmit_skb").rmdir()
+    by = _by_name(preflight.run_checks(tracefs_roots=[str(fake_tracefs)]))
+    assert by["tracefs"].ok
+    assert not by["uprobes"].ok and "CONFIG_UPROBE_EVENTS" in by["uprobes"].detail
+    assert not by["tracepoints"].ok
+    assert by["tracepoints"].detail.startswith("missing tcp/tcp_retransmit_skb under")
+
+
+def test_second_tracefs_root_is_used(tmp_path, fake_tracefs):
+    c = preflight.check_tracefs([str(tmp_path / "absent"), str(fake_tracefs)])
+    assert c.ok and c.detail == str(fake_tracefs)
+
+
+def test_headers_dir_without_include(tmp_path):
+    (tmp_path / "5.0" / "build").mkdir(parents=True)
+    c = preflight.check_kernel_headers(str(tmp_path), "5.0")
+    assert not c.ok and c.required and "build/include missing" in c.detail
+
+
+def test_root_and_sys_admin(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("CapEff:\t0000000000200000\n")  # CAP_SYS_ADMIN only
+    assert preflight.check_privileges(0, str(status)).ok
+    assert preflight.check_privileges(1000, str(status)).detail == "uid 1000 with CAP_SYS_ADMIN"
+    status.write_text("CapEff:\t0000008000000000\n")  # CAP_BPF without CAP_PERFMON
+    assert not preflight.check_privileges(1000, str(status)).ok
+
+
+def test_nccl_check(fake_nccl_lib, plain_lib, tmp_path):
+    empty_proc = tmp_path / "proc"
+    empty_proc.mkdir()
+    c = preflight.check_nccl((), proc=str(empty_proc))
+    assert not c.ok and not c.required
+    assert c.detail == "none mapped now; run will attach when a job loads libnccl"
+    c = preflight.check_nccl([str(fake_nccl_lib)], proc=str(empty_proc))
+    assert c.ok and c.detail == str(fake_nccl_lib)
+    c = preflight.check_nccl([str(plain_lib)], proc=str(empty_proc))
+    assert not c.ok and c.required and "is not an NCCL library" in c.detail
+
+
+def test_bpf_probe_for_real():
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    ok, detail = preflight.bpf_map_create_works()
+    assert ok, detail
