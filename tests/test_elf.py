@@ -105,3 +105,28 @@ def test_elf32_rejected(tmp_path):
     f.write_bytes(b"\x7fELF\x01\x01\x01" + b"\0" * 57)
     with pytest.raises(elf.ElfError, match="ELF64 little-endian"):
         elf.exported_functions(f)
+
+
+def _wheel_nccl():
+    """libnccl.so.2 from the nvidia-nccl-cu12 wheel (`make nccl-wheel`), if installed."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(base, "nccl", "lib", "libnccl.so.2")
+        if os.path.exists(path):
+            return path
+    pytest.skip("nvidia-nccl-cu12 wheel not installed (make nccl-wheel)")
+
+
+def test_real_nccl_library_exports_contract_functions():
+    import time
+    from exporter.contract import NCCL_FUNCTIONS
+
+    path = _wheel_nccl()
+    t = time.perf_counter()
+    funcs = elf.exported_functions(path)
+    assert time.perf_counter() - t < 2.0  # headers + .dynsym only, not 470 MB
+    for name in NCCL_FUNCTIONS:
+        assert name in funcs, name
+        assert funcs["p" + name] == funcs[name], f"p{name} is not an alias of {name}"
+        assert elf.vaddr_to_offset(path, funcs[name]) > 0
