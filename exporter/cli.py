@@ -1,0 +1,324 @@
+"""nccl-exporter command line: check, run, trace, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+from . import __version__, contract
+
+EPILOG = """\
+examples:
+  nccl-exporter check                      # can this node run the agent?
+  nccl-exporter run                        # export metrics on :%d/metrics
+  nccl-exporter run --nccl-lib /opt/nccl/lib/libnccl.so.2 --node gpu-017
+  nccl-exporter trace --duration 10s       # print every NCCL call for 10 s
+  nccl-exporter demo                       # an 8-rank simulated job, with loss
+
+Without --nccl-lib the agent attaches to every libnccl that running
+processes have mapped (wheels under site-packages included) and keeps
+watching for new ones. It needs root (or CAP_BPF + CAP_PERFMON), tracefs
+and kernel headers: 'nccl-exporter check' says what is missing.
+""" % contract.DEFAULT_PORT
+
+
+class CliError(Exception):
+    """Bad input or an unusable host: printed as one line, exit 2."""
+
+
+# --- argument helpers -------------------------------------------------------
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """'2m' -> 120.0 seconds; plain numbers are seconds."""
+    m = _DURATION.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30s, 2m, 1h, 500ms)")
+    value, unit = float(m.group(1)), m.group(2) or "s"
+    return value * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """'HOST:PORT', ':PORT' or 'PORT' -> (host, port)."""
+    host, _, port = str(text).rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        number = int(port)
+    except ValueError:
+        raise CliError(f"--listen {text!r}: expected HOST:PORT, e.g. 0.0.0.0:{contract.DEFAULT_PORT}") from None
+    if not 0 < number < 65536:
+        raise CliError(f"--listen {text!r}: port must be 1-65535")
+    return host, number
+
+
+CONFIG_KEYS = {"node", "listen", "nccl_libs", "log_level"}
+
+
+def load_config(path: str | None) -> dict:
+    """The TOML config file (keys: node, listen, nccl_libs, log_level)."""
+    if not path:
+        return {}
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            cfg = tomllib.load(f)
+    except FileNotFoundError:
+        raise CliError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise CliError(f"config file {path} is not valid TOML: {e}") from None
+    unknown = set(cfg) - CONFIG_KEYS
+    if unknown:
+        raise CliError(f"config file {path}: unknown key(s) {', '.join(sorted(unknown))}; "
+                       f"known: {', '.join(sorted(CONFIG_KEYS))}")
+    if "nccl_libs" in cfg and not isinstance(cfg["nccl_libs"], list):
+        raise CliError(f"config file {path}: nccl_libs must be a list of paths")
+    return cfg
+
+
+def require_privileges() -> None:
+    """Loading BPF and uprobes needs root or CAP_BPF+CAP_PERFMON (or CAP_SYS_ADMIN)."""
+    if os.geteuid() == 0:
+        return
+    caps = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    caps = int(line.split()[1], 16)
+    except OSError:
+        pass
+    cap_sys_admin, cap_perfmon, cap_bpf = 21, 38, 39
+    if caps & (1 << cap_sys_admin) or (caps & (1 << cap_bpf) and caps & (1 << cap_perfmon)):
+        return
+    raise CliError("needs root, or CAP_BPF and CAP_PERFMON: run it with sudo")
+
+
+def require_tracefs() -> None:
+    for path in ("/sys/kernel/tracing/events", "/sys/kernel/debug/tracing/events"):
+        if os.path.isdir(path):
+            return
+    raise CliError("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
+
+
+# --- commands -----------------------------------------------------------------
+
+def cmd_check(args) -> int:
+    from . import preflight
+
+    return preflight.main(nccl_libs=args.nccl_lib or ())
+
+
+def _start_agent(args, cfg, record_all=False):
+    from .agent import Agent, AgentConfig, AgentError
+    from .identity import node_name
+    from .probes import ProbeError
+
+    require_privileges()
+    require_tracefs()
+    node = node_name(getattr(args, "node", None), cfg.get("node"))
+    libs = list(args.nccl_lib or cfg.get("nccl_libs") or [])
+    try:
+        agent = Agent(AgentConfig(node=node, nccl_libs=libs, record_all=record_all))
+    except ProbeError as e:
+        raise CliError(str(e)) from None
+    try:
+        agent.start_discovery()
+    except AgentError as e:
+        agent.close()
+        raise CliError(str(e)) from None
+    return agent, node
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum, _frame):
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def cmd_run(args) -> int:
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    cfg = load_config(args.config)
+    _setup_logging(args.log_level or cfg.get("log_level") or "info")
+    host, port = parse_listen(args.listen or cfg.get("listen") or f"0.0.0.0:{contract.DEFAULT_PORT}")
+    registry = CollectorRegistry(auto_describe=False)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        agent, node = _start_agent(args, cfg)
+    except Exception:
+        server.shutdown()
+        raise
+    from .collector import NcclCollector
+
+    registry.register(NcclCollector(agent.reader, node, agent.probes, agent.processes, lock=agent.lock))
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
+    print(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics",
+          flush=True)
+    stop = _stop_on_signals()
+    try:
+        agent.run_until(stop)
+    finally:
+        agent.close()
+        server.shutdown()
+    print("nccl-exporter: stopped", flush=True)
+    return 0
+
+
+def format_event_text(e) -> str:
+    t = time.strftime("%H:%M:%S", time.localtime(e.start_real_ns / 1e9))
+    frac = f"{(e.start_real_ns % 1_000_000_000) // 1000:06d}"
+    d = e.as_dict()
+    parts = [f"{t}.{frac}", f"pid={e.pid}", f"tid={e.tid}", f"{e.op:<22}",
+             f"comm={d['comm_id_hash']}", f"rank={e.rank}/{e.nranks}"]
+    if e.op in contract.COLLECTIVE_OPS.values():
+        parts += [f"count={e.count}", d["datatype"], f"bytes={e.bytes}"]
+        if d["red_op"]:
+            parts.append(d["red_op"])
+        if e.root >= 0:
+            parts.append(f"root={e.root}")
+        if e.peer >= 0:
+            parts.append(f"peer={e.peer}")
+        parts.append(f"seq={e.seq}")
+    parts += [f"{e.duration_ns / 1e6:.3f}ms", d["result"]]
+    return " ".join(parts)
+
+
+def cmd_trace(args) -> int:
+    _setup_logging(args.log_level)
+    agent, _node = _start_agent(args, {}, record_all=True)
+    pids = set(args.pid or ())
+    counts = {"shown": 0}
+
+    def show(event):
+        if pids and event.pid not in pids:
+            return
+        counts["shown"] += 1
+        if args.format == "json":
+            print(json.dumps(event.as_dict()), flush=True)
+        else:
+            print(format_event_text(event), flush=True)
+
+    agent.listeners.append(show)
+    what = f"for {args.duration:g} s" if args.duration else "until Ctrl-C"
+    print(f"tracing NCCL calls {what}...", file=sys.stderr, flush=True)
+    stop = _stop_on_signals()
+    started = time.monotonic()
+    deadline = started + args.duration if args.duration else None
+    try:
+        agent.run_until(stop, deadline)
+        lost = agent.reader.counters()["EVENTS_LOST"]
+    finally:
+        agent.close()
+    print(f"{counts['shown']} calls traced in {time.monotonic() - started:.1f} s, {lost} lost",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from . import demo
+
+    require_privileges()
+    return demo.main(args)
+
+
+# --- parser ---------------------------------------------------------------------
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, str(level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nccl-exporter",
+        description="eBPF agent that measures NCCL calls (uprobes on libnccl) and exports "
+                    "them as Prometheus metrics.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"nccl-exporter {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    def lib_option(sp):
+        sp.add_argument("--nccl-lib", action="append", metavar="PATH",
+                        help="probe this libnccl (repeatable); default: every libnccl "
+                             "mapped by running processes, and new ones as they appear")
+
+    c = sub.add_parser("check", help="say what works and what is missing on this host")
+    lib_option(c)
+    c.set_defaults(func=cmd_check)
+
+    r = sub.add_parser("run", help="attach the probes and serve /metrics",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Attach uprobes to libnccl and serve Prometheus metrics "
+                                   f"(default port {contract.DEFAULT_PORT}).")
+    r.add_argument("--listen", metavar="HOST:PORT",
+                   help=f"where to serve /metrics (default 0.0.0.0:{contract.DEFAULT_PORT})")
+    r.add_argument("--config", metavar="FILE",
+                   help="TOML file with node, listen, nccl_libs, log_level (flags win)")
+    r.add_argument("--node", metavar="NAME",
+                   help="node label (default: config, $NCCL_EXPORTER_NODE, hostname)")
+    r.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    lib_option(r)
+    r.set_defaults(func=cmd_run)
+
+    t = sub.add_parser("trace", help="print every NCCL call as it returns")
+    t.add_argument("--duration", type=parse_duration, default=0.0, metavar="D",
+                   help="stop after D (30s, 2m, ...); default: until Ctrl-C")
+    t.add_argument("--format", choices=["text", "json"], default="text")
+    t.add_argument("--pid", type=int, action="append", help="only this process (repeatable)")
+    t.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
+    lib_option(t)
+    t.set_defaults(func=cmd_trace)
+
+    d = sub.add_parser("demo", help="run an 8-rank simulated job with loss and a straggler, "
+                                    "and show what the exporter sees")
+    d.add_argument("--ranks", type=int, default=8, help="ranks, one per simulated host (default 8)")
+    d.add_argument("--seconds", type=float, default=30.0, help="how long the job runs (default 30)")
+    d.add_argument("--lossy-rank", type=int, default=5, help="rank whose link drops packets (default 5)")
+    d.add_argument("--loss-percent", type=int, default=3, help="packet loss on that link (default 3)")
+    d.add_argument("--straggler-rank", type=int, default=2,
+                   help="rank that computes longer before each collective (default 2)")
+    d.add_argument("--listen", default=f"127.0.0.1:{contract.DEFAULT_PORT}", metavar="HOST:PORT")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except CliError as e:
+        print(f"nccl-exporter: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Traced processes: who they are to the launcher (torchrun, Slurm, MPI).
+
+The launcher rank is metadata on nccl_communicator_info, and the kernel's
+fallback rank for calls on a communicator the agent never saw created (an
+agent started mid-job): it is written into the `process_rank` BPF map.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .identity import launcher_identity, process_command
+
+
+class ProcessTable:
+    def __init__(self, probes=None, proc: str = "/proc"):
+        self.probes = probes
+        self.proc = proc
+        self._known: dict[int, dict] = {}
+        self._lock = threading.Lock()
+
+    def identity(self, pid: int) -> dict:
+        """Launcher identity of a process (cached while it lives)."""
+        with self._lock:
+            who = self._known.get(pid)
+        if who is None:
+            who = self.saw(pid)
+        return who
+
+    def saw(self, pid: int) -> dict:
+        """Learn a process: read its environment, tell the kernel its rank."""
+        who = dict(launcher_identity(pid, proc=self.proc))
+        who["command"] = process_command(pid)
+        with self._lock:
+            self._known[pid] = who
+        if self.probes is not None and who.get("rank") is not None:
+            try:
+                self.probes.set_process_rank(pid, int(who["rank"]))
+            except Exception:  # map full: the fallback rank stays unknown
+                pass
+        return who
+
+    def forget_dead(self) -> None:
+        with self._lock:
+            for pid in [p for p in self._known if not os.path.exists(f"{self.proc}/{p}")]:
+                del self._known[pid]
