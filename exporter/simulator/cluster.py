@@ -1,0 +1,427 @@
+"""A simulated cluster: one network namespace per host, all attached by veth to
+a Linux bridge in a "switch" namespace.
+
+Addresses come only from the benchmarking ranges 198.18.0.0/24 (RFC 2544) and
+2001:2::/64 (RFC 5180). Nothing is added to the root namespace: every veth is
+created with both ends already inside cluster namespaces. Namespace names are
+``ncclsim-<creator pid>-<seq>-{sw,h<i>}`` so that ``cleanup_stale()`` can tell
+leftovers of dead creators from clusters still in use.
+
+Rank processes run in the root pid and mount namespaces (``nsenter --net``),
+so an agent in the root namespace sees them in /proc.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from .truth import load_truth
+
+PREFIX = "ncclsim-"
+LOSS_TABLE = "ncclsim_loss"
+NETNS_DIR = pathlib.Path("/run/netns")
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+
+_seq = itertools.count()
+_open: list["Cluster"] = []
+_lock = threading.RLock()
+_saved_handlers: dict[int, object] = {}
+_atexit_registered = False
+
+
+def _run(argv: list[str], check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+    p = subprocess.run(argv, capture_output=True, text=True, input=input)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {p.stderr.strip() or p.stdout.strip()} (rc={p.returncode})")
+    return p
+
+
+def _netns_list() -> list[str]:
+    p = _run(["ip", "netns", "list"], check=False)
+    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
+
+
+def _netns_pids(ns: str) -> list[int]:
+    p = _run(["ip", "netns", "pids", ns], check=False)
+    return [int(x) for x in p.stdout.split() if x.isdigit()]
+
+
+def _kill_netns_procs(ns: str) -> None:
+    for _ in range(3):
+        pids = [p for p in _netns_pids(ns) if p != os.getpid()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
+def _del_netns(ns: str) -> bool:
+    _kill_netns_procs(ns)
+    p = _run(["ip", "netns", "del", ns], check=False)
+    return p.returncode == 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def cleanup_stale() -> list[str]:
+    """Delete namespaces (and their processes) left by creators that are dead."""
+    removed = []
+    for ns in _netns_list():
+        if not ns.startswith(PREFIX):
+            continue
+        try:
+            pid = int(ns[len(PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        if _del_netns(ns):
+            removed.append(ns)
+    return removed
+
+
+# ------------------------------------------------------------ signal safety --
+def _close_all() -> None:
+    with _lock:
+        clusters = list(_open)
+    for c in clusters:
+        try:
+            c.close()
+        except Exception as e:  # pragma: no cover - best effort at exit
+            print(f"ncclsim: cleanup of {c.name} failed: {e}", file=sys.stderr)
+
+
+def _on_signal(signum, frame):
+    prev = _saved_handlers.get(signum, signal.SIG_DFL)
+    _close_all()  # also restores the previous handlers (last cluster closed)
+    if callable(prev):
+        prev(signum, frame)
+    elif prev == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _register(c: "Cluster") -> None:
+    global _atexit_registered
+    with _lock:
+        _open.append(c)
+        if not _atexit_registered:
+            atexit.register(_close_all)
+            _atexit_registered = True
+        if len(_open) == 1 and threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    _saved_handlers[s] = signal.signal(s, _on_signal)
+                except (ValueError, OSError):
+                    pass
+
+
+def _unregister(c: "Cluster") -> None:
+    with _lock:
+        if c in _open:
+            _open.remove(c)
+        if not _open and threading.current_thread() is threading.main_thread():
+            for s, h in list(_saved_handlers.items()):
+                try:
+                    if signal.getsignal(s) is _on_signal:
+                        signal.signal(s, h if h is not None else signal.SIG_DFL)
+                except (ValueError, OSError):
+                    pass
+                _saved_handlers.pop(s, None)
+
+
+# ------------------------------------------------------------------ cluster --
+@dataclasses.dataclass
+class Host:
+    index: int
+    netns: str
+    addr: str
+    addr6: str
+    ifname: str = "eth0"
+
+
+class Cluster:
+    """``with Cluster(4) as c: c.popen(0, [...])`` -- hosts exist only inside the block."""
+
+    def __init__(self, nhosts: int, name: str | None = None):
+        if not 1 <= nhosts <= 250:
+            raise ValueError("nhosts must be in [1, 250]")
+        self.nhosts = nhosts
+        tag = name if name else str(next(_seq))
+        if not tag.replace("_", "").isalnum():
+            raise ValueError("name must be alphanumeric (underscores allowed)")
+        self.name = f"{PREFIX}{os.getpid()}-{tag}"
+        self.switch_ns = f"{self.name}-sw"
+        self.hosts: list[Host] = [
+            Host(i, f"{self.name}-h{i}", f"198.18.0.{i + 1}", f"2001:2::{i + 1:x}") for i in range(nhosts)
+        ]
+        self._procs: list[subprocess.Popen] = []
+        self._made: list[str] = []
+        self._closed = True
+
+    # -- setup / teardown
+    def __enter__(self) -> "Cluster":
+        self.create()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def create(self) -> "Cluster":
+        if not self._closed:
+            return self
+        self._closed = False
+        _register(self)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _ns(self, ns: str, *argv: str, check: bool = True, input: str | None = None):
+        return _run(["ip", "-n", ns, *argv], check=check, input=input)
+
+    def _create(self) -> None:
+        sw = self.switch_ns
+        _run(["ip", "netns", "add", sw])
+        self._made.append(sw)
+        self._ns(sw, "link", "set", "lo", "up")
+        self._ns(sw, "link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0")
+        self._ns(sw, "link", "set", "br0", "up")
+        for h in self.hosts:
+            _run(["ip", "netns", "add", h.netns])
+            self._made.append(h.netns)
+            port = f"p{h.index}"
+            # both ends are born inside cluster namespaces, never in the root one
+            self._ns(sw, "link", "add", port, "type", "veth", "peer", "name", h.ifname, "netns", h.netns)
+            self._ns(sw, "link", "set", port, "master", "br0")
+            self._ns(sw, "link", "set", port, "up")
+            self._ns(h.netns, "link", "set", "lo", "up")
+            self._ns(h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
+            self._ns(h.netns, "-6", "addr", "add", f"{h.addr6}/64", "dev", h.ifname, "nodad")
+            self._ns(h.netns, "link", "set", h.ifname, "up")
+
+    def close(self) -> None:
+        """Idempotent: kill our processes, delete every namespace we made."""
+        if self._closed:
+            return
+        self._closed = True
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    try:
+                        p.kill()
+                    except ProcessLookupError:
+                        pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        errors = []
+        for ns in reversed(self._made):
+            if not _del_netns(ns) and ns in _netns_list():
+                errors.append(ns)
+        self._made.clear()
+        _unregister(self)
+        if errors:
+            raise RuntimeError(f"could not delete namespaces: {errors}")
+
+    # -- faults
+    def set_loss(self, index: int, percent: int) -> None:
+        """Drop `percent`% of packets into and out of host `index` (IPv4 and IPv6)."""
+        percent = int(percent)
+        if not 0 <= percent <= 100:
+            raise ValueError("percent must be in [0, 100]")
+        h = self.hosts[index]
+        rules = f"""
+table inet {LOSS_TABLE}
+delete table inet {LOSS_TABLE}
+table inet {LOSS_TABLE} {{
+  chain ingress {{
+    type filter hook input priority -10; policy accept;
+    iifname "{h.ifname}" numgen random mod 100 < {percent} drop
+  }}
+  chain egress {{
+    type filter hook output priority -10; policy accept;
+    oifname "{h.ifname}" numgen random mod 100 < {percent} drop
+  }}
+}}
+"""
+        _run(["nsenter", f"--net={NETNS_DIR / h.netns}", "nft", "-f", "-"], input=rules)
+
+    def clear_loss(self, index: int) -> None:
+        h = self.hosts[index]
+        _run(["nsenter", f"--net={NETNS_DIR / h.netns}", "nft", "delete", "table", "inet", LOSS_TABLE], check=False)
+
+    # -- processes
+    def popen(self, index: int, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        """Start argv inside host `index`'s network namespace (pid/mount namespaces unchanged)."""
+        if self._closed:
+            raise RuntimeError("cluster is closed")
+        h = self.hosts[index]
+        kw.setdefault("start_new_session", True)
+        full_env = dict(os.environ)
+        if env:
+            full_env.update(env)
+        p = subprocess.Popen(["nsenter", f"--net={NETNS_DIR / h.netns}", "--", *argv], env=full_env, **kw)
+        self._procs.append(p)
+        return p
+
+    def exec(self, index: int, argv: list[str], **kw) -> subprocess.CompletedProcess:
+        """Run argv to completion inside host `index` (capture_output, text)."""
+        h = self.hosts[index]
+        return subprocess.run(["nsenter", f"--net={NETNS_DIR / h.netns}", "--", *argv],
+                              capture_output=True, text=True, **kw)
+
+
+# --------------------------------------------------------------------- jobs --
+@dataclasses.dataclass
+class JobResult:
+    returncodes: list[int | None]
+    stdout: list[str]
+    stderr: list[str]
+    pids: list[int]
+    truth: list[dict]
+    elapsed_s: float
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(rc == 0 for rc in self.returncodes)
+
+    def summary(self) -> str:
+        lines = [f"returncodes={self.returncodes} timed_out={self.timed_out} elapsed={self.elapsed_s:.1f}s"]
+        for i, (o, e) in enumerate(zip(self.stdout, self.stderr)):
+            tail = (o.strip().splitlines() or [""])[-1]
+            lines.append(f"  rank {i}: {tail}" + (f" | stderr: {e.strip()[-400:]}" if e.strip() else ""))
+        return "\n".join(lines)
+
+
+class Job:
+    """A running job: one rank per host. See start_job()."""
+
+    def __init__(self, cluster: Cluster, procs: list[subprocess.Popen], out_paths, truth_dir: pathlib.Path):
+        self.cluster = cluster
+        self.procs = procs
+        self.pids = [p.pid for p in procs]
+        self._out = out_paths
+        self.truth_dir = truth_dir
+        self.t0 = time.monotonic()
+        self.timed_out = False
+
+    def poll(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    p.kill()
+        for p in self.procs:
+            p.wait()
+
+    def wait(self, timeout: float = 120, fail_grace: float = 15) -> JobResult:
+        """Wait for every rank; kill all on timeout, or `fail_grace` s after one rank fails."""
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while True:
+            rcs = self.poll()
+            if all(rc is not None for rc in rcs):
+                break
+            now = time.monotonic()
+            if failed_at is None and any(rc not in (None, 0) for rc in rcs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now - failed_at > fail_grace):
+                self.timed_out = now > deadline
+                self.kill()
+                break
+            time.sleep(0.05)
+        return self.result()
+
+    def result(self) -> JobResult:
+        outs, errs = [], []
+        for o, e in self._out:
+            outs.append(o.read_text(errors="replace") if o.exists() else "")
+            errs.append(e.read_text(errors="replace") if e.exists() else "")
+        return JobResult([p.returncode for p in self.procs], outs, errs, self.pids,
+                         load_truth(sorted(self.truth_dir.glob("rank*.jsonl"))),
+                         time.monotonic() - self.t0, self.timed_out)
+
+
+def start_job(cluster: Cluster, lib, workload: str, iterations: int, rendezvous_dir, truth_dir,
+              count: int = 1024, compute_delay_ms: dict[int, int] | None = None, startup_delay_ms=0,
+              python: str = sys.executable, ipv6: bool = False, extra_env: dict | None = None,
+              nranks: int | None = None) -> Job:
+    """Start one rank per host (rank i on host i) and return at once.
+
+    startup_delay_ms: an int for every rank, or a dict rank -> ms.
+    """
+    nranks = nranks or cluster.nhosts
+    rdv = pathlib.Path(rendezvous_dir)
+    tdir = pathlib.Path(truth_dir)
+    rdv.mkdir(parents=True, exist_ok=True)
+    tdir.mkdir(parents=True, exist_ok=True)
+    for stale in rdv.glob("*.uid"):
+        stale.unlink()
+    compute_delay_ms = compute_delay_ms or {}
+    procs, outs = [], []
+    for i in range(nranks):
+        h = cluster.hosts[i]
+        sd = startup_delay_ms.get(i, 0) if isinstance(startup_delay_ms, dict) else startup_delay_ms
+        truth = tdir / f"rank{i}.jsonl"
+        if truth.exists():
+            truth.unlink()
+        argv = [python, "-m", "exporter.simulator.rank", "--lib", str(pathlib.Path(lib).resolve()),
+                "--rank", str(i), "--nranks", str(nranks), "--rendezvous", str(rdv.resolve()),
+                "--workload", workload, "--iterations", str(iterations), "--count", str(count),
+                "--compute-delay-ms", str(compute_delay_ms.get(i, 0)), "--startup-delay-ms", str(sd),
+                "--seed", str(i), "--truth", str(truth.resolve())]
+        env = {"NCCL_SIM_ADDR": h.addr6 if ipv6 else h.addr,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               "PYTHONUNBUFFERED": "1"}
+        if extra_env:
+            env.update(extra_env)
+        o, e = tdir / f"rank{i}.out", tdir / f"rank{i}.err"
+        with open(o, "wb") as fo, open(e, "wb") as fe:
+            procs.append(cluster.popen(i, argv, env=env, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
+                                       cwd=str(REPO_ROOT)))
+        outs.append((o, e))
+    return Job(cluster, procs, outs, tdir)
+
+
+def run_job(cluster: Cluster, lib, workload: str, iterations: int, rendezvous_dir, truth_dir,
+            count: int = 1024, compute_delay_ms: dict[int, int] | None = None, startup_delay_ms=0,
+            timeout: float = 120, python: str = sys.executable, ipv6: bool = False,
+            extra_env: dict | None = None) -> JobResult:
+    """Run a job to completion (or `timeout`) and collect exit codes, output and truth."""
+    job = start_job(cluster, lib, workload, iterations, rendezvous_dir, truth_dir, count=count,
+                    compute_delay_ms=compute_delay_ms, startup_delay_ms=startup_delay_ms, python=python,
+                    ipv6=ipv6, extra_env=extra_env)
+    return job.wait(timeout=timeout)
