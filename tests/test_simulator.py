@@ -113,6 +113,15 @@ for r in range(n):
 assert L.ncclGroupEnd() == 0
 for r in range(n):
     assert list(bufs[r]) == [float(3 * i + 3) for i in range(10)], list(bufs[r])
+# send to self inside a group
+L.ncclSend.argtypes = [c_p, c_sz, c_i, c_i, c_p, c_p]
+L.ncclRecv.argtypes = [c_p, c_sz, c_i, c_i, c_p, c_p]
+src, dst = (ctypes.c_int * 5)(1, 2, 3, 4, 5), (ctypes.c_int * 5)()
+assert L.ncclGroupStart() == 0
+assert L.ncclRecv(dst, 5, 2, 1, comms[1], None) == 0
+assert L.ncclSend(src, 5, 2, 1, comms[1], None) == 0
+assert L.ncclGroupEnd() == 0
+assert list(dst) == [1, 2, 3, 4, 5], list(dst)
 # errors, like NCCL
 assert L.ncclAllReduce(bufs[0], bufs[0], 10, 7, 0, None, None) == 4      # NULL comm
 assert L.ncclAllReduce(bufs[0], bufs[0], 10, 10, 0, comms[0], None) == 4 # fp8 reduce
@@ -143,7 +152,9 @@ def test_init_all_group_and_errors_in_one_process(lib, tmp_path):
     assert {r["comm"] for r in ar[:3]} == set(ia["comms"])
     assert [r["rank"] for r in ar[:3]] == [0, 1, 2] and ar[3]["comm"] == 0 and ar[3]["nranks"] == -1
     assert ar[0]["bytes"] == 40 and ar[0]["datatype"] == 7 and ar[0]["red_op"] == 0
-    assert ops["GROUP_START"] == 1 and ops["GROUP_END"] == 1 and ops["COMM_DESTROY"] == 3
+    assert ops["GROUP_START"] == 2 and ops["GROUP_END"] == 2 and ops["COMM_DESTROY"] == 3
+    assert [(r["op"], r["peer"], r["rank"]) for r in calls(recs) if r["op"] in ("SEND", "RECV")] == [
+        ("RECV", 1, 1), ("SEND", 1, 1)]
     # GroupEnd is where the group's collectives actually ran
     ge = lifecycle(recs, op="GROUP_END")[0]
     assert all(r["end_mono_ns"] <= ge["start_mono_ns"] for r in ar[:3])
@@ -251,6 +262,17 @@ def test_allreduce_survives_packet_loss_ipv6(lib, tmp_path):
 
 def test_straggler_and_dead_peer(lib, tmp_path):
     with Cluster(3) as c:
+        # a straggler (rank 2 computes 150 ms before each collective) makes the others wait in NCCL
+        res = run_job(c, lib, "allreduce", 3, tmp_path / "rdv0", tmp_path / "truth0", count=256,
+                      compute_delay_ms={2: 150}, timeout=60)
+        assert res.ok, res.summary()
+        ranks = {r["pid"]: r["rank"] for r in lifecycle(res.truth, op="COMM_INIT_RANK")}
+        dur = collections.defaultdict(list)
+        for r in calls(res.truth, op="ALL_REDUCE"):
+            dur[ranks[r["pid"]]].append((r["end_mono_ns"] - r["start_mono_ns"]) / 1e6)
+        assert all(d < 100 for d in dur[2]), dur
+        assert all(d > 100 for d in dur[0] + dur[1]), dur
+
         # the hang workload: rank 0 never enters its AllReduce; the others block in it
         job = start_job(c, lib, "hang", 1, tmp_path / "rdv", tmp_path / "truth", count=16)
         deadline = time.time() + 30

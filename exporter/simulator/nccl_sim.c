@@ -205,18 +205,16 @@ static int accept_timeout(int lfd, int timeout_ms) {
 typedef struct { int peer; int is_send; char *buf; size_t len; size_t off; } p2p_t;
 
 static ncclResult_t run_p2p(ncclComm_t c, p2p_t *ops, int n) {
-  /* self sends/recvs: match in order */
+  /* sends to self are matched, in order, with receives from self (memcpy) */
+  int nextrecv = 0;
   for (int i = 0; i < n; i++) {
-    if (ops[i].peer != c->rank || !ops[i].is_send || ops[i].off == ops[i].len + 1) continue;
-    for (int j = 0; j < n; j++) {
-      if (ops[j].peer == c->rank && !ops[j].is_send && ops[j].off == 0 && ops[j].len != (size_t)-1) {
-        size_t l = ops[i].len < ops[j].len ? ops[i].len : ops[j].len;
-        memcpy(ops[j].buf, ops[i].buf, l);
-        ops[j].off = ops[j].len; ops[i].off = ops[i].len;
-        break;
-      }
-    }
-    if (ops[i].off != ops[i].len) return ncclInvalidUsage; /* unmatched self send */
+    if (ops[i].peer != c->rank || !ops[i].is_send) continue;
+    while (nextrecv < n && (ops[nextrecv].peer != c->rank || ops[nextrecv].is_send)) nextrecv++;
+    if (nextrecv >= n || ops[nextrecv].len != ops[i].len) return ncclInvalidUsage;
+    memcpy(ops[nextrecv].buf, ops[i].buf, ops[i].len);
+    ops[nextrecv].off = ops[nextrecv].len;
+    ops[i].off = ops[i].len;
+    nextrecv++;
   }
   for (int i = 0; i < n; i++) if (ops[i].peer == c->rank && ops[i].off != ops[i].len) return ncclInvalidUsage;
   struct pollfd *pfds = malloc(sizeof(*pfds) * (n ? n : 1));
@@ -967,7 +965,7 @@ static ncclResult_t init_rank_impl(ncclComm_t *out, int nranks, const ncclUnique
   int lfd = make_listener(&me);
   if (lfd < 0) { free_comm(c); return ncclSystemError; }
   int tmo = env_int("NCCL_SIM_CONNECT_TIMEOUT_MS", 60000);
-  int init_tmo = env_int("NCCL_SIM_INIT_TIMEOUT_MS", 300000);
+  int init_tmo = env_int("NCCL_SIM_INIT_TIMEOUT_MS", 120000);
   ncclResult_t res = ncclSuccess;
   peer_addr_t *tab = calloc(nranks, sizeof(peer_addr_t));
   int rfd = tab ? connect_retry(&root, tmo) : -1;
