@@ -1,0 +1,241 @@
+"""End to end: the real exporter, real uprobes, a simulated cluster in netns.
+
+The simulated libnccl writes its own ground truth for every call; the
+exporter's /metrics must agree with it exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+
+import pytest
+
+from exporter import contract, hashing, histogram
+from exporter.simulator.build import build_library
+from exporter.simulator.cluster import Cluster, run_job, start_job
+from exporter.simulator.truth import calls, lifecycle, load_truth
+from tests.exporter_harness import ExporterProcess, series_by_labels
+
+# The probes time a call from uprobe to uretprobe; the library times itself
+# from its first to its last instruction. The probe's window encloses the
+# library's by the uprobe trap cost -- and by any preemption in between on
+# this 2-core machine -- so a duration may land a little later, never earlier.
+PROBE_SLACK_NS = 5_000_000
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
+
+
+@pytest.fixture(scope="module")
+def simlib():
+    return build_library()
+
+
+def expected_comm_hashes(records) -> dict[tuple[int, int], int]:
+    """(pid, comm handle) -> comm_id_hash, from the lifecycle ground truth."""
+    out: dict[tuple[int, int], int] = {}
+    split_seq: Counter = Counter()
+    for r in sorted(lifecycle(records), key=lambda r: r["start_mono_ns"]):
+        if r["result"] != 0:
+            continue
+        if r["op"] in ("COMM_INIT_RANK", "COMM_INIT_RANK_CONFIG", "COMM_INIT_RANK_SCALABLE"):
+            out[(r["pid"], r["comm"])] = hashing.comm_id_hash(bytes.fromhex(r["uid"]))
+        elif r["op"] == "COMM_INIT_ALL":
+            h = hashing.comm_id_hash(bytes.fromhex(r["uid"]))
+            for handle in r["comms"]:
+                out[(r["pid"], handle)] = h
+        elif r["op"] == "COMM_SPLIT" and r["comm"]:
+            parent = out[(r["pid"], r["parent"])]
+            out[(r["pid"], r["comm"])] = hashing.split_comm_id_hash(parent, r["color"], r["split_seq"])
+    return out
+
+
+def truth_series(records):
+    """(op, comm hex, rank, nranks) -> list of durations, and (op, comm, rank) -> bytes."""
+    hashes = expected_comm_hashes(records)
+    durations = defaultdict(list)
+    nbytes = Counter()
+    for r in calls(records):
+        comm = hashing.format_hash(hashes[(r["pid"], r["comm"])])
+        durations[(r["op"], comm, str(r["rank"]), str(r["nranks"]))].append(
+            r["end_mono_ns"] - r["start_mono_ns"]
+        )
+        nbytes[(r["op"], comm, str(r["rank"]))] += r["bytes"]
+    return durations, nbytes
+
+
+def assert_buckets_hold(durations: list[int], per_bucket: list[int]) -> None:
+    """Each true duration d lies in a bucket between bucket_of(d) and bucket_of(d + slack).
+
+    For intervals that move monotonically with d this is the Hall condition:
+    at every edge i, the exporter's count at or below i is at least the number
+    of calls that cannot be above i, and at most those that can be at or below.
+    """
+    lo = Counter(histogram.bucket_of(d) for d in durations)
+    hi = Counter(histogram.bucket_of(d + PROBE_SLACK_NS) for d in durations)
+    got = must = can = 0
+    for i in range(histogram.SLOTS):
+        got += per_bucket[i]
+        must += hi[i]
+        can += lo[i]
+        assert must <= got <= can, f"bucket {i}: exporter {got}, truth allows {must}..{can}"
+
+
+def test_mixed_job_counts_bytes_buckets_match_truth(simlib, tmp_path):
+    with ExporterProcess(nccl_libs=[simlib]) as exporter, Cluster(4) as cluster:
+        result = run_job(cluster, simlib, "mixed", iterations=3, rendezvous_dir=tmp_path / "rdv",
+                         truth_dir=tmp_path / "truth", timeout=120)
+        assert result.ok, result.summary()
+        families = exporter.scrape()
+
+    records = result.truth
+    durations, nbytes = truth_series(records)
+    comms = {key[1] for key in durations}
+    assert len(comms) >= 4, f"expected world, world2 and two split children, got {comms}"
+
+    # Counts, per (op, comm, rank, nranks): exactly the ground truth, nothing more.
+    hist = series_by_labels(families, contract.COLLECTIVE_DURATION)
+    got_counts = {
+        (lbl["op"], lbl["comm"], lbl["rank"], lbl["nranks"]): sum(buckets)
+        for lbl, buckets in hist
+    }
+    want_counts = {key: len(ds) for key, ds in durations.items()}
+    assert got_counts == want_counts
+
+    # Bytes, per (op, comm, rank).
+    got_bytes = {
+        (s.labels["op"], s.labels["comm"], s.labels["rank"]): s.value
+        for fam in families if fam.name + "_total" == contract.COLLECTIVE_BYTES or fam.name == contract.COLLECTIVE_BYTES
+        for s in fam.samples if s.name == contract.COLLECTIVE_BYTES
+    }
+    assert got_bytes == dict(nbytes)
+
+    # Every recorded duration lies in the bucket the exporter put it in.
+    for lbl, buckets in hist:
+        key = (lbl["op"], lbl["comm"], lbl["rank"], lbl["nranks"])
+        assert_buckets_hold(durations[key], buckets)
+
+    # The inner ncclBroadcast of every ncclBcast is not counted on its own,
+    # and every op of the vocabulary the workload used is there.
+    bcasts = len(calls(records, fn="ncclBcast"))
+    assert bcasts > 0
+    assert {k[0] for k in got_counts} >= {"ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST",
+                                          "REDUCE", "SEND", "RECV", "ALL_TO_ALL", "GATHER", "SCATTER"}
+
+    # Lifecycle calls: counted once per outermost call.
+    life = series_by_labels(families, contract.LIFECYCLE_DURATION)
+    got_life = {lbl["op"]: sum(b) for lbl, b in life}
+    want_life = Counter(r["op"] for r in lifecycle(records))
+    assert got_life == dict(want_life)
+
+
+def test_communicator_identity_and_hang_then_kill(simlib, tmp_path):
+    """Ranks 1..3 block in AllReduce waiting for rank 0: an in-flight call shows its
+    age; killing the ranks mid-call leaves no in-flight entry behind."""
+    with ExporterProcess(nccl_libs=[simlib]) as exporter, Cluster(4) as cluster:
+        job = start_job(cluster, simlib, "hang", iterations=1, rendezvous_dir=tmp_path / "rdv",
+                        truth_dir=tmp_path / "truth")
+        try:
+            deadline = time.monotonic() + 60
+            inflight = []
+            while time.monotonic() < deadline:
+                families = exporter.scrape()
+                inflight = [s for s in exporter.samples(families, contract.INFLIGHT_OLDEST)
+                            if s.labels["op"] == "ALL_REDUCE"]
+                if len(inflight) == 3 and min(s.value for s in inflight) > 0.5:
+                    break
+                time.sleep(0.2)
+            assert sorted(s.labels["rank"] for s in inflight) == ["1", "2", "3"], inflight
+            assert all(s.value > 0.5 for s in inflight)
+
+            # Communicator identity of the live world communicator.
+            records = load_truth(tmp_path / "truth")
+            uid = bytes.fromhex(lifecycle(records, op="COMM_INIT_RANK")[0]["uid"])
+            info = exporter.samples(families, contract.COMMUNICATOR_INFO)
+            assert {s.labels["comm"] for s in info} == {hashing.format_hash(hashing.comm_id_hash(uid))}
+            assert {s.labels["nccl_comm_hash"] for s in info} == {
+                hashing.format_hash(hashing.nccl_comm_hash(uid))}
+            assert sorted(s.labels["rank"] for s in info) == ["0", "1", "2", "3"]
+            assert {s.labels["nranks"] for s in info} == {"4"}
+            assert {int(s.labels["pid"]) for s in info} == set(job.pids)
+        finally:
+            job.kill()
+
+        families = exporter.scrape()
+        assert exporter.samples(families, contract.INFLIGHT_OLDEST) == []
+        entries = {s.labels["map"]: s.value
+                   for s in exporter.samples(families, contract.EXPORTER_MAP_ENTRIES)}
+        assert entries["inflight"] == 0
+        assert exporter.samples(families, contract.COMMUNICATOR_INFO) == []
+
+
+def test_job_started_after_exporter_is_traced_from_first_call(simlib, tmp_path):
+    """Default discovery (no --nccl-lib): a library file nobody had mapped when
+    the exporter started is found once a job maps it, before its first call."""
+    fresh = tmp_path / "venv-copy" / "libnccl.so.2"
+    fresh.parent.mkdir()
+    shutil.copy2(simlib, fresh)
+    with ExporterProcess(nccl_libs=[]) as exporter, Cluster(4) as cluster:
+        # Frameworks load libnccl at import and call it seconds later
+        # (model set-up, rendezvous); one second stands for that here.
+        result = run_job(cluster, fresh, "allreduce", iterations=20, rendezvous_dir=tmp_path / "rdv",
+                         truth_dir=tmp_path / "truth", startup_delay_ms=1000, timeout=120)
+        assert result.ok, result.summary()
+        first = exporter.scrape()
+        # A second job on the same, now-attached file is traced from its first
+        # instruction, with no start-up delay at all.
+        second = run_job(cluster, fresh, "allreduce", iterations=20, rendezvous_dir=tmp_path / "rdv2",
+                         truth_dir=tmp_path / "truth2", timeout=120)
+        assert second.ok, second.summary()
+        both = exporter.scrape()
+
+    def counted(families):
+        return sum(sum(b) for lbl, b in series_by_labels(families, contract.COLLECTIVE_DURATION))
+
+    def lifecycle_counted(families):
+        return sum(sum(b) for lbl, b in series_by_labels(families, contract.LIFECYCLE_DURATION))
+
+    assert counted(first) == len(calls(result.truth)) == 4 * 20
+    assert lifecycle_counted(first) == len(lifecycle(result.truth))
+    assert counted(both) == 2 * 4 * 20
+    assert lifecycle_counted(both) == len(lifecycle(result.truth)) + len(lifecycle(second.truth))
+
+
+INIT_ALL_DRIVER = r"""
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+comms = (ctypes.c_void_p * 3)()
+rc = lib.ncclCommInitAll(comms, 3, None)
+print(rc, *[c or 0 for c in comms])
+sys.stdout.flush()
+input()  # keep the communicators alive until the test has looked
+"""
+
+
+def test_comm_init_all_counts_once_and_names_its_communicators(simlib, tmp_path):
+    truth = tmp_path / "initall.jsonl"
+    with ExporterProcess(nccl_libs=[simlib]) as exporter:
+        proc = subprocess.Popen([sys.executable, "-c", INIT_ALL_DRIVER, str(simlib)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "NCCL_SIM_TRUTH": str(truth)})
+        try:
+            rc, *handles = proc.stdout.readline().split()
+            assert rc == "0"
+            families = exporter.scrape()
+        finally:
+            proc.stdin.close()
+            proc.wait(30)
+    life = {lbl["op"]: sum(b) for lbl, b in series_by_labels(families, contract.LIFECYCLE_DURATION)}
+    # ncclCommInitAll calls ncclGetUniqueId inside the library: one call, not two.
+    assert life == {"COMM_INIT_ALL": 1}
+    (record,) = load_truth(truth)
+    want = hashing.format_hash(hashing.comm_id_hash(bytes.fromhex(record["uid"])))
+    info = exporter.samples(families, contract.COMMUNICATOR_INFO)
+    assert sorted((s.labels["comm"], s.labels["rank"], s.labels["nranks"]) for s in info) == [
+        (want, "0", "3"), (want, "1", "3"), (want, "2", "3")]
