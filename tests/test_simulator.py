@@ -127,6 +127,32 @@ assert L.ncclAllReduce(bufs[0], bufs[0], 10, 7, 0, None, None) == 4      # NULL 
 assert L.ncclAllReduce(bufs[0], bufs[0], 10, 10, 0, comms[0], None) == 4 # fp8 reduce
 assert L.ncclAllReduce(bufs[0], bufs[0], 10, 7, 9, comms[0], None) == 4  # bad op
 assert L.ncclCommCount(None, ctypes.byref(v)) == 4
+# ncclCommSplit from threads (ctypes drops the GIL): rank 2 opts out with NCCL_SPLIT_NOCOLOR
+import threading
+L.ncclCommSplit.argtypes = [c_p, c_i, c_i, ctypes.POINTER(c_p), c_p]
+L.ncclCommUserRank.argtypes = [c_p, ctypes.POINTER(c_i)]
+kids, rcs = [c_p(1) for _ in range(n)], [None] * n
+def split(r):
+    rcs[r] = L.ncclCommSplit(comms[r], -1 if r == 2 else 7, 10 - r, ctypes.byref(kids[r]), None)
+ts = [threading.Thread(target=split, args=(r,)) for r in range(n)]
+[t.start() for t in ts]; [t.join() for t in ts]
+assert rcs == [0, 0, 0] and kids[2].value is None, (rcs, kids)
+for r, want in ((0, 1), (1, 0)):  # key 10-r: parent rank 1 comes first
+    assert L.ncclCommUserRank(kids[r], ctypes.byref(v)) == 0 and v.value == want
+    assert L.ncclCommDestroy(kids[r]) == 0
+# ncclCommInitRankScalable with one id
+L.ncclGetUniqueId.argtypes = [ctypes.POINTER(ncclUniqueId)]
+L.ncclCommInitRankScalable.argtypes = [ctypes.POINTER(c_p), c_i, c_i, c_i, ctypes.POINTER(ncclUniqueId), c_p]
+uid = ncclUniqueId()
+assert L.ncclGetUniqueId(ctypes.byref(uid)) == 0
+sc, rcs = [c_p() for _ in range(2)], [None, None]
+def scal(r):
+    rcs[r] = L.ncclCommInitRankScalable(ctypes.byref(sc[r]), 2, r, 1, ctypes.byref(uid), None)
+ts = [threading.Thread(target=scal, args=(r,)) for r in range(2)]
+[t.start() for t in ts]; [t.join() for t in ts]
+assert rcs == [0, 0], rcs
+for r in range(2):
+    assert L.ncclCommDestroy(sc[r]) == 0
 for r in range(n):
     assert L.ncclCommDestroy(comms[r]) == 0
 print("inproc ok")
@@ -143,7 +169,7 @@ def test_init_all_group_and_errors_in_one_process(lib, tmp_path):
     recs = load_truth(truth)
     ops = collections.Counter(r["op"] for r in recs)
     # the inner ncclGetUniqueId of ncclCommInitAll is not an outermost call
-    assert ops["GET_UNIQUE_ID"] == 0 and ops["COMM_INIT_ALL"] == 1
+    assert ops["GET_UNIQUE_ID"] == 1 and ops["COMM_INIT_ALL"] == 1
     ia = lifecycle(recs, op="COMM_INIT_ALL")[0]
     assert ia["nranks"] == 3 and len(ia["comms"]) == 3 and len(set(ia["comms"])) == 3
     assert len(ia["uid"]) == 256 and ia["result"] == 0
@@ -152,7 +178,15 @@ def test_init_all_group_and_errors_in_one_process(lib, tmp_path):
     assert {r["comm"] for r in ar[:3]} == set(ia["comms"])
     assert [r["rank"] for r in ar[:3]] == [0, 1, 2] and ar[3]["comm"] == 0 and ar[3]["nranks"] == -1
     assert ar[0]["bytes"] == 40 and ar[0]["datatype"] == 7 and ar[0]["red_op"] == 0
-    assert ops["GROUP_START"] == 2 and ops["GROUP_END"] == 2 and ops["COMM_DESTROY"] == 3
+    assert ops["GROUP_START"] == 2 and ops["GROUP_END"] == 2 and ops["COMM_DESTROY"] == 3 + 2 + 2
+    splits = sorted(lifecycle(recs, op="COMM_SPLIT"), key=lambda r: r["parent_rank"])
+    assert [(r["rank"], r["nranks"], r["color"], r["key"], r["split_seq"]) for r in splits] == [
+        (1, 2, 7, 10, 0), (0, 2, 7, 9, 0), (-1, -1, -1, 8, 0)]
+    assert splits[2]["comm"] == 0 and [r["parent"] for r in splits] == ia["comms"]
+    (gu,) = lifecycle(recs, op="GET_UNIQUE_ID")
+    scal = lifecycle(recs, op="COMM_INIT_RANK_SCALABLE")
+    assert sorted(r["rank"] for r in scal) == [0, 1] and all(r["uid"] == gu["uid"] for r in scal)
+    assert gu["uid"][:16] == ia["uid"][:16] and gu["uid"][16:] != ia["uid"][16:]
     assert [(r["op"], r["peer"], r["rank"]) for r in calls(recs) if r["op"] in ("SEND", "RECV")] == [
         ("RECV", 1, 1), ("SEND", 1, 1)]
     # GroupEnd is where the group's collectives actually ran
