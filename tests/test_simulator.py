@@ -355,3 +355,13 @@ def test_cleanup_on_sigterm(tmp_path):
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=20) == -signal.SIGTERM
     assert not any(n.startswith(sw[: -len("sw")]) for n in netns_names())
+
+
+def test_train_workload_stops_together_after_duration(lib, tmp_path):
+    with Cluster(3) as c:
+        res = run_job(c, lib, "train", 1_000_000, tmp_path / "rdv", tmp_path / "truth", count=1000,
+                      compute_delay_ms={0: 10}, extra_env={"NCCL_SIM_DURATION_S": "0.5"}, timeout=30)
+    assert res.ok, res.summary()
+    per_rank = collections.Counter(r["pid"] for r in calls(res.truth, op="ALL_REDUCE"))
+    assert len(per_rank) == 3 and len(set(per_rank.values())) == 1  # same iteration count everywhere
+    assert 5 <= next(iter(per_rank.values())) < 1000

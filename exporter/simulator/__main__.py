@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     b.add_argument("--outdir")
     r = sub.add_parser("run", help="run a job, one rank per simulated host")
     r.add_argument("--hosts", type=int, default=4)
-    r.add_argument("--workload", choices=["mixed", "allreduce", "hang"], default="mixed")
+    r.add_argument("--workload", choices=["mixed", "allreduce", "hang", "train"], default="mixed")
     r.add_argument("--iterations", type=int, default=5)
     r.add_argument("--count", type=int, default=1024)
     r.add_argument("--loss", action="append", metavar="HOST:PERCENT")

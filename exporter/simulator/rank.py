@@ -384,6 +384,38 @@ class Rank:
         for c in (split, world2, world):
             self.nccl("ncclCommDestroy", c)
 
+    def run_train(self):
+        """AllReduce (float32 sum) every iteration until --iterations or --duration-s.
+
+        The last element of every AllReduce is a stop vote (1.0 once a rank's
+        time is up), so all ranks leave the loop after the same iteration
+        without an extra collective.
+        """
+        r, n = self.rank, self.n
+        cnt = max(2, self.a.count)
+        world = self.comm_init("world")
+        vals = [[float((q * 7 + i * 3) % 5 + 1) for i in range(cnt)] for q in range(n)]
+        send_raw = encode(FLOAT32, vals[r])
+        want = encode(FLOAT32, reduce_expected(FLOAT32, SUM, vals))[: (cnt - 1) * 4]
+        vote_off = (cnt - 1) * 4
+        sb, rb = ctypes.create_string_buffer(send_raw, len(send_raw)), ctypes.create_string_buffer(len(send_raw))
+        deadline = time.monotonic() + self.a.duration_s if self.a.duration_s > 0 else None
+        it = 0
+        while it < self.a.iterations:
+            it += 1
+            stop = 1.0 if (deadline is not None and time.monotonic() >= deadline) or it >= self.a.iterations else 0.0
+            ctypes.memmove(ctypes.addressof(sb) + vote_off, struct.pack("<f", stop), 4)
+            self.delay()
+            self.nccl("ncclAllReduce", sb, rb, cnt, FLOAT32, SUM, world, self.nccl.stream)
+            raw = rb.raw
+            self.checks += 1
+            if raw[:vote_off] != want:
+                raise NcclError(f"wrong result in ncclAllReduce (train iteration {it})")
+            if struct.unpack("<f", raw[vote_off:vote_off + 4])[0] > 0:
+                break
+        self.a.iterations = it
+        self.nccl("ncclCommDestroy", world)
+
     def run_hang(self):
         world = self.comm_init("world")
         if self.rank == 0:
@@ -416,12 +448,14 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--nranks", type=int, required=True)
     p.add_argument("--rendezvous", required=True, help="directory shared by all ranks (<name>.uid files)")
-    p.add_argument("--workload", choices=["mixed", "allreduce", "hang"], default="allreduce")
+    p.add_argument("--workload", choices=["mixed", "allreduce", "hang", "train"], default="allreduce")
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--count", type=int, default=1024, help="elements per collective")
     p.add_argument("--compute-delay-ms", type=float, default=0.0, help="sleep before every collective")
     p.add_argument("--startup-delay-ms", type=float, default=0.0, help="sleep before the first NCCL call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration-s", type=float, default=float(os.environ.get("NCCL_SIM_DURATION_S") or 0),
+                   help="train: stop after this long (default $NCCL_SIM_DURATION_S; 0 = only --iterations)")
     p.add_argument("--truth", default=None, help="append ground truth (JSON lines) to this file")
     a = p.parse_args(argv)
     if not (0 <= a.rank < a.nranks):
