@@ -249,8 +249,15 @@ def _setup_logging(level: str) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other error: 'nccl-exporter: error: ...', exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"nccl-exporter: error: {message}; see '{self.prog} --help'\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="nccl-exporter",
         description="eBPF agent that measures NCCL calls (uprobes on libnccl) and exports "
                     "them as Prometheus metrics.",
