@@ -1,0 +1,149 @@
+"""Bad input and unusable hosts: one clear line on stderr, no traceback, exit != 0.
+
+Every case runs the real CLI as a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+
+import pytest
+
+from tests.helpers import CLI, free_port, require_root, run_cli
+
+TRACEFS_DIRS = ("/sys/kernel/tracing/events", "/sys/kernel/debug/tracing/events")
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    """The CLI failed with exactly one `nccl-exporter: error: ...` line on stderr."""
+    err = result.stderr
+    assert "Traceback" not in err, err
+    assert result.returncode != 0, (result.returncode, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    line = lines[0]
+    assert line.startswith("nccl-exporter: error: "), line
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+    return line
+
+
+def _listen() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+# --- libraries ---------------------------------------------------------------------------
+
+def test_nccl_lib_not_nccl():
+    require_root()
+    r = run_cli("run", "--listen", _listen(), "--nccl-lib", "/bin/ls")
+    assert_one_line_error(r, "/bin/ls", "not an NCCL library")
+
+
+def test_nccl_lib_missing():
+    require_root()
+    r = run_cli("run", "--listen", _listen(), "--nccl-lib", "/nonexistent")
+    assert_one_line_error(r, "/nonexistent", "No such file")
+
+
+# --- listening ---------------------------------------------------------------------------
+
+def test_port_in_use():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_cli("run", "--listen", f"127.0.0.1:{port}", "--nccl-lib", "/nonexistent")
+    assert_one_line_error(r, f"127.0.0.1:{port}", "in use")
+
+
+@pytest.mark.parametrize("value,fragment", [
+    ("nope", "expected HOST:PORT"),
+    ("127.0.0.1:http", "expected HOST:PORT"),
+    ("127.0.0.1:", "expected HOST:PORT"),
+    ("127.0.0.1:0", "port must be 1-65535"),
+    ("127.0.0.1:70000", "port must be 1-65535"),
+    ("no-such-host.invalid:9999", "cannot listen on"),
+])
+def test_bad_listen(value, fragment):
+    r = run_cli("run", "--listen", value, "--nccl-lib", "/nonexistent")
+    assert_one_line_error(r, fragment)
+
+
+# --- config file -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,fragments", [
+    ('nodee = "gpu-1"\n', ["unknown key(s) nodee", "known: listen, log_level, nccl_libs, node"]),
+    ('node = "gpu-1"\nlisten_addr = ":1"\n', ["unknown key(s) listen_addr"]),
+    ('node = \n', ["not valid TOML"]),
+    ('nccl_libs = "/opt/libnccl.so.2"\n', ["nccl_libs must be a list"]),
+])
+def test_bad_config(tmp_path, text, fragments):
+    cfg = tmp_path / "nccl-exporter.toml"
+    cfg.write_text(text)
+    r = run_cli("run", "--config", cfg, "--listen", _listen(), "--nccl-lib", "/nonexistent")
+    assert_one_line_error(r, str(cfg), *fragments)
+
+
+def test_missing_config(tmp_path):
+    cfg = tmp_path / "absent.toml"
+    r = run_cli("run", "--config", cfg, "--listen", _listen())
+    assert_one_line_error(r, str(cfg), "does not exist")
+
+
+# --- argument syntax -------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["10x", "-1", "", "1.5.2s", "ten"])
+def test_bad_trace_duration(value):
+    r = run_cli("trace", "--duration", value)
+    assert_one_line_error(r, "--duration", "not a duration", "nccl-exporter trace --help")
+
+
+def test_unknown_command():
+    r = run_cli("serve")
+    assert_one_line_error(r, "invalid choice: 'serve'")
+
+
+# --- host -----------------------------------------------------------------------------------
+
+def test_no_privileges():
+    require_root()
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv (util-linux) not installed")
+    nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
+    probe = subprocess.run([*nobody, *CLI, "--version"], capture_output=True, text=True,
+                           timeout=60, cwd="/")
+    if probe.returncode != 0:
+        pytest.skip(f"the venv is not usable by uid 65534 (make it world-readable): "
+                    f"{probe.stderr.strip()[-200:]}")
+    r = run_cli("run", "--listen", _listen(), "--nccl-lib", "/nonexistent", prefix=nobody)
+    assert_one_line_error(r, "needs root", "CAP_BPF", "CAP_PERFMON")
+
+
+def test_no_tracefs():
+    require_root()
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) not installed")
+    host_before = [os.path.isdir(d) for d in TRACEFS_DIRS]
+    if not any(host_before):
+        pytest.skip("tracefs is not mounted on this host to begin with")
+    cli = " ".join(f"'{a}'" for a in CLI)
+    script = (
+        "umount -l /sys/kernel/tracing 2>/dev/null; "
+        "umount -l /sys/kernel/debug/tracing 2>/dev/null; "
+        "umount -l /sys/kernel/debug 2>/dev/null; "
+        # Only go on when tracefs is really gone in this mount namespace.
+        + "".join(f"if [ -e {d} ]; then echo STILL-THERE {d}; exit 97; fi; " for d in TRACEFS_DIRS)
+        + "echo TRACEFS-GONE; "
+        f"exec {cli} run --listen {_listen()} --nccl-lib /nonexistent"
+    )
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 97, r.stdout
+    assert "TRACEFS-GONE" in r.stdout, (r.stdout, r.stderr)
+    assert_one_line_error(r, "tracefs is not mounted")
+    assert [os.path.isdir(d) for d in TRACEFS_DIRS] == host_before, "the host's tracefs changed"
