@@ -58,10 +58,13 @@ def wait_for(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"the exporter exited with status {proc.returncode}")
         try:
-            scrape(url)
-            return
+            # /metrics answers as soon as the port is bound; the probes are
+            # attached when the exporter reports them.
+            if any(f.name == contract.EXPORTER_PROBE_ATTACHED and f.samples for f in scrape(url)):
+                return
         except OSError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     raise RuntimeError(f"the exporter did not answer on {url} within {timeout:.0f} s")
 
 
