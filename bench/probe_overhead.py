@@ -141,11 +141,11 @@ def function_address(lib: Path, function: str) -> int:
 
 def product_calls(probes, op_name: str = OP) -> tuple[int, int]:
     """(calls, errors) of op_name counted in the product's maps."""
-    from exporter import contract
+    from exporter.maps import MapReader
 
-    code = contract.OP_CODES[op_name]
-    calls = sum(v.calls for k, v in probes.bpf["collective_stats"].items() if k.op == code)
-    errors = sum(v.value for k, v in probes.bpf["call_errors"].items() if k.op == code)
+    reader = MapReader(probes.bpf)
+    calls = sum(s.calls for s in reader.series() if s.op == op_name)
+    errors = sum(n for (op, _result), n in reader.errors().items() if op == op_name)
     return calls, errors
 
 

@@ -5,7 +5,7 @@
 // exporter/contract.py, so the names live in one place.
 //
 // Per call, nothing crosses to user space: the return probe folds the call
-// into `collective_stats` (count, bytes, latency histogram). Only rare
+// into `series_stats` (count, bytes, latency histogram). Only rare
 // lifecycle calls, and calls the user asked for (slow ones, or every call
 // while recording), are sent as events on the `events` ring buffer.
 
@@ -56,7 +56,6 @@ struct comm_key {
 struct comm_info {
     u64 comm_hash;
     u64 nccl_hash;  // NCCL's commHash; 0 when not derivable (split children)
-    u64 seq;        // collectives called on this comm since its init
     u64 splits;     // ncclCommSplit calls made on this comm (child id input)
     s32 rank;
     s32 nranks;
@@ -72,8 +71,19 @@ struct call {
     u64 stream;
     u64 out;         // ncclComm_t* / int* the call writes its result to
     u64 nested_out;  // ncclUniqueId* of an inner ncclGetUniqueId
-    u64 seq;
+    u64 seq;         // this rank's n-th call of this op on this comm (from 1)
     u64 aux;         // split: parent's split sequence number
+    u64 sp;          // stack pointer at entry: stack arguments are read lazily
+    // The communicator this thread used last, valid while comm_generation is
+    // unchanged: most calls skip the communicators lookup. Kept across calls.
+    u64 cached_comm;
+    u64 cached_gen;
+    u64 cached_hash;
+    u64 cached_nccl_hash;
+    s32 cached_rank;
+    s32 cached_nranks;
+    u32 stream_arg;  // 0: stream is in .stream; n: the n-th stack argument
+    u32 series_by_op[OP_COUNT];  // series_stats slot + 1 per op, for cached_comm
     s32 rank;
     s32 nranks;
     u32 op;
@@ -109,18 +119,26 @@ struct event {
     s32 color;
 };
 
-BPF_HASH(collective_stats, struct series_key, struct series_stats, MAX_SERIES);
+// Series live in an array (a lookup the verifier inlines); the hash only maps
+// a series' labels to its slot, and each thread caches that slot per op.
+BPF_HASH(series_index, struct series_key, u32, MAX_SERIES);
+BPF_ARRAY(series_stats, struct series_stats, MAX_SERIES);
+BPF_ARRAY(series_next, u32, 1);  // next free slot of series_stats (a hint)
+BPF_HASH(series_claims, u32, u8, MAX_SERIES);  // slots taken
 BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
 BPF_HASH(communicators, struct comm_key, struct comm_info, MAX_COMMS);
+// Per thread that has called NCCL (op != 0: inside a call), until it exits.
 BPF_HASH(inflight, u32, struct call, MAX_THREADS);
 // Launcher rank (RANK, SLURM_PROCID, ...) per process, written by user space:
 // the rank label of calls on a communicator the agent never saw created.
 BPF_HASH(process_rank, u32, s32, MAX_PROCESSES);
+// Bumped whenever a communicator or a launcher rank is learnt or forgotten.
+BPF_ARRAY(comm_generation, u64, 1);
 // Per-op slow-call threshold in ns (0: off); index OP_COUNT: 1 = every call.
 BPF_ARRAY(event_config, u64, OP_COUNT + 1);
 BPF_ARRAY(counters, u64, CNT_SLOTS);
-// All zeros, never written: the initial value of a new series (too big for the stack).
-BPF_ARRAY(empty_stats, struct series_stats, 1);
+// All zeros, never written: a new thread's slot (too big for the stack).
+BPF_ARRAY(empty_call, struct call, 1);
 BPF_RINGBUF_OUTPUT(events, EVENT_PAGES);
 // Scratch for the 128-byte ncclUniqueId (too big for the BPF stack next to a call).
 struct unique_id { u64 words[16]; };
@@ -194,60 +212,107 @@ static __always_inline void hash_unique_id(struct call *c, const void *uid) {
 
 // Stack argument n (1-based) at a uprobe on the first instruction: [sp] holds
 // the return address, so the 7th integer argument is at sp+8, the 8th at sp+16.
-static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {
+static __always_inline u64 stack_arg_at(u64 sp, int n) {
     u64 v = 0;
-    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * n));
+    bpf_probe_read_user(&v, sizeof(v), (void *)(sp + 8 * n));
     return v;
+}
+
+static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {
+    return stack_arg_at(PT_REGS_SP(ctx), n);
 }
 
 // Start tracking a call on this thread. Returns 0 when the call is nested in
 // another public NCCL call of the same thread: it only deepens the outer one.
+// A thread's slot is made at its first NCCL call and reused (op == 0: idle)
+// until the thread exits: no map insert or delete on the per-call path.
 static __always_inline struct call *begin(u32 op, u32 *tid_out) {
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tid = (u32)id;
+    u32 tid = (u32)bpf_get_current_pid_tgid();
     *tid_out = tid;
-    struct call *outer = inflight.lookup(&tid);
-    if (outer) {
-        outer->depth++;
+    struct call *c = inflight.lookup(&tid);
+    if (!c) {
+        u32 zero = 0;
+        struct call *idle = empty_call.lookup(&zero);
+        if (!idle || inflight.insert(&tid, idle) != 0) {
+            count_up(CNT_INFLIGHT_FULL);
+            return 0;
+        }
+        c = inflight.lookup(&tid);
+        if (!c)
+            return 0;
+        c->cached_gen = ~0ULL;  // nothing cached yet
+    } else if (c->op) {
+        c->depth++;
         return 0;
     }
-    struct call c = {};
-    c.op = op;
-    c.rank = -1;
-    c.nranks = -1;
-    c.datatype = -1;
-    c.red_op = -1;
-    c.root = -1;
-    c.peer = -1;
-    c.color = -1;
-    if (inflight.insert(&tid, &c) != 0) {
-        count_up(CNT_INFLIGHT_FULL);
-        return 0;
-    }
-    return inflight.lookup(&tid);
+    c->start_ns = 0;  // set last by the caller, after the argument work
+    c->comm = 0;
+    c->comm_hash = 0;
+    c->nccl_hash = 0;
+    c->count = 0;
+    c->stream = 0;
+    c->out = 0;
+    c->nested_out = 0;
+    c->seq = 0;
+    c->aux = 0;
+    c->stream_arg = 0;
+    c->rank = -1;
+    c->nranks = -1;
+    c->depth = 0;
+    c->datatype = -1;
+    c->red_op = -1;
+    c->root = -1;
+    c->peer = -1;
+    c->color = -1;
+    c->op = op;
+    return c;
 }
 
-// Attach the communicator's identity (and a sequence number) to a collective.
+static __always_inline void bump_generation(void) {
+    u32 zero = 0;
+    u64 *g = comm_generation.lookup(&zero);
+    if (g)
+        __sync_fetch_and_add(g, 1);
+}
+
+// Attach the communicator's identity to a call, from the thread's cache when
+// nothing changed since it last looked this communicator up.
 static __always_inline void resolve_comm(struct call *c, u64 comm) {
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    struct comm_key k = {.tgid = tgid, .comm = comm};
+    u32 zero = 0;
+    u64 *gen = comm_generation.lookup(&zero);
+    u64 g = gen ? *gen : 0;
     c->comm = comm;
-    struct comm_info *info = communicators.lookup(&k);
-    if (info) {
-        c->comm_hash = info->comm_hash;
-        c->nccl_hash = info->nccl_hash;
-        c->rank = info->rank;
-        c->nranks = info->nranks;
-        c->seq = __sync_fetch_and_add(&info->seq, 1) + 1;
-        return;
+    if (comm != c->cached_comm || g != c->cached_gen) {
+        u32 tgid = bpf_get_current_pid_tgid() >> 32;
+        struct comm_key k = {.tgid = tgid, .comm = comm};
+        struct comm_info *info = communicators.lookup(&k);
+        c->cached_comm = comm;
+        c->cached_gen = g;
+        #pragma unroll
+        for (int i = 0; i < OP_COUNT; i++)
+            c->series_by_op[i] = 0;
+        if (info) {
+            c->cached_hash = info->comm_hash;
+            c->cached_nccl_hash = info->nccl_hash;
+            c->cached_rank = info->rank;
+            c->cached_nranks = info->nranks;
+        } else {
+            s32 *launcher_rank = process_rank.lookup(&tgid);
+            c->cached_hash = 0;
+            c->cached_nccl_hash = 0;
+            c->cached_rank = launcher_rank ? *launcher_rank : -1;
+            c->cached_nranks = -1;
+        }
     }
-    s32 *launcher_rank = process_rank.lookup(&tgid);
-    if (launcher_rank)
-        c->rank = *launcher_rank;
+    c->comm_hash = c->cached_hash;
+    c->nccl_hash = c->cached_nccl_hash;
+    c->rank = c->cached_rank;
+    c->nranks = c->cached_nranks;
 }
 
-static __always_inline int collective(u32 op, u64 count, s32 dt, s32 red_op,
-                                      s32 root, s32 peer, u64 comm, u64 stream) {
+static __always_inline int collective(struct pt_regs *ctx, u32 op, u64 count, s32 dt,
+                                      s32 red_op, s32 root, s32 peer, u64 comm,
+                                      u64 stream, u32 stream_arg) {
     u32 tid;
     struct call *c = begin(op, &tid);
     if (!c)
@@ -258,6 +323,8 @@ static __always_inline int collective(u32 op, u64 count, s32 dt, s32 red_op,
     c->root = root;
     c->peer = peer;
     c->stream = stream;
+    c->stream_arg = stream_arg;
+    c->sp = PT_REGS_SP(ctx);
     resolve_comm(c, comm);
     c->start_ns = bpf_ktime_get_ns();  // last, so map work is not timed
     return 0;
@@ -269,41 +336,41 @@ static __always_inline int collective(u32 op, u64 count, s32 dt, s32 red_op,
 // ncclAllReduce / ncclReduceScatter (+Config):
 //   (sendbuff, recvbuff, count, datatype, op, comm, stream[, config])
 static __always_inline int enter_reduce_like(struct pt_regs *ctx, u32 op) {
-    return collective(op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx),
-                      -1, -1, PT_REGS_PARM6(ctx), stack_arg(ctx, 1));
+    return collective(ctx, op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx),
+                      -1, -1, PT_REGS_PARM6(ctx), 0, 1);
 }
 
 // ncclAllGather / ncclAlltoAll (+Config):
 //   (sendbuff, recvbuff, count, datatype, comm, stream[, config])
 static __always_inline int enter_gather_like(struct pt_regs *ctx, u32 op) {
-    return collective(op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), -1, -1, -1,
-                      PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx));
+    return collective(ctx, op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), -1, -1, -1,
+                      PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx), 0);
 }
 
 // ncclBroadcast / ncclGather / ncclScatter (+Config):
 //   (sendbuff, recvbuff, count, datatype, root, comm, stream[, config])
 static __always_inline int enter_rooted(struct pt_regs *ctx, u32 op) {
-    return collective(op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), -1,
-                      PT_REGS_PARM5(ctx), -1, PT_REGS_PARM6(ctx), stack_arg(ctx, 1));
+    return collective(ctx, op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), -1,
+                      PT_REGS_PARM5(ctx), -1, PT_REGS_PARM6(ctx), 0, 1);
 }
 
 // ncclReduce (+Config): (sendbuff, recvbuff, count, datatype, op, root, comm, stream[, config])
 // comm and stream are the 7th and 8th arguments: on the stack.
 static __always_inline int enter_reduce(struct pt_regs *ctx, u32 op) {
-    return collective(op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx),
-                      PT_REGS_PARM6(ctx), -1, stack_arg(ctx, 1), stack_arg(ctx, 2));
+    return collective(ctx, op, PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx),
+                      PT_REGS_PARM6(ctx), -1, stack_arg(ctx, 1), 0, 2);
 }
 
 // ncclBcast: (buff, count, datatype, root, comm, stream)
 static __always_inline int enter_bcast(struct pt_regs *ctx, u32 op) {
-    return collective(op, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), -1,
-                      PT_REGS_PARM4(ctx), -1, PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx));
+    return collective(ctx, op, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), -1,
+                      PT_REGS_PARM4(ctx), -1, PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx), 0);
 }
 
 // ncclSend / ncclRecv: (buff, count, datatype, peer, comm, stream)
 static __always_inline int enter_p2p(struct pt_regs *ctx, u32 op) {
-    return collective(op, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), -1, -1,
-                      PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx));
+    return collective(ctx, op, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), -1, -1,
+                      PT_REGS_PARM4(ctx), PT_REGS_PARM5(ctx), PT_REGS_PARM6(ctx), 0);
 }
 
 // ncclGetUniqueId(ncclUniqueId* out)
@@ -311,7 +378,7 @@ static __always_inline int enter_get_unique_id(struct pt_regs *ctx, u32 op) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
     struct call *outer = inflight.lookup(&tid);
-    if (outer) {
+    if (outer && outer->op) {
         // Inside ncclCommInitAll: remember where the id it makes will be.
         outer->depth++;
         if (outer->op == OP_COMM_INIT_ALL)
@@ -386,7 +453,8 @@ static __always_inline int enter_split(struct pt_regs *ctx, u32 op) {
         c->comm_hash = info->comm_hash;  // the parent's, until the return
         c->rank = info->rank;
         c->nranks = info->nranks;
-        c->aux = __sync_fetch_and_add(&info->splits, 1);
+        c->aux = info->splits;  // splits of one parent are collective: never concurrent
+        info->splits++;
     }
     c->start_ns = bpf_ktime_get_ns();
     return 0;
@@ -436,6 +504,7 @@ static __always_inline void remember_comm(u64 comm, u64 hash, u64 nccl_hash,
                              .rank = rank, .nranks = nranks};
     if (communicators.update(&k, &info) != 0)
         count_up(CNT_COMMS_FULL);
+    bump_generation();
 }
 
 static __always_inline u64 read_user_u64(u64 addr) {
@@ -482,6 +551,7 @@ static __always_inline void lifecycle_return(struct call *c, s32 result) {
     } else if (op == OP_COMM_DESTROY || op == OP_COMM_ABORT) {
         struct comm_key k = {.tgid = tgid, .comm = c->comm};
         communicators.delete(&k);
+        bump_generation();
     } else if (op == OP_COMM_COUNT || op == OP_COMM_USER_RANK) {
         if (result != NCCL_SUCCESS)
             return;
@@ -496,6 +566,7 @@ static __always_inline void lifecycle_return(struct call *c, s32 result) {
             info->nranks = v;
         else
             info->rank = v;
+        bump_generation();
     } else if (op == OP_GET_UNIQUE_ID) {
         if (result == NCCL_SUCCESS)
             hash_unique_id(c, (void *)c->out);
@@ -520,7 +591,8 @@ static __always_inline void emit(struct call *c, u32 kind, u32 tid, u64 end, s32
     e->nccl_hash = c->nccl_hash;
     e->count = c->count;
     e->bytes = c->count * datatype_size(c->datatype);
-    e->stream = c->stream;
+    // A stack argument is still in the caller's frame when the call returns.
+    e->stream = c->stream_arg ? stack_arg_at(c->sp, c->stream_arg) : c->stream;
     e->seq = c->seq;
     e->pid = bpf_get_current_pid_tgid() >> 32;
     e->tid = tid;
@@ -536,32 +608,70 @@ static __always_inline void emit(struct call *c, u32 kind, u32 tid, u64 end, s32
     events.ringbuf_submit(e, 0);
 }
 
-static __always_inline void account(struct call *c, u64 duration) {
-    struct series_key key = {.comm_hash = c->comm_hash, .rank = c->rank,
-                             .nranks = c->nranks, .op = c->op};
-    if (c->op >= OP_GET_UNIQUE_ID) {
-        // Lifecycle calls: one series per op (nccl_lifecycle_duration_seconds).
-        key.comm_hash = 0;
-        key.rank = -1;
-        key.nranks = -1;
-    }
-    struct series_stats *s = collective_stats.lookup(&key);
-    if (!s) {
-        u32 zero_key = 0;
-        struct series_stats *zero = empty_stats.lookup(&zero_key);
-        if (!zero)
-            return;
-        collective_stats.insert(&key, zero);
-        s = collective_stats.lookup(&key);
-        if (!s) {
+// The series_stats slot of a series, allocated on first use; -1 when full.
+static __always_inline s32 series_slot(struct series_key *key) {
+    u32 *found = series_index.lookup(key);
+    if (found)
+        return *found;
+    // Claim the next free slot. A BPF_NOEXIST insert into series_claims is
+    // the atomic step (this LLVM cannot use fetch-and-add's result): a CPU
+    // that loses the race for a slot tries the next one.
+    u32 zero = 0;
+    u32 *next = series_next.lookup(&zero);
+    if (!next)
+        return -1;
+    u32 slot = *next;
+    u8 one = 1;
+    #pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (slot >= MAX_SERIES) {
             count_up(CNT_STATS_FULL);
-            return;
+            return -1;
         }
+        if (series_claims.insert(&slot, &one) == 0)
+            break;
+        slot++;
     }
+    *next = slot + 1;
+    if (series_index.insert(key, &slot) != 0) {
+        // Another CPU added the same series first (this slot stays unused).
+        found = series_index.lookup(key);
+        return found ? *found : -1;
+    }
+    return slot;
+}
+
+static __always_inline void account(struct call *c, u64 duration) {
+    u32 op = c->op & (OP_COUNT - 1);
+    s32 slot = -1;
+    if (op < OP_GET_UNIQUE_ID && c->series_by_op[op]) {
+        slot = c->series_by_op[op] - 1;  // cached for this communicator
+    } else {
+        struct series_key key = {.comm_hash = c->comm_hash, .rank = c->rank,
+                                 .nranks = c->nranks, .op = op};
+        if (op >= OP_GET_UNIQUE_ID) {
+            // Lifecycle calls: one series per op (nccl_lifecycle_duration_seconds).
+            key.comm_hash = 0;
+            key.rank = -1;
+            key.nranks = -1;
+        }
+        slot = series_slot(&key);
+        if (slot < 0)
+            return;
+        if (op < OP_GET_UNIQUE_ID)
+            c->series_by_op[op] = slot + 1;
+    }
+    u32 i = slot;
+    struct series_stats *s = series_stats.lookup(&i);
+    if (!s)
+        return;
     u32 b = bucket_of(duration);
     if (b >= HIST_SLOTS)
         b = HIST_SLOTS - 1;
+    // The running count is this rank's sequence number for (comm, op): every
+    // rank of a communicator makes the same sequence of collectives on it.
     __sync_fetch_and_add(&s->calls, 1);
+    c->seq = s->calls;  // (two threads on one series at once may share a number)
     __sync_fetch_and_add(&s->bytes, c->count * datatype_size(c->datatype));
     __sync_fetch_and_add(&s->sum_ns, duration);
     __sync_fetch_and_add(&s->buckets[b], 1);
@@ -571,7 +681,7 @@ int on_return(struct pt_regs *ctx) {
     u64 end = bpf_ktime_get_ns();
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct call *c = inflight.lookup(&tid);
-    if (!c)
+    if (!c || !c->op)
         return 0;
     if (c->depth > 0) {  // an inner public call returned; the outer one goes on
         c->depth--;
@@ -607,7 +717,8 @@ int on_return(struct pt_regs *ctx) {
         if ((record_all && *record_all) || (threshold && *threshold && duration >= *threshold))
             emit(c, EVENT_CALL, tid, end, result);
     }
-    inflight.delete(&tid);
+    c->start_ns = 0;
+    c->op = 0;  // idle: the slot stays for this thread's next call
     return 0;
 }
 

@@ -185,7 +185,7 @@ class NcclCollector:
             labels=["node", "map"],
         )
         for name, map_name in (
-            ("STATS_FULL", "collective_stats"),
+            ("STATS_FULL", "series_index"),
             ("COMMS_FULL", "communicators"),
             ("INFLIGHT_FULL", "inflight"),
             ("ERRORS_FULL", "call_errors"),

@@ -39,7 +39,6 @@ class Communicator:
     nccl_hash: int
     rank: int
     nranks: int
-    seq: int
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,9 @@ class MapReader:
 
     def series(self) -> list[Series]:
         out = []
-        for k, v in self.bpf["collective_stats"].items():
+        stats = self.bpf["series_stats"]
+        for k, slot in self.bpf["series_index"].items():
+            v = stats[stats.Key(slot.value)]
             out.append(
                 Series(
                     op=contract.op_name(k.op),
@@ -174,7 +175,6 @@ class MapReader:
                 nccl_hash=v.nccl_hash,
                 rank=v.rank,
                 nranks=v.nranks,
-                seq=v.seq,
             )
             for k, v in self.bpf["communicators"].items()
         ]
@@ -201,7 +201,7 @@ class MapReader:
                 start_ns=v.start_ns,
             )
             for k, v in self.bpf["inflight"].items()
-            if v.start_ns  # 0: entry made, clock not yet read
+            if v.op and v.start_ns  # op 0: the thread's slot is idle; start 0: being filled
         ]
 
     def counters(self) -> dict[str, int]:

@@ -9,6 +9,7 @@ call twice.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from .elf import exported_functions
 
 # Map sizes: the bounds on what the kernel side can hold (and so on the
 # cardinality of what is exported). A full map is counted, never fatal.
-MAX_SERIES = 2048      # (op, comm, rank) series in collective_stats
+MAX_SERIES = 2048      # (op, comm, rank, nranks) series: series_index / series_stats
 MAX_COMMS = 4096       # live communicators, all processes
 MAX_THREADS = 16384    # threads inside an NCCL call at one time
 MAX_ERRORS = 512       # (op, result) pairs
@@ -37,7 +38,7 @@ COUNTER_SLOTS = 8
 OP_COUNT = 32  # op codes are < 32; event_config[OP_COUNT] = record every call
 
 MAP_CAPACITY = {
-    "collective_stats": MAX_SERIES,
+    "series_index": MAX_SERIES,
     "communicators": MAX_COMMS,
     "inflight": MAX_THREADS,
     "call_errors": MAX_ERRORS,
@@ -170,6 +171,21 @@ class NcclProbes:
     def set_process_rank(self, pid: int, rank: int) -> None:
         table = self.bpf["process_rank"]
         table[table.Key(pid)] = table.Leaf(rank)
+        gen = self.bpf["comm_generation"]  # threads re-read their cached identity
+        gen[gen.Key(0)] = gen.Leaf(gen[gen.Key(0)].value + 1)
 
     def close(self) -> None:
+        """Detach everything. Removing a uprobe waits for an RCU grace period
+        (~0.2 s on 6.x kernels); done one by one, 64 probes take ~15 s, so
+        they are closed in parallel and the grace periods overlap."""
+        names = list(self.bpf.uprobe_fds)
+        if names:
+            with ThreadPoolExecutor(max_workers=min(32, len(names))) as pool:
+                list(pool.map(self._detach_quietly, names))
         self.bpf.cleanup()
+
+    def _detach_quietly(self, name) -> None:
+        try:
+            self.bpf.detach_uprobe_event(name)
+        except Exception:  # already gone; cleanup() retries what is left
+            pass
