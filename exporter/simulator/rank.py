@@ -394,6 +394,12 @@ class Rank:
         r, n = self.rank, self.n
         cnt = max(2, self.a.count)
         world = self.comm_init("world")
+        # A second communicator, as data/tensor-parallel groups are: even and odd ranks.
+        half = c_p()
+        self.nccl("ncclCommSplit", world, r % 2, r, ctypes.byref(half), None)
+        hrank, hcount = c_i(-1), c_i(-1)
+        self.nccl("ncclCommUserRank", half, ctypes.byref(hrank))
+        self.nccl("ncclCommCount", half, ctypes.byref(hcount))
         vals = [[float((q * 7 + i * 3) % 5 + 1) for i in range(cnt)] for q in range(n)]
         send_raw = encode(FLOAT32, vals[r])
         want = encode(FLOAT32, reduce_expected(FLOAT32, SUM, vals))[: (cnt - 1) * 4]
@@ -411,9 +417,11 @@ class Rank:
             self.checks += 1
             if raw[:vote_off] != want:
                 raise NcclError(f"wrong result in ncclAllReduce (train iteration {it})")
+            self.allreduce(half, hrank.value, hcount.value, FLOAT32, SUM, it, max(1, cnt // 8))
             if struct.unpack("<f", raw[vote_off:vote_off + 4])[0] > 0:
                 break
         self.a.iterations = it
+        self.nccl("ncclCommDestroy", half)
         self.nccl("ncclCommDestroy", world)
 
     def run_hang(self):
