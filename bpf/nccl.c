@@ -84,6 +84,7 @@ struct call {
     s32 cached_nranks;
     u32 stream_arg;  // 0: stream is in .stream; n: the n-th stack argument
     u32 series_by_op[OP_COUNT];  // series_stats slot + 1 per op, for cached_comm
+    u64 runq_wait_ns;  // time this thread waited runnable during the call (bpf/sched.c)
     s32 rank;
     s32 nranks;
     u32 op;
@@ -129,9 +130,15 @@ BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
 BPF_HASH(communicators, struct comm_key, struct comm_info, MAX_COMMS);
 // Per thread that has called NCCL (op != 0: inside a call), until it exits.
 BPF_HASH(inflight, u32, struct call, MAX_THREADS);
-// Launcher rank (RANK, SLURM_PROCID, ...) per process, written by user space:
-// the rank label of calls on a communicator the agent never saw created.
-BPF_HASH(process_rank, u32, s32, MAX_PROCESSES);
+// Traced processes: those that use NCCL. Value: the process's rank (launcher
+// RANK/SLURM_PROCID/..., else its world communicator rank; -1 unknown),
+// written by user space; a process is added here by its first NCCL call too.
+// It labels calls on a communicator the agent never saw created, and the
+// kernel-side probes (bpf/tcp.c, bpf/sched.c) look only at these processes.
+BPF_HASH(traced_processes, u32, s32, MAX_PROCESSES);
+// One bit per thread id of a traced process: the cheap test that lets the
+// scheduler and socket probes return at once for everything else.
+BPF_ARRAY(traced_threads, u64, PID_WORDS);
 // Bumped whenever a communicator or a launcher rank is learnt or forgotten.
 BPF_ARRAY(comm_generation, u64, 1);
 // Per-op slow-call threshold in ns (0: off); index OP_COUNT: 1 = every call.
@@ -148,6 +155,23 @@ static __always_inline void count_up(u32 slot) {
     u64 *v = counters.lookup(&slot);
     if (v)
         __sync_fetch_and_add(v, 1);
+}
+
+static __always_inline int thread_traced(u32 tid) {
+    u32 word = tid / 64;
+    u64 *bits = traced_threads.lookup(&word);
+    return bits && (*bits & (1ULL << (tid % 64)));
+}
+
+static __always_inline void set_thread_traced(u32 tid, int on) {
+    u32 word = tid / 64;
+    u64 *bits = traced_threads.lookup(&word);
+    if (!bits)
+        return;
+    if (on)
+        __sync_fetch_and_or(bits, 1ULL << (tid % 64));
+    else
+        __sync_fetch_and_and(bits, ~(1ULL << (tid % 64)));
 }
 
 static __always_inline u32 datatype_size(s32 dt) {
@@ -241,6 +265,11 @@ static __always_inline struct call *begin(u32 op, u32 *tid_out) {
         if (!c)
             return 0;
         c->cached_gen = ~0ULL;  // nothing cached yet
+        // The first NCCL call of a thread: its process is traced from now on.
+        u32 tgid = bpf_get_current_pid_tgid() >> 32;
+        s32 unknown = -1;
+        traced_processes.insert(&tgid, &unknown);
+        set_thread_traced(tid, 1);
     } else if (c->op) {
         c->depth++;
         return 0;
@@ -256,6 +285,7 @@ static __always_inline struct call *begin(u32 op, u32 *tid_out) {
     c->seq = 0;
     c->aux = 0;
     c->stream_arg = 0;
+    c->runq_wait_ns = 0;
     c->rank = -1;
     c->nranks = -1;
     c->depth = 0;
@@ -297,7 +327,7 @@ static __always_inline void resolve_comm(struct call *c, u64 comm) {
             c->cached_rank = info->rank;
             c->cached_nranks = info->nranks;
         } else {
-            s32 *launcher_rank = process_rank.lookup(&tgid);
+            s32 *launcher_rank = traced_processes.lookup(&tgid);
             c->cached_hash = 0;
             c->cached_nccl_hash = 0;
             c->cached_rank = launcher_rank ? *launcher_rank : -1;
@@ -722,15 +752,26 @@ int on_return(struct pt_regs *ctx) {
     return 0;
 }
 
+// A thread created by a traced process is traced too (NCCL's proxy threads).
+TRACEPOINT_PROBE(sched, sched_process_fork) {
+    u32 parent_tgid = bpf_get_current_pid_tgid() >> 32;
+    if (traced_processes.lookup(&parent_tgid))
+        set_thread_traced(args->child_pid, 1);
+    return 0;
+}
+
 // A thread that exits inside a call (killed, crashed, longjmp'd) never
 // returns: drop its entry so it shows no phantom hang and leaks nothing.
 TRACEPOINT_PROBE(sched, sched_process_exit) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
+    if (!thread_traced(tid))
+        return 0;
+    set_thread_traced(tid, 0);
     inflight.delete(&tid);
     if ((u32)id == (u32)(id >> 32)) {
         u32 tgid = id >> 32;
-        process_rank.delete(&tgid);
+        traced_processes.delete(&tgid);
     }
     return 0;
 }

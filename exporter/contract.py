@@ -139,6 +139,14 @@ LIFECYCLE_DURATION = "nccl_lifecycle_duration_seconds"
 INFLIGHT_OLDEST = "nccl_inflight_oldest_seconds"
 COMMUNICATOR_INFO = "nccl_communicator_info"
 
+# Kernel side: TCP (bpf/tcp.c) and scheduler (bpf/sched.c).
+TCP_RETRANSMITS = "nccl_tcp_retransmits_total"
+TCP_RETRANSMIT_FAILURES = "nccl_tcp_retransmit_failures_total"
+TCP_RESETS = "nccl_tcp_resets_total"
+TCP_SRTT = "nccl_tcp_srtt_seconds"
+RUNQUEUE_DELAY = "nccl_runqueue_delay_seconds"
+OFFCPU = "nccl_offcpu_seconds_total"
+
 EXPORTER_BUILD_INFO = "nccl_exporter_build_info"
 EXPORTER_PROBE_ATTACHED = "nccl_exporter_probe_attached"
 EXPORTER_MAP_ENTRIES = "nccl_exporter_map_entries"

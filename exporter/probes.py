@@ -37,12 +37,24 @@ COUNTER_SLOTS = 8
 
 OP_COUNT = 32  # op codes are < 32; event_config[OP_COUNT] = record every call
 
+# The BPF program is these files, in this order, compiled as one (they share
+# maps: traced_processes, traced_threads, inflight).
+BPF_SOURCES = ("nccl.c", "tcp.c", "sched.c")
+
+
+def pid_max() -> int:
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 4194304  # the 64-bit kernel's ceiling
+
 MAP_CAPACITY = {
     "series_index": MAX_SERIES,
     "communicators": MAX_COMMS,
     "inflight": MAX_THREADS,
     "call_errors": MAX_ERRORS,
-    "process_rank": MAX_PROCESSES,
+    "traced_processes": MAX_PROCESSES,
 }
 
 
@@ -76,6 +88,7 @@ def generated_header() -> str:
         f"#define HIST_SUB {histogram.SUB}",
         f"#define SPLIT_TAG 0x{_split_tag():016x}ULL",
         f"#define CNT_SLOTS {COUNTER_SLOTS}",
+        f"#define PID_WORDS {(pid_max() + 63) // 64}",
     ]
     lines += [f"#define CNT_{name} {slot}" for name, slot in COUNTERS.items()]
     return "\n".join(lines) + "\n"
@@ -121,7 +134,12 @@ class NcclProbes:
             raise ProbeError(
                 "the bcc module is not importable: install python3-bpfcc (make deps)"
             ) from e
-        source = generated_header() + (bpf_source_dir() / "nccl.c").read_text() + generated_stubs()
+        src = bpf_source_dir()
+        source = generated_header()
+        for name in BPF_SOURCES:
+            if (src / name).is_file():
+                source += f'#line 1 "{name}"\n' + (src / name).read_text()
+        source += generated_stubs()
         try:
             self.bpf = BPF(text=source, cflags=["-Wno-unused-function", *extra_cflags])
         except Exception as e:
@@ -168,9 +186,18 @@ class NcclProbes:
         cfg = self.bpf["event_config"]
         cfg[cfg.Key(contract.OP_CODES[op])] = cfg.Leaf(int(threshold_ns))
 
-    def set_process_rank(self, pid: int, rank: int) -> None:
-        table = self.bpf["process_rank"]
-        table[table.Key(pid)] = table.Leaf(rank)
+    def trace_process(self, pid: int, rank: int | None, proc: str = "/proc") -> None:
+        """Trace a process (it uses NCCL) and its existing threads; rank None: unknown."""
+        table = self.bpf["traced_processes"]
+        table[table.Key(pid)] = table.Leaf(-1 if rank is None else int(rank))
+        bits = self.bpf["traced_threads"]
+        try:
+            tids = [int(t) for t in os.listdir(f"{proc}/{pid}/task")]
+        except OSError:
+            tids = [pid]
+        for tid in tids:
+            key = bits.Key(tid // 64)
+            bits[key] = bits.Leaf(bits[key].value | (1 << (tid % 64)))
         gen = self.bpf["comm_generation"]  # threads re-read their cached identity
         gen[gen.Key(0)] = gen.Leaf(gen[gen.Key(0)].value + 1)
 

@@ -2,7 +2,8 @@
 
 The launcher rank is metadata on nccl_communicator_info, and the kernel's
 fallback rank for calls on a communicator the agent never saw created (an
-agent started mid-job): it is written into the `process_rank` BPF map.
+agent started mid-job): it is written into the `traced_processes` BPF map,
+which also tells the kernel-side probes which processes and threads to watch.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ class ProcessTable:
         who["command"] = process_command(pid)
         with self._lock:
             self._known[pid] = who
-        if self.probes is not None and who.get("rank") is not None:
+        if self.probes is not None:
             try:
-                self.probes.set_process_rank(pid, int(who["rank"]))
-            except Exception:  # map full: the fallback rank stays unknown
+                self.probes.trace_process(pid, who.get("rank"), proc=self.proc)
+            except Exception:  # map full: counted by the kernel side; rank stays unknown
                 pass
         return who
 
@@ -45,3 +46,14 @@ class ProcessTable:
         with self._lock:
             for pid in [p for p in self._known if not os.path.exists(f"{self.proc}/{p}")]:
                 del self._known[pid]
+
+    def rank_of(self, pid: int, communicators=()) -> int | None:
+        """A process's rank: its launcher rank, else its rank in the largest
+        communicator it belongs to (the world), else None."""
+        who = self.identity(pid)
+        if who.get("rank") is not None:
+            return int(who["rank"])
+        mine = [c for c in communicators if c.pid == pid and c.rank >= 0]
+        if mine:
+            return max(mine, key=lambda c: c.nranks).rank
+        return None
