@@ -24,6 +24,10 @@ MAX_THREADS = 16384    # threads inside an NCCL call at one time
 MAX_ERRORS = 512       # (op, result) pairs
 MAX_PROCESSES = 4096   # processes with a known launcher rank
 EVENT_PAGES = 256      # ring buffer: 1 MiB
+MAX_SOCKETS = 65536    # sock_owner: sockets of traced processes (bpf/tcp.c)
+MAX_LINKS = 4096       # tcp_links: (family, saddr, daddr, port, owner) series
+TCP_EVENT_PAGES = 64   # tcp_events ring buffer: 256 KiB
+MAX_SCHED_THREADS = 65536  # thread_sched: scheduler state of traced threads (bpf/sched.c)
 
 # Slots of the `counters` array map.
 COUNTERS = {
@@ -32,8 +36,12 @@ COUNTERS = {
     "INFLIGHT_FULL": 2,
     "ERRORS_FULL": 3,
     "EVENTS_LOST": 4,
+    "SOCKETS_FULL": 5,
+    "LINKS_FULL": 6,
+    "TCP_EVENTS_LOST": 7,
+    "SCHED_FULL": 8,
 }
-COUNTER_SLOTS = 8
+COUNTER_SLOTS = 16
 
 OP_COUNT = 32  # op codes are < 32; event_config[OP_COUNT] = record every call
 
@@ -55,6 +63,9 @@ MAP_CAPACITY = {
     "inflight": MAX_THREADS,
     "call_errors": MAX_ERRORS,
     "traced_processes": MAX_PROCESSES,
+    "sock_owner": MAX_SOCKETS,
+    "tcp_links": MAX_LINKS,
+    "thread_sched": MAX_SCHED_THREADS,
 }
 
 
@@ -65,6 +76,27 @@ def bpf_source_dir() -> Path:
         if (candidate / "nccl.c").is_file():
             return candidate
     raise FileNotFoundError(f"bpf/nccl.c not found next to {here}")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's ephemeral port range (net.ipv4.ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = f.read().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def tracepoint_has_field(system: str, event: str, field: str) -> bool:
+    """Read the tracepoint's format instead of assuming a kernel version."""
+    for root in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+        try:
+            with open(f"{root}/events/{system}/{event}/format") as f:
+                return any(f" {field};" in line for line in f if "field:" in line)
+        except OSError:
+            continue
+    return False
 
 
 def entry_stub(op: str, layout: str) -> str:
@@ -89,6 +121,13 @@ def generated_header() -> str:
         f"#define SPLIT_TAG 0x{_split_tag():016x}ULL",
         f"#define CNT_SLOTS {COUNTER_SLOTS}",
         f"#define PID_WORDS {(pid_max() + 63) // 64}",
+        f"#define MAX_SOCKETS {MAX_SOCKETS}",
+        f"#define MAX_LINKS {MAX_LINKS}",
+        f"#define TCP_EVENT_PAGES {TCP_EVENT_PAGES}",
+        f"#define MAX_SCHED_THREADS {MAX_SCHED_THREADS}",
+        f"#define EPHEMERAL_PORT_LO {ephemeral_ports()[0]}",
+        f"#define EPHEMERAL_PORT_HI {ephemeral_ports()[1]}",
+        f"#define HAVE_RETRANSMIT_ERR {int(tracepoint_has_field('tcp', 'tcp_retransmit_skb', 'err'))}",
     ]
     lines += [f"#define CNT_{name} {slot}" for name, slot in COUNTERS.items()]
     return "\n".join(lines) + "\n"
