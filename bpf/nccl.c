@@ -118,13 +118,17 @@ struct event {
     s32 peer;
     s32 result;
     s32 color;
+    u64 runq_wait_ns;  // the calling thread's run-queue wait during the call
 };
 
 // Series live in an array (a lookup the verifier inlines); the hash only maps
 // a series' labels to its slot, and each thread caches that slot per op.
 BPF_HASH(series_index, struct series_key, u32, MAX_SERIES);
 BPF_ARRAY(series_stats, struct series_stats, MAX_SERIES);
-BPF_ARRAY(series_next, u32, 1);  // next free slot of series_stats (a hint)
+BPF_ARRAY(series_next, u32, 1);
+// Relative slow-call threshold per series (k x its recent p50), written by
+// user space; 0: use the op's absolute threshold in event_config.
+BPF_ARRAY(series_threshold, u64, MAX_SERIES);  // next free slot of series_stats (a hint)
 BPF_HASH(series_claims, u32, u8, MAX_SERIES);  // slots taken
 BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
 BPF_HASH(communicators, struct comm_key, struct comm_info, MAX_COMMS);
@@ -635,6 +639,7 @@ static __always_inline void emit(struct call *c, u32 kind, u32 tid, u64 end, s32
     e->peer = c->peer;
     e->result = result;
     e->color = c->color;
+    e->runq_wait_ns = c->runq_wait_ns;
     events.ringbuf_submit(e, 0);
 }
 
@@ -671,7 +676,8 @@ static __always_inline s32 series_slot(struct series_key *key) {
     return slot;
 }
 
-static __always_inline void account(struct call *c, u64 duration) {
+// Returns the series' slot (-1: none) so the caller can check its threshold.
+static __always_inline s32 account(struct call *c, u64 duration) {
     u32 op = c->op & (OP_COUNT - 1);
     s32 slot = -1;
     if (op < OP_GET_UNIQUE_ID && c->series_by_op[op]) {
@@ -687,14 +693,14 @@ static __always_inline void account(struct call *c, u64 duration) {
         }
         slot = series_slot(&key);
         if (slot < 0)
-            return;
+            return -1;
         if (op < OP_GET_UNIQUE_ID)
             c->series_by_op[op] = slot + 1;
     }
     u32 i = slot;
     struct series_stats *s = series_stats.lookup(&i);
     if (!s)
-        return;
+        return -1;
     u32 b = bucket_of(duration);
     if (b >= HIST_SLOTS)
         b = HIST_SLOTS - 1;
@@ -705,6 +711,7 @@ static __always_inline void account(struct call *c, u64 duration) {
     __sync_fetch_and_add(&s->bytes, c->count * datatype_size(c->datatype));
     __sync_fetch_and_add(&s->sum_ns, duration);
     __sync_fetch_and_add(&s->buckets[b], 1);
+    return slot;
 }
 
 int on_return(struct pt_regs *ctx) {
@@ -727,7 +734,7 @@ int on_return(struct pt_regs *ctx) {
 
     if (op >= OP_GET_UNIQUE_ID)
         lifecycle_return(c, result);
-    account(c, duration);
+    s32 slot = account(c, duration);
     if (result != NCCL_SUCCESS) {
         struct error_key ek = {.op = op, .result = result};
         u64 one = 1;
@@ -744,7 +751,14 @@ int on_return(struct pt_regs *ctx) {
         u32 all = OP_COUNT;
         u64 *record_all = event_config.lookup(&all);
         u64 *threshold = event_config.lookup(&op);
-        if ((record_all && *record_all) || (threshold && *threshold && duration >= *threshold))
+        u64 limit = threshold ? *threshold : 0;
+        if (slot >= 0) {
+            u32 i = slot;
+            u64 *relative = series_threshold.lookup(&i);
+            if (relative && *relative)
+                limit = *relative;
+        }
+        if ((record_all && *record_all) || (limit && duration >= limit))
             emit(c, EVENT_CALL, tid, end, result);
     }
     c->start_ns = 0;

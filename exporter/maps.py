@@ -77,6 +77,7 @@ class CallEvent:
     stream: int
     result: int
     color: int
+    runq_wait_ns: int = 0  # the calling thread's run-queue wait during the call
 
     @property
     def duration_ns(self) -> int:
@@ -103,6 +104,7 @@ class CallEvent:
             "peer": self.peer,
             "stream": hex(self.stream),
             "result": contract.result_name(self.result),
+            "runq_wait_ns": self.runq_wait_ns,
         }
 
 
@@ -210,7 +212,13 @@ class MapReader:
 
     def fill(self) -> dict[str, tuple[int, int]]:
         """map name -> (entries, capacity)."""
-        return {name: (sum(1 for _ in self.bpf[name].keys()), cap) for name, cap in MAP_CAPACITY.items()}
+        out = {}
+        for name, cap in MAP_CAPACITY.items():
+            try:
+                out[name] = (sum(1 for _ in self.bpf[name].keys()), cap)
+            except KeyError:  # a probe file that is not part of this build
+                continue
+        return out
 
     def decode_event(self, data) -> CallEvent:
         e = self.bpf["events"].event(data)
@@ -237,6 +245,7 @@ class MapReader:
             stream=e.stream,
             result=e.result,
             color=e.color,
+            runq_wait_ns=e.runq_wait_ns,
         )
 
     def on_event(self, callback) -> None:
