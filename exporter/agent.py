@@ -40,7 +40,9 @@ class Agent:
         self.probes = NcclProbes()
         self.reader = MapReader(self.probes.bpf)
         self.processes = ProcessTable(self.probes)
-        self.listeners: list = []  # callables taking a CallEvent
+        self.listeners: list = []  # callables taking a CallEvent (or a TcpEvent)
+        self.sections: list = []  # collector sections of the kernel-side readers
+        self.slow = None  # exporter.slow.SlowCallPolicy, set by whoever wants slow-call events
         self._found: queue.Queue = queue.Queue()
         self._watcher = None
         self.events_seen = 0
@@ -100,6 +102,9 @@ class Agent:
     def step(self, timeout_ms: int = 200) -> None:
         """One turn: deliver events, attach newly found libraries."""
         self.reader.poll(timeout_ms)
+        if self.slow is not None:
+            with self.lock:
+                self.slow.refresh()
         while True:
             try:
                 lib = self._found.get_nowait()

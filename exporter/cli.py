@@ -60,7 +60,8 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, number
 
 
-CONFIG_KEYS = {"node", "listen", "nccl_libs", "log_level"}
+CONFIG_KEYS = {"node", "listen", "nccl_libs", "log_level", "otlp_endpoint", "otlp_protocol",
+               "slow_threshold", "slow_relative"}
 
 
 def load_config(path: str | None) -> dict:
@@ -168,7 +169,14 @@ def cmd_run(args) -> int:
         raise
     from .collector import NcclCollector
 
-    registry.register(NcclCollector(agent.reader, node, agent.probes, agent.processes, lock=agent.lock))
+    try:
+        spans = _start_tracing(args, cfg, agent, node)
+    except CliError:
+        agent.close()
+        server.shutdown()
+        raise
+    registry.register(NcclCollector(agent.reader, node, agent.probes, agent.processes,
+                                    lock=agent.lock, spans=spans, sections=agent.sections))
     shown = "localhost" if host in ("0.0.0.0", "::") else host
     print(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics",
           flush=True)
@@ -177,9 +185,65 @@ def cmd_run(args) -> int:
         agent.run_until(stop)
     finally:
         agent.close()
+        if spans is not None:
+            spans.close()
         server.shutdown()
     print("nccl-exporter: stopped", flush=True)
     return 0
+
+
+def parse_thresholds(values) -> dict[str, int]:
+    """['50ms', 'ALL_REDUCE=200ms'] -> {op: ns}; a bare duration applies to every collective."""
+    out: dict[str, int] = {}
+    for value in values or ():
+        op, sep, text = str(value).rpartition("=")
+        try:
+            ns = int(parse_duration(text) * 1e9)
+        except argparse.ArgumentTypeError as e:
+            raise CliError(f"--slow-threshold {value!r}: {e}") from None
+        if not sep:
+            out.update({name: ns for name in contract.COLLECTIVE_OPS.values()})
+        elif op.upper() in contract.COLLECTIVE_OPS.values():
+            out[op.upper()] = ns
+        else:
+            raise CliError(f"--slow-threshold {value!r}: unknown op {op!r}; ops: "
+                           + ", ".join(contract.COLLECTIVE_OPS.values()))
+    return out
+
+
+def _start_tracing(args, cfg, agent, node):
+    """Slow-call thresholds, and the span sink when an OTLP endpoint is configured."""
+    from .slow import SlowCallPolicy
+
+    configured = cfg.get("slow_threshold")
+    if isinstance(configured, dict):
+        configured = [f"{op}={d}" for op, d in configured.items()]
+    elif configured is not None:
+        configured = [str(configured)]
+    thresholds = parse_thresholds([*(configured or []), *(args.slow_threshold or [])])
+    relative = args.slow_relative if args.slow_relative is not None else cfg.get("slow_relative")
+    if relative is not None and not (isinstance(relative, (int, float)) and relative > 0):
+        raise CliError(f"--slow-relative {relative!r}: a factor > 0, e.g. 3")
+    agent.slow = SlowCallPolicy(agent.probes, agent.reader, thresholds, relative)
+
+    endpoint = (args.otlp_endpoint or cfg.get("otlp_endpoint")
+                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    if not endpoint:
+        return None
+    protocol = (args.otlp_protocol or cfg.get("otlp_protocol")
+                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+    from .spans import SpanSink, make_otlp_exporter
+
+    try:
+        exporter = make_otlp_exporter(protocol, endpoint)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    sink = SpanSink(node, exporter, agent.processes)
+    agent.listeners.append(sink)
+    print(f"spans of slow calls -> {endpoint} (OTLP {protocol})", flush=True)
+    return sink
 
 
 def format_event_text(e) -> str:
@@ -287,6 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--node", metavar="NAME",
                    help="node label (default: config, $NCCL_EXPORTER_NODE, hostname)")
     r.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    r.add_argument("--otlp-endpoint", metavar="URL",
+                   help="send a span per slow call here (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
+                        "or $OTEL_EXPORTER_OTLP_ENDPOINT; no spans without one)")
+    r.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"],
+                   help="default: $OTEL_EXPORTER_OTLP_PROTOCOL or grpc")
+    r.add_argument("--slow-threshold", action="append", metavar="[OP=]DURATION",
+                   help="a call at least this long is slow (default 50ms for every op); "
+                        "repeatable, e.g. --slow-threshold 20ms --slow-threshold ALL_REDUCE=200ms")
+    r.add_argument("--slow-relative", type=float, metavar="K",
+                   help="instead of the fixed threshold, a call is slow at K x the recent p50 of "
+                        "its op/comm/rank series (recomputed every 10 s; never below 1 ms)")
     lib_option(r)
     r.set_defaults(func=cmd_run)
 

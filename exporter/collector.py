@@ -12,6 +12,7 @@ from collections import defaultdict
 
 from prometheus_client.core import (
     CounterMetricFamily,
+    Exemplar,
     GaugeMetricFamily,
     HistogramMetricFamily,
 )
@@ -27,12 +28,16 @@ def label(value: int) -> str:
 
 
 class NcclCollector:
-    def __init__(self, reader: MapReader, node: str, probes, processes, lock=None):
+    def __init__(self, reader: MapReader, node: str, probes, processes, lock=None,
+                 spans=None, sections=()):
         self.lock = lock or threading.Lock()  # held while reading: BCC objects are shared
         self.reader = reader
         self.node = node
         self.probes = probes
         self.processes = processes  # exporter.processes.ProcessTable
+        self.spans = spans  # exporter.spans.SpanSink, when traces are exported
+        # Other readers' families (TCP, scheduler): callables (node, rank_of) -> families.
+        self.sections = list(sections)
 
     def collect(self):
         started = time.perf_counter()
@@ -44,6 +49,14 @@ class NcclCollector:
                 *self._communicators(),
                 *self._self_metrics(),
             ]
+            if self.sections:
+                comms = self.reader.communicators()
+
+                def rank_of(pid):
+                    return self.processes.rank_of(pid, comms)
+
+                for section in self.sections:
+                    families.extend(section(self.node, rank_of))
         yield from families
         scrape = GaugeMetricFamily(
             contract.EXPORTER_SCRAPE_DURATION,
@@ -66,12 +79,17 @@ class NcclCollector:
             else:
                 lifecycle.add((node, s.op), s)
 
+        exemplars = {}
+        if self.spans is not None:
+            for (op, comm, rank, nranks), ex in list(self.spans.exemplars.items()):
+                exemplars[(node, op, comm, label(rank), label(nranks))] = ex
         yield durations.family(
             contract.COLLECTIVE_DURATION,
             "Duration of NCCL collective and point-to-point API calls, from entry to "
             "return of the library function (on a GPU this is host-side time: enqueue, "
             "or the wait when the call blocks).",
             ["node", "op", "comm", "rank", "nranks"],
+            exemplars,
         )
         b = CounterMetricFamily(
             contract.COLLECTIVE_BYTES,
@@ -199,6 +217,17 @@ class NcclCollector:
         )
         lost.add_metric([self.node], counters["EVENTS_LOST"])
         yield lost
+        if self.spans is not None:
+            spans = CounterMetricFamily(
+                contract.EXPORTER_SPANS,
+                "Spans of slow calls by outcome: exported to the OTLP backend, failed to "
+                "export (backend down or refusing), or dropped before export because the "
+                "backend was behind (the probe path never waits for it).",
+                labels=["node", "outcome"],
+            )
+            for outcome, n in self.spans.counts().items():
+                spans.add_metric([self.node, outcome], n)
+            yield spans
 
 
 assert set(COUNTERS) >= {"STATS_FULL", "COMMS_FULL", "INFLIGHT_FULL", "ERRORS_FULL", "EVENTS_LOST"}
@@ -217,14 +246,20 @@ class _Histograms:
             acc[i] += n
         self.sums[labels] += s.sum_ns
 
-    def family(self, name: str, doc: str, label_names: list[str]) -> HistogramMetricFamily:
+    def family(self, name: str, doc: str, label_names: list[str],
+               exemplars: dict | None = None) -> HistogramMetricFamily:
+        """exemplars: labels -> (trace id, duration s, unix time): the latest slow
+        call's trace, shown on its bucket (OpenMetrics exposition only)."""
         f = HistogramMetricFamily(name, doc, labels=label_names)
         for labels in sorted(self.buckets):
-            f.add_metric(
-                list(labels),
-                histogram.cumulative_buckets(self.buckets[labels]),
-                self.sums[labels] / 1e9,
-            )
+            buckets = histogram.cumulative_buckets(self.buckets[labels])
+            ex = (exemplars or {}).get(labels)
+            if ex:
+                trace_id, value, ts = ex
+                i = min(histogram.bucket_of(int(value * 1e9)), len(buckets) - 1)
+                le, count = buckets[i]
+                buckets[i] = (le, count, Exemplar({"trace_id": trace_id}, value, ts))
+            f.add_metric(list(labels), buckets, self.sums[labels] / 1e9)
         return f
 
 

@@ -29,6 +29,7 @@ class Series:
     bytes: int
     sum_ns: int
     buckets: tuple[int, ...]
+    slot: int = -1  # index in the kernel's series_stats array
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ class MapReader:
                     bytes=v.bytes,
                     sum_ns=v.sum_ns,
                     buckets=tuple(v.buckets),
+                    slot=slot.value,
                 )
             )
         return out
