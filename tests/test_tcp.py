@@ -1,0 +1,345 @@
+"""TCP probes (bpf/tcp.c, exporter/tcp.py): real traffic in netns, real tracepoints.
+
+The exporter's retransmit counts are checked against an independent observer
+of the same tracepoint (a tracefs instance of our own) and bounded by the
+kernel's RetransSegs of the cluster's namespaces.
+
+Other tests may run clusters with the same addresses at the same time, so
+every comparison is made on this test's own links: (saddr, daddr, port) keys
+owned by this test's processes, or the port of its own traffic generator.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter, defaultdict
+
+import pytest
+
+from exporter import contract
+from exporter.probes import COUNTERS, NcclProbes, ephemeral_ports
+from exporter.simulator.build import build_library
+from exporter.simulator.cluster import NETNS_DIR, Cluster, start_job
+from exporter.tcp import AF_INET, AF_INET6, TcpReader
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
+
+TRACEFS = "/sys/kernel/tracing"
+LOSSY = 1        # host whose link drops packets
+LOSS_PCT = 3
+GEN_PORT = 5001  # the untraced generator's service port (outside the ephemeral range)
+
+
+# ------------------------------------------------------------------ helpers --
+def link_port(sport: int, dport: int) -> int:
+    """bpf/tcp.c's service-port rule."""
+    lo, hi = ephemeral_ports()
+    s_eph, d_eph = lo <= sport <= hi, lo <= dport <= hi
+    if s_eph and not d_eph:
+        return dport
+    if d_eph and not s_eph:
+        return sport
+    return min(sport, dport)
+
+
+class Observer:
+    """A tracefs instance recording tcp:tcp_retransmit_skb, independent of BPF."""
+
+    LINE = re.compile(r"family=(AF_INET6?) sport=(\d+) dport=(\d+) saddr=(\S+) daddr=(\S+) "
+                      r"saddrv6=(\S+) daddrv6=(\S+) state=\S+(?: err=(-?\d+))?")
+
+    def __init__(self):
+        self.path = f"{TRACEFS}/instances/nccl_tcp_test_{os.getpid()}_{time.monotonic_ns()}"
+
+    def __enter__(self):
+        os.mkdir(self.path)
+        try:
+            with open(f"{self.path}/buffer_size_kb", "w") as f:
+                f.write("8192")
+            with open(f"{self.path}/events/tcp/tcp_retransmit_skb/enable", "w") as f:
+                f.write("1")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            with open(f"{self.path}/events/tcp/tcp_retransmit_skb/enable", "w") as f:
+                f.write("0")
+        except OSError:
+            pass
+        os.rmdir(self.path)
+
+    def overruns(self) -> int:
+        total = 0
+        for cpu in os.listdir(f"{self.path}/per_cpu"):
+            with open(f"{self.path}/per_cpu/{cpu}/stats") as f:
+                for line in f:
+                    if line.startswith("overrun:"):
+                        total += int(line.split()[1])
+        return total
+
+    def hits(self) -> Counter:
+        """(saddr, daddr, port) -> retransmits that sent (err == 0)."""
+        out: Counter = Counter()
+        with open(f"{self.path}/trace") as f:
+            for line in f:
+                m = self.LINE.search(line)
+                if not m:
+                    continue
+                fam, sport, dport, s4, d4, s6, d6, err = m.groups()
+                if err is not None and int(err) != 0:
+                    continue
+                s, d = (s6, d6) if fam == "AF_INET6" else (s4, d4)
+                s, d = s.removeprefix("::ffff:"), d.removeprefix("::ffff:")
+                out[(s, d, link_port(int(sport), int(dport)))] += 1
+        return out
+
+
+def retrans_segs(cluster: Cluster) -> int:
+    """Tcp: RetransSegs summed over the cluster's hosts (each its own netns)."""
+    total = 0
+    for h in cluster.hosts:
+        p = subprocess.run(["ip", "netns", "exec", h.netns, "cat", "/proc/net/snmp"],
+                           capture_output=True, text=True, check=True)
+        tcp = [l.split() for l in p.stdout.splitlines() if l.startswith("Tcp:")]
+        total += int(tcp[1][tcp[0].index("RetransSegs")])
+    return total
+
+
+def retransmits_by_key(reader: TcpReader, keys) -> Counter:
+    out: Counter = Counter()
+    for l in reader.links():
+        k = (l.saddr, l.daddr, l.port)
+        if k in keys:
+            out[k] += l.retransmits
+    return out
+
+
+def settle(reader: TcpReader, keys, observer: Observer, timeout: float = 20.0):
+    """Exporter and observer counts for `keys`, read while no retransmit lands on them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        before = retransmits_by_key(reader, keys)
+        seen = observer.hits()
+        after = retransmits_by_key(reader, keys)
+        if before == after:
+            return after, Counter({k: v for k, v in seen.items() if k in keys})
+        assert time.monotonic() < deadline, "retransmits never stopped"
+        time.sleep(0.5)
+
+
+# ----------------------------------------------------------------- fixtures --
+@pytest.fixture(scope="module")
+def simlib():
+    return build_library()
+
+
+@pytest.fixture(scope="module")
+def probes(simlib):
+    p = NcclProbes()
+    try:
+        p.attach(str(simlib))
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def reader(probes):
+    return TcpReader(probes.bpf)
+
+
+@pytest.fixture(scope="module")
+def events(probes, reader):
+    got = []
+    reader.on_event(got.append)
+    return got
+
+
+def drain(probes):
+    for _ in range(3):
+        probes.bpf.ring_buffer_poll(50)
+
+
+# -------------------------------------------------------------------- tests --
+@pytest.mark.parametrize("ipv6", [False, True], ids=["ipv4", "ipv6"])
+def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, simlib, tmp_path, ipv6):
+    with Cluster(4, name=f"tcp{int(ipv6)}") as cluster, Observer() as observer:
+        cluster.set_loss(LOSSY, LOSS_PCT)
+        segs_before = retrans_segs(cluster)
+        job = start_job(cluster, simlib, "allreduce", iterations=25, count=65536, ipv6=ipv6,
+                        rendezvous_dir=tmp_path / "rdv", truth_dir=tmp_path / "truth")
+        for rank, pid in enumerate(job.pids):
+            probes.trace_process(pid, rank)
+        result = job.wait(timeout=120)
+        assert result.ok, result.summary()
+
+        pids = {pid: rank for rank, pid in enumerate(job.pids)}
+        mine = {(l.saddr, l.daddr, l.port) for l in reader.links() if l.owner in pids}
+        exporter, seen = settle(reader, mine, observer)
+        segs = retrans_segs(cluster) - segs_before
+        assert observer.overruns() == 0
+        drain(probes)
+
+    addr = [h.addr6 if ipv6 else h.addr for h in cluster.hosts]
+    total = sum(exporter.values())
+    print(f"\n{'ipv6' if ipv6 else 'ipv4'}: exporter {total} hits, observer {sum(seen.values())}, "
+          f"RetransSegs +{segs}, {len(mine)} links, job {result.elapsed_s:.1f}s")
+    assert total > 0, "the lossy link produced no retransmits"
+    assert all(k[0] in addr and k[1] in addr for k in mine)
+
+    # Exactly the observer's count, per (saddr, daddr); never above RetransSegs.
+    def per_pair(c):
+        out = Counter()
+        for (s, d, _port), v in c.items():
+            out[(s, d)] += v
+        return +out
+    assert per_pair(exporter) == per_pair(seen)
+    assert total <= segs
+
+    # Attribution: a retransmit from the lossy host's address is the lossy rank's.
+    family = AF_INET6 if ipv6 else AF_INET
+    for l in reader.links():
+        if (l.saddr, l.daddr, l.port) not in mine or not l.retransmits:
+            continue
+        assert l.family == family
+        if l.saddr == addr[LOSSY]:
+            assert pids.get(l.owner) == LOSSY, l
+        else:
+            assert pids.get(l.owner) != LOSSY, l
+
+    # The exported series: rank labels by owner, summed per label set.
+    rank_of = pids.get
+    fams = {f.name: f for f in reader.families("n1", rank_of)}
+    exported = Counter()
+    for s in fams[contract.TCP_RETRANSMITS.removesuffix("_total")].samples:
+        if s.name != contract.TCP_RETRANSMITS:
+            continue
+        key = (s.labels["saddr"], s.labels["daddr"], int(s.labels["port"]))
+        if key in mine:
+            exported[key] += s.value
+            if s.labels["saddr"] == addr[LOSSY]:
+                assert s.labels["rank"] == str(LOSSY), s
+    assert exported == +exporter
+
+    # One event per retransmit of a traced socket, and none lost.
+    ev = Counter()
+    for e in events:
+        if e.event == "tcp_retransmit_skb" and e.pid in pids:
+            ev[(e.saddr, e.daddr, link_port(e.sport, e.dport))] += 1
+            assert e.as_dict()["timestamp_ns"] > 1_600_000_000 * 10**9
+    traced = Counter()
+    for l in reader.links():
+        if l.owner in pids and l.retransmits:
+            traced[(l.saddr, l.daddr, l.port)] += l.retransmits
+    assert ev == traced
+    counters = probes.bpf["counters"]
+    for name in ("TCP_EVENTS_LOST", "LINKS_FULL", "SOCKETS_FULL"):
+        assert counters[counters.Key(COUNTERS[name])].value == 0, name
+
+    # The RTT of the job's links was sampled.
+    srtt = [s for s in reader.srtt() if s.owner in pids]
+    assert srtt and all(sum(s.buckets) == s.count > 0 for s in srtt)
+
+
+GEN_SERVER = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(socket.AF_INET)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(4)
+    print("ready", flush=True)
+    c, _ = s.accept()
+    n = 0
+    while True:
+        b = c.recv(1 << 16)
+        if not b:
+            break
+        n += len(b)
+    c.sendall(b"done"); c.close()
+""")
+
+GEN_CLIENT = textwrap.dedent("""
+    import socket, sys
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+    buf = b"x" * (1 << 16)
+    for _ in range(int(sys.argv[3])):
+        c.sendall(buf)
+    c.shutdown(socket.SHUT_WR)
+    assert c.recv(16) == b"done"
+""")
+
+
+def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events, tmp_path):
+    # Data into the lossy host: its ingress drops make the sender retransmit
+    # (an egress drop fails the local send instead, which TCP just retries).
+    with Cluster(2, name="tcpgen") as cluster, Observer() as observer:
+        cluster.set_loss(LOSSY, LOSS_PCT)
+        srv, cli = cluster.hosts[LOSSY], cluster.hosts[0]
+        segs_before = retrans_segs(cluster)
+        server = cluster.popen(LOSSY, [sys.executable, "-c", GEN_SERVER, srv.addr, str(GEN_PORT)],
+                               stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "ready"
+        n_events = len(events)
+        client = cluster.exec(0, [sys.executable, "-c", GEN_CLIENT, srv.addr, str(GEN_PORT), "640"],
+                              timeout=90)
+        assert client.returncode == 0, client.stderr
+        server.wait(timeout=30)
+        keys = {(cli.addr, srv.addr, GEN_PORT), (srv.addr, cli.addr, GEN_PORT)}
+        exporter, seen = settle(reader, keys, observer)
+        segs = retrans_segs(cluster) - segs_before
+        drain(probes)
+
+    total = sum(exporter.values())
+    print(f"\nuntraced: exporter {total} hits, observer {sum(seen.values())}, RetransSegs +{segs}")
+    assert exporter[(cli.addr, srv.addr, GEN_PORT)] > 0, "bulk send into the lossy host: no retransmits"
+    assert +exporter == seen
+    assert total <= segs
+    for l in reader.links():
+        if (l.saddr, l.daddr, l.port) in keys:
+            assert l.owner == 0, l
+    samples = [s for f in reader.families("n1", lambda pid: 7) for s in f.samples
+               if s.labels.get("port") == str(GEN_PORT)]
+    assert samples and all(s.labels["rank"] == "" for s in samples)
+    assert not [e for e in events[n_events:] if GEN_PORT in (e.sport, e.dport)]
+
+
+CHURN = textwrap.dedent("""
+    import socket, sys
+    sys.stdin.readline()              # traced from here on
+    lst = socket.socket(); lst.bind(("127.0.0.1", 0)); lst.listen(64)
+    keep = []
+    for i in range(int(sys.argv[1])):
+        c = socket.create_connection(lst.getsockname()); a, _ = lst.accept()
+        c.sendall(b"x"); a.recv(1); a.sendall(b"y"); c.recv(1)
+        if i < 5:
+            keep += [c, a]            # stay open: must stay in sock_owner
+        else:
+            c.close(); a.close()
+    print(len(keep), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_socket_owner_map_stays_bounded(probes, reader):
+    with Cluster(1, name="tcpchurn") as cluster:
+        p = cluster.popen(0, [sys.executable, "-c", CHURN, "3000"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+        try:
+            probes.trace_process(p.pid, 0)
+            p.stdin.write("go\n"); p.stdin.flush()
+            assert p.stdout.readline().strip() == "10"
+            owned = [k for k, v in probes.bpf["sock_owner"].items() if v.tgid == p.pid]
+            p.stdin.write("end\n"); p.stdin.flush()
+            assert p.wait(timeout=30) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+    print(f"\nsock_owner after 3000 connections: {len(owned)} entries of the process")
+    assert 10 <= len(owned) <= 20
