@@ -265,14 +265,63 @@ def format_event_text(e) -> str:
     return " ".join(parts)
 
 
+def _trace_scope(args):
+    """--pid / --netns of `trace` -> a store.Scope (everything when neither is given)."""
+    from .store import Scope, StoreError, netns_inode
+
+    try:
+        netns = netns_inode(args.netns) if args.netns else None
+    except StoreError as e:
+        raise CliError(str(e)) from None
+    return Scope(pids=args.pid or (), netns=netns)
+
+
+def _open_recorder(path, node, scope=None):
+    from .store import Recorder, StoreError
+
+    try:
+        return Recorder(path, node=node, scope=scope)
+    except StoreError as e:
+        raise CliError(str(e)) from None
+
+
+def _deliver_tcp_events(agent) -> None:
+    """Route bpf/tcp.c's ring buffer to agent.listeners, unless the agent already does."""
+    if getattr(agent, "tcp", None) is not None or getattr(agent, "_store_tcp", False):
+        return
+    try:
+        from .tcp import TcpReader
+
+        agent.probes.bpf["tcp_events"]
+    except (ImportError, KeyError):
+        return  # no TCP probes in this build: tcp_events stays empty
+    TcpReader(agent.probes.bpf, agent.reader.clock).on_event(agent._dispatch)
+    agent._store_tcp = True
+
+
+def _kernel_losses(agent) -> dict:
+    counters = agent.reader.counters()
+    return {"kernel_nccl_events": counters.get("EVENTS_LOST", 0),
+            "kernel_tcp_events": counters.get("TCP_EVENTS_LOST", 0)}
+
+
 def cmd_trace(args) -> int:
+    from .identity import node_name
+    from .store import Progress, StoreError
+
     _setup_logging(args.log_level)
-    agent, _node = _start_agent(args, {}, record_all=True)
-    pids = set(args.pid or ())
+    scope = _trace_scope(args)
+    recorder = _open_recorder(args.out, node_name(args.node), scope) if args.out else None
+    try:
+        agent, _node = _start_agent(args, {}, record_all=True)
+    except BaseException:
+        if recorder is not None:
+            recorder.close()
+        raise
     counts = {"shown": 0}
 
     def show(event):
-        if pids and event.pid not in pids:
+        if not hasattr(event, "op") or event.pid not in scope:
             return
         counts["shown"] += 1
         if args.format == "json":
@@ -280,19 +329,56 @@ def cmd_trace(args) -> int:
         else:
             print(format_event_text(event), flush=True)
 
-    agent.listeners.append(show)
+    if recorder is not None:
+        recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
+        agent.listeners.append(recorder)
+        _deliver_tcp_events(agent)
+    else:
+        agent.listeners.append(show)
     what = f"for {args.duration:g} s" if args.duration else "until Ctrl-C"
-    print(f"tracing NCCL calls {what}...", file=sys.stderr, flush=True)
+    where = f" to {args.out} ({scope.describe()})" if recorder is not None else ""
+    print(f"tracing NCCL calls {what}{where}...", file=sys.stderr, flush=True)
     stop = _stop_on_signals()
     started = time.monotonic()
     deadline = started + args.duration if args.duration else None
+    progress = Progress(recorder, sys.stderr) if recorder is not None else None
+    lost = 0
     try:
-        agent.run_until(stop, deadline)
+        while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            agent.step()
+            if progress is not None:
+                recorder.set_kernel_lost(**_kernel_losses(agent))
+                progress.tick()
+        agent.reader.poll(0)  # what is already in the ring buffer is not lost
         lost = agent.reader.counters()["EVENTS_LOST"]
+        if recorder is not None:
+            recorder.set_kernel_lost(**_kernel_losses(agent))
     finally:
         agent.close()
-    print(f"{counts['shown']} calls traced in {time.monotonic() - started:.1f} s, {lost} lost",
-          file=sys.stderr, flush=True)
+        if recorder is not None:
+            if progress is not None:
+                progress.done()
+            try:
+                recorder.close()
+            except StoreError as e:
+                raise CliError(str(e)) from None
+    if recorder is not None:
+        print(f"recorded in {time.monotonic() - started:.1f} s: {recorder.summary()}",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"{counts['shown']} calls traced in {time.monotonic() - started:.1f} s, {lost} lost",
+              file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_query(args) -> int:
+    from . import query
+
+    try:
+        names, rows = query.run(args.db, args.sql)
+    except query.QueryError as e:
+        raise CliError(str(e)) from None
+    query.write(names, rows, args.format)
     return 0
 
 
@@ -365,14 +451,30 @@ def build_parser() -> argparse.ArgumentParser:
     lib_option(r)
     r.set_defaults(func=cmd_run)
 
-    t = sub.add_parser("trace", help="print every NCCL call as it returns")
+    t = sub.add_parser("trace", help="print every NCCL call as it returns, or record them to SQLite")
     t.add_argument("--duration", type=parse_duration, default=0.0, metavar="D",
                    help="stop after D (30s, 2m, ...); default: until Ctrl-C")
     t.add_argument("--format", choices=["text", "json"], default="text")
+    t.add_argument("--out", metavar="DB",
+                   help="record every NCCL call, TCP retransmit/reset and scheduler wait to this "
+                        "SQLite file instead of printing (docs/schema.md; read it with 'query')")
     t.add_argument("--pid", type=int, action="append", help="only this process (repeatable)")
+    t.add_argument("--netns", metavar="PATH|INODE",
+                   help="only processes in this network namespace (/run/netns/NAME, "
+                        "/proc/PID/ns/net, or its inode number)")
+    t.add_argument("--node", metavar="NAME",
+                   help="node name stored in the recording (default: $NCCL_EXPORTER_NODE, hostname)")
     t.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
     lib_option(t)
     t.set_defaults(func=cmd_trace)
+
+    q = sub.add_parser("query", help="run read-only SQL on a recording made by 'trace --out'",
+                       description="Run one read-only SQL statement on a recording "
+                                   "(tables: docs/schema.md; examples: docs/queries.md).")
+    q.add_argument("db", metavar="DB", help="the recording (.db)")
+    q.add_argument("sql", metavar="SQL", help="one SELECT (or WITH ...) statement")
+    q.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    q.set_defaults(func=cmd_query)
 
     d = sub.add_parser("demo", help="run an 8-rank simulated job with loss and a straggler, "
                                     "and show what the exporter sees")
