@@ -24,7 +24,6 @@ enum tcp_rst_reason_compat { TCP_RST_REASON_COMPAT_ = 0 };
 #define TCP_AF_INET6 10
 #define TCP_IPPROTO 6
 #define TCP_ST_SYN_SENT 2
-#define TCP_ST_CLOSE 7
 
 // Event kinds on tcp_events; also say which tcp_link_stats field counts it.
 #define TCP_EV_RETRANSMIT 1
@@ -128,22 +127,20 @@ TRACEPOINT_PROBE(sock, sock_recv_length) {
 }
 
 TRACEPOINT_PROBE(sock, inet_sock_set_state) {
-    if (args->protocol != TCP_IPPROTO)
-        return 0;
-    u64 sk = (u64)args->skaddr;
-    if (args->newstate == TCP_ST_CLOSE) {
-        sock_owner.delete(&sk);
-        return 0;
-    }
     // connect() moves CLOSE -> SYN_SENT in the caller's context. The other
     // changes (an accepted child becoming ESTABLISHED, FIN handling) happen
     // in softirq where the current task is unrelated: accepted sockets are
     // learnt at their first send/recv instead.
-    if (args->newstate == TCP_ST_SYN_SENT)
-        tcp_remember_owner(sk);
+    if (args->protocol == TCP_IPPROTO && args->newstate == TCP_ST_SYN_SENT)
+        tcp_remember_owner((u64)args->skaddr);
     return 0;
 }
 
+// A socket's last tracepoint: the owner is forgotten here, not at TCP_CLOSE,
+// because the kernel moves a socket to TCP_CLOSE *before* sending the RST of
+// an abortive close (unread data, SO_LINGER 0, tcp_disconnect), and that
+// reset must still be attributed. Every TCP socket a user thread touched
+// ends here (close, orphan timeout, or its TIME_WAIT hand-off).
 TRACEPOINT_PROBE(tcp, tcp_destroy_sock) {
     u64 sk = (u64)args->skaddr;
     sock_owner.delete(&sk);

@@ -113,26 +113,29 @@ def retrans_segs(cluster: Cluster) -> int:
     return total
 
 
-def retransmits_by_key(reader: TcpReader, keys) -> Counter:
+def own_links(reader: TcpReader, keys) -> frozenset:
+    return frozenset(l for l in reader.links() if (l.saddr, l.daddr, l.port) in keys)
+
+
+def retransmits_by_key(links) -> Counter:
     out: Counter = Counter()
-    for l in reader.links():
-        k = (l.saddr, l.daddr, l.port)
-        if k in keys:
-            out[k] += l.retransmits
-    return out
+    for l in links:
+        out[(l.saddr, l.daddr, l.port)] += l.retransmits
+    return +out
 
 
-def settle(reader: TcpReader, keys, observer: Observer, timeout: float = 20.0):
-    """Exporter and observer counts for `keys`, read while no retransmit lands on them."""
+def settle(reader: TcpReader, keys, read, timeout: float = 20.0):
+    """The link records of `keys` and `read()`, taken while nothing lands on those links
+    (read() sees the same counts as the records)."""
     deadline = time.monotonic() + timeout
     while True:
-        before = retransmits_by_key(reader, keys)
-        seen = observer.hits()
-        after = retransmits_by_key(reader, keys)
+        before = own_links(reader, keys)
+        extra = read()
+        after = own_links(reader, keys)
         if before == after:
-            return after, Counter({k: v for k, v in seen.items() if k in keys})
+            return after, extra
         assert time.monotonic() < deadline, "retransmits never stopped"
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 # ----------------------------------------------------------------- fixtures --
@@ -183,12 +186,17 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
 
         pids = {pid: rank for rank, pid in enumerate(job.pids)}
         mine = {(l.saddr, l.daddr, l.port) for l in reader.links() if l.owner in pids}
-        exporter, seen = settle(reader, mine, observer)
+
+        def read():
+            drain(probes)
+            return observer.hits(), list(events), reader.families("n1", pids.get)
+        links, (seen, evs, fams) = settle(reader, mine, read)
         segs = retrans_segs(cluster) - segs_before
         assert observer.overruns() == 0
-        drain(probes)
 
     addr = [h.addr6 if ipv6 else h.addr for h in cluster.hosts]
+    exporter = retransmits_by_key(links)
+    seen = Counter({k: v for k, v in seen.items() if k in mine})
     total = sum(exporter.values())
     print(f"\n{'ipv6' if ipv6 else 'ipv4'}: exporter {total} hits, observer {sum(seen.values())}, "
           f"RetransSegs +{segs}, {len(mine)} links, job {result.elapsed_s:.1f}s")
@@ -206,8 +214,8 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
 
     # Attribution: a retransmit from the lossy host's address is the lossy rank's.
     family = AF_INET6 if ipv6 else AF_INET
-    for l in reader.links():
-        if (l.saddr, l.daddr, l.port) not in mine or not l.retransmits:
+    for l in links:
+        if not l.retransmits:
             continue
         assert l.family == family
         if l.saddr == addr[LOSSY]:
@@ -216,8 +224,7 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
             assert pids.get(l.owner) != LOSSY, l
 
     # The exported series: rank labels by owner, summed per label set.
-    rank_of = pids.get
-    fams = {f.name: f for f in reader.families("n1", rank_of)}
+    fams = {f.name: f for f in fams}
     exported = Counter()
     for s in fams[contract.TCP_RETRANSMITS.removesuffix("_total")].samples:
         if s.name != contract.TCP_RETRANSMITS:
@@ -231,12 +238,12 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
 
     # One event per retransmit of a traced socket, and none lost.
     ev = Counter()
-    for e in events:
+    for e in evs:
         if e.event == "tcp_retransmit_skb" and e.pid in pids:
             ev[(e.saddr, e.daddr, link_port(e.sport, e.dport))] += 1
             assert e.as_dict()["timestamp_ns"] > 1_600_000_000 * 10**9
     traced = Counter()
-    for l in reader.links():
+    for l in links:
         if l.owner in pids and l.retransmits:
             traced[(l.saddr, l.daddr, l.port)] += l.retransmits
     assert ev == traced
@@ -292,18 +299,18 @@ def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events,
         assert client.returncode == 0, client.stderr
         server.wait(timeout=30)
         keys = {(cli.addr, srv.addr, GEN_PORT), (srv.addr, cli.addr, GEN_PORT)}
-        exporter, seen = settle(reader, keys, observer)
+        links, seen = settle(reader, keys, observer.hits)
+        exporter = retransmits_by_key(links)
+        seen = Counter({k: v for k, v in seen.items() if k in keys})
         segs = retrans_segs(cluster) - segs_before
         drain(probes)
 
     total = sum(exporter.values())
     print(f"\nuntraced: exporter {total} hits, observer {sum(seen.values())}, RetransSegs +{segs}")
     assert exporter[(cli.addr, srv.addr, GEN_PORT)] > 0, "bulk send into the lossy host: no retransmits"
-    assert +exporter == seen
+    assert exporter == seen
     assert total <= segs
-    for l in reader.links():
-        if (l.saddr, l.daddr, l.port) in keys:
-            assert l.owner == 0, l
+    assert links and all(l.owner == 0 for l in links)
     samples = [s for f in reader.families("n1", lambda pid: 7) for s in f.samples
                if s.labels.get("port") == str(GEN_PORT)]
     assert samples and all(s.labels["rank"] == "" for s in samples)
@@ -313,10 +320,12 @@ def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events,
 CHURN = textwrap.dedent("""
     import socket, sys
     sys.stdin.readline()              # traced from here on
-    lst = socket.socket(); lst.bind(("127.0.0.1", 0)); lst.listen(64)
+    lst4 = socket.socket(); lst4.bind(("127.0.0.1", 0)); lst4.listen(64)
+    lst6 = socket.socket(socket.AF_INET6); lst6.bind(("::1", 0)); lst6.listen(64)
     keep = []
     for i in range(int(sys.argv[1])):
-        c = socket.create_connection(lst.getsockname()); a, _ = lst.accept()
+        lst = (lst4, lst6)[i % 2]
+        c = socket.create_connection(lst.getsockname()[:2]); a, _ = lst.accept()
         c.sendall(b"x"); a.recv(1); a.sendall(b"y"); c.recv(1)
         if i < 5:
             keep += [c, a]            # stay open: must stay in sock_owner
@@ -343,3 +352,62 @@ def test_socket_owner_map_stays_bounded(probes, reader):
                 p.kill()
     print(f"\nsock_owner after 3000 connections: {len(owned)} entries of the process")
     assert 10 <= len(owned) <= 20
+
+
+RESET_PEER = textwrap.dedent("""
+    import socket, sys
+    role, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    sys.stdin.readline()              # traced from here on
+    if role == "server":
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, port)); s.listen(1)
+        print("ready", flush=True)
+        c, _ = s.accept()
+        c.recv(1)                     # leaves unread data behind:
+        c.close()                     # close() aborts with a RST
+    else:
+        c = socket.create_connection((addr, port))
+        c.sendall(b"x" * 1000)
+        try:
+            c.recv(1)
+        except ConnectionResetError:
+            print("reset", flush=True)
+""")
+
+
+def test_resets_are_counted_and_attributed(probes, reader, events):
+    port = GEN_PORT + 1
+    with Cluster(2, name="tcprst") as cluster:
+        srv, cli = cluster.hosts[1], cluster.hosts[0]
+        procs = []
+        try:
+            for i, role in ((1, "server"), (0, "client")):
+                p = cluster.popen(i, [sys.executable, "-c", RESET_PEER, role, srv.addr, str(port)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                procs.append(p)
+                probes.trace_process(p.pid, i)
+                p.stdin.write("go\n"); p.stdin.flush()
+                if role == "server":
+                    assert p.stdout.readline().strip() == "ready"
+            server, client = procs
+            assert client.stdout.readline().strip() == "reset"
+            assert client.wait(timeout=30) == 0 and server.wait(timeout=30) == 0
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        drain(probes)
+
+    links = {(l.saddr, l.daddr, l.port, l.owner): l for l in reader.links() if l.port == port}
+    sent = links[(srv.addr, cli.addr, port, server.pid)]
+    received = links[(cli.addr, srv.addr, port, client.pid)]
+    assert (sent.resets_sent, sent.resets_received) == (1, 0)
+    assert (received.resets_sent, received.resets_received) == (0, 1)
+    rank_of = {server.pid: 1, client.pid: 0}.get
+    resets = [s for f in reader.families("n1", rank_of) if f.name + "_total" == contract.TCP_RESETS
+              for s in f.samples if s.labels["port"] == str(port)]
+    got = {(s.labels["direction"], s.labels["saddr"], s.labels["rank"]): s.value for s in resets}
+    assert got == {("sent", srv.addr, "1"): 1, ("received", cli.addr, "0"): 1}
+    evs = {(e.event, e.pid, e.saddr, e.daddr) for e in events if port in (e.sport, e.dport)}
+    assert evs == {("tcp_send_reset", server.pid, srv.addr, cli.addr),
+                   ("tcp_receive_reset", client.pid, cli.addr, srv.addr)}
