@@ -1,0 +1,184 @@
+"""Grafana dashboards (dashboards/grafana/*.json): importable JSON, every panel
+has a datasource and targets, the template variables exist, and every PromQL
+expression can be extracted for tests/test_e2e_prometheus.py (which runs
+them against a real Prometheus)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from exporter import contract
+
+REPO = Path(__file__).resolve().parent.parent
+DASHBOARD_DIR = REPO / "dashboards" / "grafana"
+DASHBOARDS = sorted(DASHBOARD_DIR.glob("*.json"))
+
+# Variables every dashboard has; comm/op only where the panels are per call.
+COMMON_VARS = {"datasource", "tempo", "job", "node", "rank"}
+PER_CALL_VARS = {"comm", "op"}
+
+KNOWN_METRICS = {
+    getattr(contract, n) for n in dir(contract)
+    if n.isupper() and isinstance(getattr(contract, n), str) and getattr(contract, n).startswith("nccl_")
+}
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def panels(dash: dict) -> list[dict]:
+    out = []
+    for p in dash.get("panels", []):
+        out.append(p)
+        out.extend(p.get("panels", []))  # collapsed rows
+    return out
+
+
+def substitute(expr: str, rate_interval: str = "15s") -> str:
+    """Grafana variables -> something Prometheus accepts: `$__rate_interval` -> a
+    duration, every other $var / ${var} (all used with =~) -> `.*`."""
+    expr = expr.replace("$__rate_interval", rate_interval).replace("${__rate_interval}", rate_interval)
+    return re.sub(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", ".*", expr)
+
+
+def dashboard_queries(rate_interval: str = "15s") -> list[tuple[str, str, str, str]]:
+    """[(dashboard file, panel title, refId, PromQL ready to run)] of every target."""
+    out = []
+    for path in DASHBOARDS:
+        for p in panels(load(path)):
+            for t in p.get("targets", []):
+                out.append((path.name, p["title"], t["refId"], substitute(t["expr"], rate_interval)))
+    return out
+
+
+def metric_names(expr: str) -> set[str]:
+    """nccl_* metric names an expression reads (suffixes _bucket/_sum/_count stripped)."""
+    names = set(re.findall(r"\b(nccl_[a-z_]+)\b", expr))
+    out = set()
+    for n in names:
+        for suffix in ("_bucket", "_sum", "_count"):
+            if n.endswith(suffix) and n[: -len(suffix)] in KNOWN_METRICS:
+                n = n[: -len(suffix)]
+        out.add(n)
+    return out
+
+
+def test_there_are_four_dashboards():
+    assert {p.name for p in DASHBOARDS} == {
+        "nccl-fleet-overview.json", "nccl-stragglers.json", "nccl-network.json", "nccl-cpu.json"}
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_dashboard_is_importable(path):
+    d = load(path)
+    assert d["schemaVersion"] >= 36, "Grafana 10 dashboards"
+    assert d["title"].startswith("NCCL / ") and d["uid"]
+    assert d.get("id") is None, "no instance-specific id in an importable dashboard"
+    ids = [p["id"] for p in panels(d)]
+    assert len(ids) == len(set(ids)), "panel ids are unique"
+    uids = [load(p)["uid"] for p in DASHBOARDS]
+    assert len(uids) == len(set(uids))
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_template_variables(path):
+    d = load(path)
+    vars_ = {v["name"]: v for v in d["templating"]["list"]}
+    want = COMMON_VARS | (PER_CALL_VARS if path.name in ("nccl-fleet-overview.json", "nccl-stragglers.json") else set())
+    assert want <= set(vars_), f"missing variables {want - set(vars_)}"
+    assert vars_["datasource"]["type"] == "datasource" and vars_["datasource"]["query"] == "prometheus"
+    assert vars_["tempo"]["type"] == "datasource" and vars_["tempo"]["query"] == "tempo"
+    for name in want - {"datasource", "tempo"}:
+        v = vars_[name]
+        assert v["type"] == "query" and v["datasource"]["uid"] == "${datasource}"
+        assert v["includeAll"] and v["allValue"] == ".*", f"{name}: All must be a regex for =~"
+        assert "label_values(" in v["query"]["query"]
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_every_panel_has_datasource_and_targets(path):
+    d = load(path)
+    assert panels(d)
+    for p in panels(d):
+        assert p.get("type") != "row", "no rows: every panel has queries"
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p.get("description"), f"{p['title']}: says what it shows"
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t["expr"].strip() and t["refId"], p["title"]
+            assert t["datasource"]["uid"] == "${datasource}"
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_expressions_use_contract_names_and_variables(path):
+    d = load(path)
+    for p in panels(d):
+        for t in p["targets"]:
+            expr = t["expr"]
+            names = metric_names(expr)
+            assert names, f"{p['title']}: reads an nccl_* metric"
+            assert names <= KNOWN_METRICS, f"{p['title']}: unknown metric {names - KNOWN_METRICS}"
+            assert 'job=~"$job"' in expr, f"{p['title']}: filtered by $job"
+            if "[" in expr:
+                assert "$__rate_interval" in expr, f"{p['title']}: uses $__rate_interval"
+            for op in re.findall(r'op=~?"([A-Z_|]+)"', expr):
+                for o in op.split("|"):
+                    assert o in contract.COLLECTIVE_OPS.values(), f"{p['title']}: op {o}"
+
+
+def test_required_panels_exist():
+    exprs = {name: " ".join(t["expr"] for p in panels(load(DASHBOARD_DIR / name)) for t in p["targets"])
+             for name in (p.name for p in DASHBOARDS)}
+    fleet = exprs["nccl-fleet-overview.json"]
+    for needle in ("histogram_quantile(0.5", "histogram_quantile(0.99", "nccl_collective_duration_seconds_count",
+                   "nccl_collective_bytes_total", "nccl_call_errors_total", "nccl_inflight_oldest_seconds"):
+        assert needle in fleet, needle
+    busbw = [p for p in panels(load(DASHBOARD_DIR / "nccl-fleet-overview.json")) if "busbw" in p["title"]][0]
+    for formula in ("2(n−1)/n", "(n−1)/n", "× 1"):
+        assert formula in busbw["description"]
+    assert any(p["type"] == "heatmap" for p in panels(load(DASHBOARD_DIR / "nccl-stragglers.json")))
+    assert "quantile by (op, comm) (0.5" in exprs["nccl-stragglers.json"]
+    for m in (contract.TCP_RETRANSMITS, contract.TCP_RESETS, contract.TCP_SRTT):
+        assert m in exprs["nccl-network.json"]
+    for m in (contract.RUNQUEUE_DELAY, contract.OFFCPU):
+        assert m in exprs["nccl-cpu.json"]
+    assert "thread" in exprs["nccl-cpu.json"]
+
+
+def test_exemplars_on_duration_panels():
+    found = 0
+    for path in DASHBOARDS:
+        for p in panels(load(path)):
+            for t in p["targets"]:
+                if "nccl_collective_duration_seconds_bucket" in t["expr"] and p["type"] != "table":
+                    if t.get("exemplar"):
+                        found += 1
+    assert found >= 4
+
+
+def test_substitution_leaves_no_variables():
+    for _dash, title, _ref, expr in dashboard_queries():
+        assert "$" not in expr, f"{title}: {expr}"
+
+
+def test_expressions_parse_with_promtool(tmp_path):
+    """Every extracted expression is valid PromQL: promtool parses them as
+    recording rules (no server needed; the e2e test also evaluates them)."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (make deps: Debian package prometheus)")
+    lines = ["groups:", "  - name: dashboards", "    rules:"]
+    for i, (_dash, _title, _ref, expr) in enumerate(dashboard_queries()):
+        lines += [f"      - record: dashboard:expr_{i}", f"        expr: {json.dumps(expr)}"]
+    rules = tmp_path / "dashboards.yml"
+    rules.write_text("\n".join(lines) + "\n")
+    p = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
