@@ -17,6 +17,8 @@ from . import libfind
 from .maps import EVENT_LIFECYCLE, CallEvent, MapReader, format_comm
 from .probes import NcclProbes
 from .processes import ProcessTable
+from .sched import SchedReader
+from .tcp import TcpReader
 
 log = logging.getLogger("nccl_exporter")
 
@@ -41,12 +43,17 @@ class Agent:
         self.reader = MapReader(self.probes.bpf)
         self.processes = ProcessTable(self.probes)
         self.listeners: list = []  # callables taking a CallEvent (or a TcpEvent)
-        self.sections: list = []  # collector sections of the kernel-side readers
         self.slow = None  # exporter.slow.SlowCallPolicy, set by whoever wants slow-call events
         self._found: queue.Queue = queue.Queue()
         self._watcher = None
         self.events_seen = 0
         self.reader.on_event(self._dispatch)
+        # The kernel side: TCP links and the scheduler, read at scrape time,
+        # and TCP events (retransmits, resets of traced sockets) as they come.
+        self.tcp = TcpReader(self.probes.bpf, self.reader.clock)
+        self.tcp.on_event(self._dispatch_tcp)
+        self.sched = SchedReader(self.probes.bpf)
+        self.sections: list = [self.tcp.families, self.sched.families]
         if config.record_all:
             self.probes.set_record_all(True)
 
@@ -94,6 +101,11 @@ class Agent:
                 event.op, event.pid, format_comm(event.comm_hash), event.nccl_hash,
                 event.rank, event.nranks, event.result, event.duration_ns / 1e6,
             )
+        for listener in self.listeners:
+            listener(event)
+
+    def _dispatch_tcp(self, event) -> None:
+        self.events_seen += 1
         for listener in self.listeners:
             listener(event)
 

@@ -53,7 +53,10 @@ class ProcessTable:
         who = self.identity(pid)
         if who.get("rank") is not None:
             return int(who["rank"])
+        if who.get("comm_rank") is not None:  # learnt earlier: stays after the comms go
+            return who["comm_rank"]
         mine = [c for c in communicators if c.pid == pid and c.rank >= 0]
         if mine:
-            return max(mine, key=lambda c: c.nranks).rank
+            who["comm_rank"] = max(mine, key=lambda c: c.nranks).rank
+            return who["comm_rank"]
         return None

@@ -404,6 +404,8 @@ def start_job(cluster: Cluster, lib, workload: str, iterations: int, rendezvous_
                 "--compute-delay-ms", str(compute_delay_ms.get(i, 0)), "--startup-delay-ms", str(sd),
                 "--seed", str(i), "--truth", str(truth.resolve())]
         env = {"NCCL_SIM_ADDR": h.addr6 if ipv6 else h.addr,
+               # What torchrun sets for one process per host.
+               "RANK": str(i), "WORLD_SIZE": str(nranks), "LOCAL_RANK": "0", "GROUP_RANK": str(i),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                "PYTHONUNBUFFERED": "1"}
         if extra_env:
