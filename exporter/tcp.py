@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from . import contract
 from .maps import ClockOffset
@@ -258,7 +259,7 @@ class TcpReader:
             cumulative, buckets = 0, []
             for bound, c in zip(SRTT_BOUNDS_S, acc[:SRTT_FINITE]):
                 cumulative += c
-                buckets.append((repr(bound), cumulative))
+                buckets.append((floatToGoString(bound), cumulative))
             cumulative += acc[SRTT_FINITE]
             buckets.append(("+Inf", cumulative))
             sr.add_metric(list(labels), buckets, acc[-1] * 1e-6)
