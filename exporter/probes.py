@@ -65,6 +65,7 @@ MAP_CAPACITY = {
     "traced_processes": MAX_PROCESSES,
     "sock_owner": MAX_SOCKETS,
     "tcp_links": MAX_LINKS,
+    "tcp_srtt": MAX_LINKS,
     "thread_sched": MAX_SCHED_THREADS,
 }
 
