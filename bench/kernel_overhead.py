@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""What the kernel-side probes (tracepoints of bpf/nccl.c, tcp.c, sched.c)
+cost the rest of the node, measured in one run.
+
+Run as root from the repository root (under 2 minutes):
+
+    .venv/bin/python bench/kernel_overhead.py [--seconds S] [--reps R]
+
+The whole NcclProbes() program is loaded once (no NCCL library attached: the
+uprobes play no part here). Two workloads, a small C program (compiled here
+with gcc) that forks a pair of processes:
+
+  tcp   loopback TCP bulk transfer, 256 KiB writes         -> bytes/s
+  pipe  1-byte ping-pong over two pipes (context switches)  -> round trips/s
+
+each timed for S seconds in three conditions, R repetitions interleaved in a
+rotating order, median kept:
+
+  off       the program's tracepoints detached (loaded, not running)
+  untraced  tracepoints attached; the workload is NOT traced: the realistic
+            case, the node's other traffic (one bitmap test per event)
+  traced    tracepoints attached and both processes traced (trace_process):
+            every switch/wakeup/socket event does the full work
+
+Ratios are condition / off (1.00 = no cost; < 1 slower). The machine may be
+shared: look at the spread (min..max of the R runs) before believing a digit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+WORKLOAD_C = r"""
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now(void) {
+  struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void go(pid_t child) {           /* pids out, then wait for a line */
+  printf("%d %d\n", getpid(), child); fflush(stdout);
+  char line[16];
+  if (!fgets(line, sizeof line, stdin)) exit(2);
+}
+
+int main(int argc, char **argv) {
+  if (argc < 3) return 2;
+  double secs = atof(argv[2]);
+  if (!strcmp(argv[1], "pipe")) {
+    int a[2], b[2]; char c = 'x';
+    if (pipe(a) || pipe(b)) return 1;
+    pid_t pid = fork();
+    if (pid == 0) {
+      close(a[1]); close(b[0]);
+      while (read(a[0], &c, 1) == 1) if (write(b[1], &c, 1) != 1) break;
+      _exit(0);
+    }
+    close(a[0]); close(b[1]);
+    go(pid);
+    long n = 0; double t0 = now(), t = t0;
+    for (;;) {
+      if (write(a[1], &c, 1) != 1 || read(b[0], &c, 1) != 1) return 1;
+      if ((++n & 255) == 0 && (t = now()) - t0 >= secs) break;
+    }
+    close(a[1]); waitpid(pid, NULL, 0);
+    printf("%.1f\n", n / (t - t0));
+    return 0;
+  }
+  /* tcp */
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t sl = sizeof sa;
+  if (bind(lfd, (void *)&sa, sl) || listen(lfd, 1) || getsockname(lfd, (void *)&sa, &sl)) return 1;
+  static char buf[256 * 1024];
+  pid_t pid = fork();
+  if (pid == 0) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (connect(fd, (void *)&sa, sizeof sa)) _exit(1);
+    while (read(fd, buf, sizeof buf) > 0) {}
+    _exit(0);
+  }
+  int fd = accept(lfd, NULL, NULL);
+  if (fd < 0) return 1;
+  go(pid);
+  long bytes = 0; double t0 = now(), t = t0;
+  for (;;) {
+    ssize_t w = write(fd, buf, sizeof buf);
+    if (w <= 0) return 1;
+    bytes += w;
+    if ((t = now()) - t0 >= secs) break;
+  }
+  close(fd); waitpid(pid, NULL, 0);
+  printf("%.1f\n", bytes / (t - t0));
+  return 0;
+}
+"""
+
+CONDITIONS = ("off", "untraced", "traced")
+CPU = os.cpu_count() - 1
+WORKLOADS = {"tcp": "bytes/s", "pipe": "round trips/s"}
+
+
+def build(tmp: Path) -> Path:
+    if shutil.which("gcc") is None:
+        sys.exit("gcc is needed")
+    src, exe = tmp / "kbench.c", tmp / "kbench"
+    src.write_text(WORKLOAD_C)
+    subprocess.run(["gcc", "-O2", "-o", str(exe), str(src)], check=True)
+    return exe
+
+
+class Switch:
+    """Detach / re-attach every tracepoint of the loaded program."""
+
+    def __init__(self, bpf):
+        self.bpf = bpf
+        self.tps = [tp.decode() if isinstance(tp, bytes) else tp for tp in bpf.tracepoint_fds]
+        self.on = True
+
+    def set(self, on: bool) -> None:
+        if on == self.on:
+            return
+        for tp in self.tps:
+            if on:
+                self.bpf.attach_tracepoint(tp=tp, fn_name="tracepoint__" + tp.replace(":", "__"))
+            else:
+                self.bpf.detach_tracepoint(tp)
+        self.on = on
+
+
+def run_once(exe: Path, workload: str, seconds: float, probes, traced: bool) -> float:
+    # Both processes on one CPU: every round trip is two context switches,
+    # and the spread from where the scheduler puts them is gone.
+    p = subprocess.Popen(["taskset", "-c", str(CPU), str(exe), workload, str(seconds)],
+                         stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in p.stdout.readline().split()]
+    if traced:
+        for pid in pids:
+            probes.trace_process(pid, None)
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    out, _ = p.communicate(timeout=seconds + 30)
+    if p.returncode != 0:
+        raise RuntimeError(f"{workload} workload failed (rc={p.returncode})")
+    return float(out.split()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=0.5, help="per run (default 0.5)")
+    ap.add_argument("--reps", type=int, default=15, help="runs per condition (default 15)")
+    a = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("run as root (BPF)")
+    from exporter.probes import NcclProbes
+
+    with tempfile.TemporaryDirectory(prefix="kbench-") as d:
+        exe = build(Path(d))
+        t = time.monotonic()
+        probes = NcclProbes()
+        t_load = time.monotonic() - t
+        print(f"program loaded in {t_load:.1f} s; tracepoints: "
+              f"{', '.join(sorted(Switch(probes.bpf).tps))}")
+        sw = Switch(probes.bpf)
+        results = {w: {c: [] for c in CONDITIONS} for w in WORKLOADS}
+        try:
+            for rep in range(a.reps):
+                for w in WORKLOADS:
+                    order = CONDITIONS[rep % 3:] + CONDITIONS[:rep % 3]
+                    for cond in order:
+                        sw.set(cond != "off")
+                        results[w][cond].append(run_once(exe, w, a.seconds, probes, cond == "traced"))
+        finally:
+            sw.set(True)
+            probes.close()
+
+    print(f"\n{a.reps} runs x {a.seconds:g} s per condition, interleaved; median (min..max)")
+    for w, unit in WORKLOADS.items():
+        base = statistics.median(results[w]["off"])
+        for cond in CONDITIONS:
+            vals = results[w][cond]
+            med = statistics.median(vals)
+            print(f"  {w:5s} {cond:9s} {med:14.4g} {unit:14s} ({min(vals):.4g}..{max(vals):.4g})"
+                  f"  ratio {med / base:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
