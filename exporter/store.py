@@ -507,6 +507,7 @@ class Recorder:
     def _write_meta(self, final: bool) -> None:
         meta = {
             "last_commit_ns": str(time.time_ns()),
+            "events_offered": str(self.offered),
             "events_recorded": str(self.total_recorded),
             "nccl_events_recorded": str(self.recorded["nccl"]),
             "tcp_events_recorded": str(self.recorded["tcp"]),
