@@ -1,0 +1,398 @@
+"""Recordings of a simulated 8-rank job, and the documented queries on them.
+
+One job (3 % loss on rank 5's link, rank 2 computing 30 ms longer before
+every collective) is recorded at once by five `nccl-exporter trace --out`
+processes: rank 5's host (--netns PATH), rank 0's host (--netns INODE),
+everything, everything through a 2-event queue (overload), and everything
+killed with SIGKILL halfway. The others are stopped with SIGTERM after the
+job ends. A tracefs instance counts tcp_retransmit_skb independently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from exporter.simulator.build import build_library
+from exporter.simulator.cluster import NETNS_DIR, Cluster, start_job
+from exporter.simulator.truth import calls
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and netns")
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+QUERIES_MD = REPO / "docs" / "queries.md"
+LOSSY, CLEAN, STRAGGLER = 5, 0, 2
+# The probe's window encloses the library's own (tests/test_e2e_nccl.py) by the
+# uprobe cost and any preemption in between: five agents' probes on 2 cores.
+SLACK_NS = 100_000_000
+TUPLE = re.compile(r"sport=(\d+) dport=(\d+) saddr=(\S+) daddr=(\S+)")
+TRACEFS = pathlib.Path("/sys/kernel/tracing")
+
+
+def documented_queries() -> dict[str, str]:
+    """'### name' followed by a ```sql block in docs/queries.md -> SQL, as written."""
+    out, name, block = {}, None, None
+    for line in QUERIES_MD.read_text().splitlines(keepends=True):
+        if block is not None:
+            if line.startswith("```"):
+                out[name] = "".join(block)
+                block, name = None, None
+            else:
+                block.append(line)
+        elif line.startswith("### "):
+            name = line[4:].strip()
+        elif line.startswith("```sql") and name:
+            block = []
+    return out
+
+
+def query(db, sql, fmt="json"):
+    p = subprocess.run([sys.executable, "-m", "exporter", "query", str(db), sql, "--format", fmt],
+                       capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout) if fmt == "json" else p.stdout
+
+
+def rows(db, sql, *params):
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+class Observer:
+    """A private tracefs instance counting tcp:tcp_retransmit_skb on the whole host."""
+
+    def __init__(self):
+        self.dir = TRACEFS / "instances" / f"nccl_store_test_{os.getpid()}"
+
+    def __enter__(self):
+        self.dir.mkdir()
+        (self.dir / "buffer_size_kb").write_text("8192")
+        (self.dir / "trace_clock").write_text("mono")  # CLOCK_MONOTONIC, like the truth's *_mono_ns
+        (self.dir / "events/tcp/tcp_retransmit_skb/enable").write_text("1")
+        return self
+
+    def stop(self) -> list[str]:
+        (self.dir / "events/tcp/tcp_retransmit_skb/enable").write_text("0")
+        return [line for line in (self.dir / "trace").read_text().splitlines()
+                if "tcp_retransmit_skb" in line and not line.startswith("#")]
+
+    def __exit__(self, *exc):
+        try:
+            (self.dir / "events/tcp/tcp_retransmit_skb/enable").write_text("0")
+        except OSError:
+            pass
+        self.dir.rmdir()
+
+
+def start_recorder(out, lib, *extra, env=None):
+    log = open(str(out) + ".log", "w+")
+    p = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--out", str(out), "--node", "simnode",
+                          "--nccl-lib", str(lib), *extra], stdout=log, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, cwd=REPO, env={**os.environ, **(env or {})})
+    p.log = log
+    return p
+
+
+def wait_started(procs, timeout=120):
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        while "tracing NCCL calls" not in pathlib.Path(p.log.name).read_text():
+            assert p.poll() is None, pathlib.Path(p.log.name).read_text()
+            assert time.monotonic() < deadline, "recorder did not start"
+            time.sleep(0.2)
+
+
+def truth_key(r):
+    return (r["pid"], r["tid"], r["op"], r["count"], r["peer"] if r["peer"] >= 0 else None)
+
+
+def db_key(row):
+    pid, tid, op, count, peer = row
+    return (pid, tid, op, count, peer)
+
+
+@pytest.fixture(scope="module")
+def rec(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("store")
+    lib = build_library()
+    dbs = {name: tmp / f"{name}.db" for name in ("lossy", "clean", "all", "tiny", "killed")}
+    with Cluster(8) as cluster, Observer() as observer:
+        cluster.set_loss(LOSSY, 3)
+        procs = {
+            "lossy": start_recorder(dbs["lossy"], lib, "--netns", str(NETNS_DIR / cluster.hosts[LOSSY].netns)),
+            "clean": start_recorder(dbs["clean"], lib, "--netns",
+                                    str(os.stat(NETNS_DIR / cluster.hosts[CLEAN].netns).st_ino)),
+            "all": start_recorder(dbs["all"], lib),
+            "tiny": start_recorder(dbs["tiny"], lib, env={"NCCL_EXPORTER_STORE_QUEUE": "2"}),
+            "killed": start_recorder(dbs["killed"], lib),
+        }
+        try:
+            wait_started(procs.values())
+            job = start_job(cluster, lib, "train", iterations=10**6, rendezvous_dir=tmp / "rdv",
+                            truth_dir=tmp / "truth", count=256 * 1024, compute_delay_ms={STRAGGLER: 30},
+                            extra_env={"NCCL_SIM_DURATION_S": "10"})
+            time.sleep(6)
+            procs["killed"].send_signal(signal.SIGKILL)
+            # this job's connections (other tests may run clusters with the same addresses)
+            links = set()
+            for h in cluster.hosts:
+                for line in cluster.exec(h.index, ["ss", "-tnH"]).stdout.splitlines():
+                    f = line.split()
+                    if len(f) >= 5:
+                        (la, lp), (ra, rp) = f[3].rsplit(":", 1), f[4].rsplit(":", 1)
+                        links.add((la.strip("[]"), int(lp), ra.strip("[]"), int(rp)))
+            result = job.wait(timeout=90)
+            assert result.ok, result.summary()
+            time.sleep(1.0)  # the last events reach the ring buffers
+            for name, p in procs.items():
+                if name != "killed":
+                    p.send_signal(signal.SIGTERM)
+            for p in procs.values():
+                p.wait(60)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        observed = observer.stop()
+    logs = {name: pathlib.Path(p.log.name).read_text() for name, p in procs.items()}
+    if os.environ.get("NCCL_STORE_TEST_KEEP"):  # debugging: keep the recordings
+        import shutil
+
+        shutil.copytree(tmp, os.environ["NCCL_STORE_TEST_KEEP"], dirs_exist_ok=True)
+    return {"dbs": dbs, "truth": result.truth, "pids": result.pids, "logs": logs,
+            "rc": {n: p.returncode for n, p in procs.items()}, "observed": observed,
+            "links": links}
+
+
+def test_recorders_stop_cleanly_and_print_a_summary(rec):
+    for name in ("lossy", "clean", "all", "tiny"):
+        assert rec["rc"][name] == 0, rec["logs"][name]
+        assert re.search(r"NCCL calls, \d+ TCP events, .* lost \d+", rec["logs"][name]), rec["logs"][name]
+        # not a tty: progress as whole lines every few seconds
+        assert "recording " in rec["logs"][name] and "\r" not in rec["logs"][name]
+    assert rec["rc"]["killed"] == -signal.SIGKILL
+
+
+def test_every_call_recorded_exactly_once(rec):
+    """SIGTERM after the job: every call the library made is in the db, once."""
+    truth = rec["truth"]
+    pids = rec["pids"]
+    for name, who in (("all", set(pids)), ("lossy", {pids[LOSSY]}), ("clean", {pids[CLEAN]})):
+        want = Counter(truth_key(r) for r in truth if r["pid"] in who)
+        got = Counter(db_key(r) for r in rows(rec["dbs"][name],
+                                              "SELECT pid, tid, op, count, peer FROM nccl_events")
+                      if r[0] in who or name != "all")  # other tests may use the library meanwhile
+        assert got == want, name
+        assert rows(rec["dbs"][name], "SELECT value FROM meta WHERE key = 'lost_total'") == [("0",)]
+    # durations agree with the library's own, per call (in order per thread)
+    by_thread = {}
+    for r in truth:
+        by_thread.setdefault((r["pid"], r["tid"]), []).append(r)
+    db = rows(rec["dbs"]["all"], "SELECT pid, tid, op, duration_ns, timestamp_ns FROM nccl_events "
+                                 "ORDER BY pid, tid, timestamp_ns")
+    got_by_thread = {}
+    for pid, tid, op, d, ts in db:
+        got_by_thread.setdefault((pid, tid), []).append((op, d, ts))
+    for key, recs in by_thread.items():
+        if key[0] not in pids:
+            continue
+        recs.sort(key=lambda r: r["start_mono_ns"])
+        assert [g[0] for g in got_by_thread[key]] == [r["op"] for r in recs]
+        for (op, d, ts), r in zip(got_by_thread[key], recs):
+            true_d = r["end_mono_ns"] - r["start_mono_ns"]
+            assert true_d <= d <= true_d + SLACK_NS
+            assert abs(ts - r["start_real_ns"]) < SLACK_NS  # wall clock
+
+
+def test_scope_by_netns_keeps_one_host(rec):
+    pids = rec["pids"]
+    assert rows(rec["dbs"]["lossy"], "SELECT DISTINCT pid FROM nccl_events") == [(pids[LOSSY],)]
+    assert rows(rec["dbs"]["clean"], "SELECT DISTINCT pid FROM nccl_events") == [(pids[CLEAN],)]
+    owners = {r[0] for r in rows(rec["dbs"]["lossy"], "SELECT DISTINCT pid FROM tcp_events")}
+    assert owners <= {pids[LOSSY]}
+    procs = rows(rec["dbs"]["lossy"], "SELECT pid, node, command FROM processes")
+    assert [(p, n) for p, n, _ in procs] == [(pids[LOSSY], "simnode")]
+    assert "exporter.simulator.rank" in procs[0][2]
+
+
+def test_verbatim_join_names_the_lossy_ranks_slow_calls(rec):
+    q = documented_queries()["slow-allreduce-retransmits"]
+    lossy = query(rec["dbs"]["lossy"], q)
+    assert lossy, "no slow AllReduce on the lossy host"
+    assert {r["rank"] for r in lossy} <= {LOSSY, LOSSY // 2}  # world rank 5; rank 2 of the odd half
+    assert any(r["retransmits_in_window"] > 0 for r in lossy), lossy
+    assert all(r["ms"] > 50 for r in lossy)
+    assert [r["ms"] for r in lossy] == sorted((r["ms"] for r in lossy), reverse=True)
+    clean = query(rec["dbs"]["clean"], q)
+    # The clean host's slow calls waited for the lossy one. Its own links are
+    # clean but for the odd tail-loss probe or spurious RTO of a loaded 2-core
+    # machine (also tcp_retransmit_skb): most of its slow calls show none.
+    assert sum(r["retransmits_in_window"] for r in clean) < sum(r["retransmits_in_window"] for r in lossy)
+    assert sum(r["retransmits_in_window"] == 0 for r in clean) >= len(clean) / 2, clean
+
+
+def tcp_observed(rec):
+    if not rows(rec["dbs"]["all"], "SELECT value FROM meta WHERE key = 'tcp_events_recorded'"):
+        pytest.skip("no TCP recording")
+    sim = [line for line in rec["observed"] if "198.18.0." in line or "2001:2::" in line]
+    return sim
+
+
+def test_retransmit_rows_equal_an_independent_observer(rec):
+    try:
+        import exporter.tcp  # noqa: F401
+    except ImportError:
+        pytest.skip("exporter/tcp.py has not landed: no TCP events are recorded")
+    # A process is traced (its sockets get an owner) once the agent has seen its
+    # first NCCL call return: retransmits during communicator set-up can precede
+    # that. Compare from the end of the last set-up call (+0.5 s) on.
+    setup = ("GET_UNIQUE_ID", "COMM_INIT_RANK", "COMM_SPLIT", "COMM_USER_RANK", "COMM_COUNT")
+    since_mono = max(r["end_mono_ns"] for r in rec["truth"] if r["op"] in setup) + 500_000_000
+    observed = []
+    for line in rec["observed"]:
+        m = TUPLE.search(line)
+        ts = float(re.search(r"\s(\d+\.\d+):\s", line).group(1))
+        if m and (m.group(3), int(m.group(1)), m.group(4), int(m.group(2))) in rec["links"] \
+                and ts * 1e9 >= since_mono:
+            observed.append(line)
+    pids = set(rec["pids"])
+    offset = int(rows(rec["dbs"]["all"], "SELECT value FROM meta WHERE key = 'clock_offset_ns'")[0][0])
+    (count,) = query(rec["dbs"]["all"], documented_queries()["retransmit-count"])
+    # the tracepoint fires for failed retransmits too (err != 0): tcp_retransmit_failed rows
+    ours = rows(rec["dbs"]["all"], "SELECT pid, event FROM tcp_events "
+                                   "WHERE event IN ('tcp_retransmit_skb', 'tcp_retransmit_failed') "
+                                   "AND timestamp_ns >= ?", since_mono + offset)
+    ours = [r for r in ours if r[0] in pids]
+    states = Counter(re.search(r"state=(\S+)", line).group(1) for line in observed)
+    assert len(ours) == len(observed) > 0, f"observed by state: {dict(states)}"
+    assert count["COUNT(*)"] >= sum(1 for r in ours if r[1] == "tcp_retransmit_skb") > 0
+    by_link = query(rec["dbs"]["all"], documented_queries()["retransmits-by-link"])
+    assert any("198.18.0.6" in (r["local"] + r["remote"]) for r in by_link[:3])
+    # the lossy host's own recording: only its sockets
+    own = rows(rec["dbs"]["lossy"], "SELECT COUNT(*) FROM tcp_events WHERE event LIKE 'tcp_retransmit%' "
+                                    "AND timestamp_ns >= ?", since_mono + offset)[0][0]
+    mine = sum(1 for line in observed if " saddr=198.18.0.6 " in line)
+    assert own == mine > 0
+
+
+def test_slowest_calls_query(rec):
+    got = query(rec["dbs"]["all"], documented_queries()["slowest-calls"])
+    want = sorted(rows(rec["dbs"]["all"], "SELECT duration_ns FROM nccl_events"), reverse=True)[:20]
+    assert [r["ms"] for r in got] == [d / 1e6 for (d,) in want]
+    truth_max = max(r["end_mono_ns"] - r["start_mono_ns"] for r in rec["truth"])
+    assert truth_max <= got[0]["ms"] * 1e6 <= truth_max + SLACK_NS
+
+
+def test_own_retransmits_query(rec):
+    got = query(rec["dbs"]["all"], documented_queries()["slow-allreduce-own-retransmits"])
+    pids = rec["pids"]
+    assert got
+    if rows(rec["dbs"]["all"], "SELECT COUNT(*) FROM tcp_events")[0][0]:
+        top = got[0]
+        # a rank sending into the lossy link (ring neighbours 4 and 6, odd half 3 and 7) or 5 itself
+        assert top["own_retransmits"] > 0 and top["pid"] in {pids[i] for i in (3, 4, 5, 6, 7)}
+        assert all(r["own_retransmits"] < top["own_retransmits"] for r in got if r["pid"] == pids[CLEAN])
+
+
+def test_percentiles_query(rec):
+    got = query(rec["dbs"]["all"], documented_queries()["allreduce-percentiles-per-rank"])
+    groups = {}
+    for comm, rank, d in rows(rec["dbs"]["all"], "SELECT comm_id_hash, rank, duration_ns FROM nccl_events "
+                                                 "WHERE op = 'ALL_REDUCE' AND kind = 'call'"):
+        groups.setdefault((comm, rank), []).append(d)
+    assert len(got) == len(groups) == 8 + 8  # world + the two halves
+    for r in got:
+        ds = sorted(groups[(r["comm_id_hash"], r["rank"])])
+        n = len(ds)
+        assert r["calls"] == n
+        assert r["p50_ms"] == ds[-(-n * 50 // 100) - 1] / 1e6
+        assert r["p99_ms"] == ds[-(-n * 99 // 100) - 1] / 1e6
+
+
+def test_straggler_queries_name_the_slow_rank(rec):
+    q = documented_queries()
+    top = query(rec["dbs"]["all"], q["straggler-per-collective"])
+    assert top and all(r["ranks_seen"] in (4, 8) for r in top)
+    by_rank = query(rec["dbs"]["all"], q["stragglers-by-rank"])
+    world = [r for r in by_rank if r["comm_id_hash"] == by_rank[0]["comm_id_hash"]]
+    counts = {}
+    for r in by_rank:
+        counts.setdefault(r["comm_id_hash"], {})[r["straggler"]] = r["times"]
+    (world_comm,), = rows(rec["dbs"]["all"], "SELECT DISTINCT comm_id_hash FROM nccl_events "
+                                             "WHERE op = 'ALL_REDUCE' AND nranks = 8")
+    # world: rank 2 arrives last in most AllReduces, ~30 ms after the first
+    world = counts[world_comm]
+    # rank 2 computes 30 ms longer every iteration; the odd ranks sometimes arrive
+    # later still, after a retransmit stall in their half's AllReduce
+    assert max(world, key=world.get) == STRAGGLER, world
+    # each named straggler is the rank whose call started last in the ground truth
+    truth_starts = {}
+    for r in calls(rec["truth"], op="ALL_REDUCE"):
+        if r["nranks"] == 8:
+            truth_starts.setdefault(r["pid"], []).append(r)
+    by_seq = {}
+    for pid, recs in truth_starts.items():
+        for seq, r in enumerate(sorted(recs, key=lambda r: r["start_mono_ns"]), 1):
+            by_seq.setdefault(seq, []).append((r["start_real_ns"], r["rank"]))
+    checked = 0
+    for row in top:
+        if row["comm_id_hash"] != world_comm or row["op"] != "ALL_REDUCE":
+            continue
+        starts = sorted(by_seq[row["seq"]])
+        if starts[-1][0] - starts[-2][0] > 2 * 5_000_000:
+            assert row["straggler"] == starts[-1][1], (row, starts)
+            checked += 1
+    assert checked
+    assert q["recording-losses"]  # documented
+    health = dict((r["key"], r["value"]) for r in query(rec["dbs"]["all"], q["recording-losses"]))
+    assert health["lost_total"] == "0" and int(health["end_ns"]) > int(health["start_ns"])
+
+
+def test_overload_is_counted_never_silent(rec):
+    log = rec["logs"]["tiny"]
+    m = re.search(r"lost (\d+) \(kernel ring buffer (\d+), recorder queue full (\d+)\)", log)
+    assert m and int(m.group(3)) > 0, log
+    meta = dict(rows(rec["dbs"]["tiny"], "SELECT key, value FROM meta"))
+    assert int(meta["lost_queue_full"]) == int(m.group(3))
+    recorded = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM nccl_events")[0][0]
+    tcp = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM tcp_events")[0][0]
+    # what was recorded plus what was dropped is everything that was offered ...
+    assert recorded + tcp + int(meta["lost_queue_full"]) == int(meta["events_offered"])
+    assert int(meta["lost_total"]) >= int(meta["lost_queue_full"])
+    # ... which is at least every call of the job, and what was kept is real
+    assert int(meta["events_offered"]) >= len(rec["truth"])
+    truth = Counter(truth_key(r) for r in rec["truth"])
+    got = Counter(db_key(r) for r in rows(rec["dbs"]["tiny"], "SELECT pid, tid, op, count, peer FROM nccl_events")
+                  if r[0] in rec["pids"])
+    assert not got - truth
+
+
+def test_sigkill_leaves_a_valid_readable_database(rec):
+    db = rec["dbs"]["killed"]
+    # read-only first, as left (WAL not yet folded in by a writer)
+    out = query(db, "SELECT COUNT(*) AS n, MAX(timestamp_ns) AS last FROM nccl_events")[0]
+    assert out["n"] > 0
+    assert rows(db, "PRAGMA integrity_check") == [("ok",)]
+    # everything in it is real (a prefix of the job, nothing invented)
+    truth = Counter(truth_key(r) for r in rec["truth"])
+    got = Counter(db_key(r) for r in rows(db, "SELECT pid, tid, op, count, peer FROM nccl_events")
+                  if r[0] in rec["pids"])
+    assert not got - truth
+    assert sum(got.values()) < sum(truth.values())
+    assert "summary" not in rec["logs"]["killed"]
+    text = query(db, documented_queries()["slowest-calls"], fmt="table")
+    assert text.splitlines()[0].split() == ["op", "rank", "nranks", "ms"]
