@@ -163,7 +163,7 @@ def cmd_run(args) -> int:
     except OSError as e:
         raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     try:
-        agent, node = _start_agent(args, cfg)
+        agent, node = _start_agent(args, cfg, record_all=bool(args.db))  # --db: every call
     except Exception:
         server.shutdown()
         raise
@@ -175,6 +175,17 @@ def cmd_run(args) -> int:
         agent.close()
         server.shutdown()
         raise
+    recorder = None
+    if args.db:
+        try:
+            recorder = _open_recorder(args.db, node)
+        except CliError:
+            agent.close()
+            server.shutdown()
+            raise
+        recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
+        agent.listeners.append(recorder)
+        _deliver_tcp_events(agent)
     registry.register(NcclCollector(agent.reader, node, agent.probes, agent.processes,
                                     lock=agent.lock, spans=spans, sections=agent.sections))
     shown = "localhost" if host in ("0.0.0.0", "::") else host
@@ -184,10 +195,15 @@ def cmd_run(args) -> int:
     try:
         agent.run_until(stop)
     finally:
+        if recorder is not None:
+            recorder.set_kernel_lost(**_kernel_losses(agent))
         agent.close()
         if spans is not None:
             spans.close()
         server.shutdown()
+        if recorder is not None:
+            recorder.close()
+            print(f"nccl-exporter: {recorder.summary()}", flush=True)
     print("nccl-exporter: stopped", flush=True)
     return 0
 
@@ -448,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--slow-relative", type=float, metavar="K",
                    help="instead of the fixed threshold, a call is slow at K x the recent p50 of "
                         "its op/comm/rank series (recomputed every 10 s; never below 1 ms)")
+    r.add_argument("--db", metavar="PATH",
+                   help="also record every NCCL call and TCP retransmit/reset to this SQLite file "
+                        "(as 'trace --out'; read it with 'query')")
     lib_option(r)
     r.set_defaults(func=cmd_run)
 
