@@ -85,6 +85,7 @@ struct call {
     u32 stream_arg;  // 0: stream is in .stream; n: the n-th stack argument
     u32 series_by_op[OP_COUNT];  // series_stats slot + 1 per op, for cached_comm
     u64 runq_wait_ns;  // time this thread waited runnable during the call (bpf/sched.c)
+    u64 proxy_wait_start;  // the process's proxy threads' total run-queue wait at entry
     s32 rank;
     s32 nranks;
     u32 op;
@@ -119,6 +120,7 @@ struct event {
     s32 result;
     s32 color;
     u64 runq_wait_ns;  // the calling thread's run-queue wait during the call
+    u64 proxy_wait_ns;  // the same process's NCCL proxy threads' wait during it
 };
 
 // Series live in an array (a lookup the verifier inlines); the hash only maps
@@ -250,6 +252,17 @@ static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {
     return stack_arg_at(PT_REGS_SP(ctx), n);
 }
 
+// Defined in bpf/sched.c, which is compiled after this file.
+static __always_inline u64 sched_proxy_wait_ns(u32 tgid);
+
+// Does this call's return look at the event path (slow-call or record-all)?
+static __always_inline int events_wanted(u32 op) {
+    u32 all = OP_COUNT;
+    u64 *record_all = event_config.lookup(&all);
+    u64 *threshold = event_config.lookup(&op);
+    return (record_all && *record_all) || (threshold && *threshold) || op >= OP_GET_UNIQUE_ID;
+}
+
 // Start tracking a call on this thread. Returns 0 when the call is nested in
 // another public NCCL call of the same thread: it only deepens the outer one.
 // A thread's slot is made at its first NCCL call and reused (op == 0: idle)
@@ -290,6 +303,8 @@ static __always_inline struct call *begin(u32 op, u32 *tid_out) {
     c->aux = 0;
     c->stream_arg = 0;
     c->runq_wait_ns = 0;
+    // Only calls that may become events pay for this lookup (spans, recording).
+    c->proxy_wait_start = events_wanted(op) ? sched_proxy_wait_ns(bpf_get_current_pid_tgid() >> 32) : 0;
     c->rank = -1;
     c->nranks = -1;
     c->depth = 0;
@@ -640,6 +655,8 @@ static __always_inline void emit(struct call *c, u32 kind, u32 tid, u64 end, s32
     e->result = result;
     e->color = c->color;
     e->runq_wait_ns = c->runq_wait_ns;
+    u64 proxy_now = sched_proxy_wait_ns(e->pid);
+    e->proxy_wait_ns = proxy_now > c->proxy_wait_start ? proxy_now - c->proxy_wait_start : 0;
     events.ringbuf_submit(e, 0);
 }
 

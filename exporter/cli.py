@@ -240,13 +240,12 @@ def _start_tracing(args, cfg, agent, node):
     relative = args.slow_relative if args.slow_relative is not None else cfg.get("slow_relative")
     if relative is not None and not (isinstance(relative, (int, float)) and relative > 0):
         raise CliError(f"--slow-relative {relative!r}: a factor > 0, e.g. 3")
-    agent.slow = SlowCallPolicy(agent.probes, agent.reader, thresholds, relative)
-
     endpoint = (args.otlp_endpoint or cfg.get("otlp_endpoint")
                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     if not endpoint:
-        return None
+        return None  # nobody consumes slow-call events: the kernel sends none
+    agent.slow = SlowCallPolicy(agent.probes, agent.reader, thresholds, relative)
     protocol = (args.otlp_protocol or cfg.get("otlp_protocol")
                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")

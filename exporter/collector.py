@@ -207,6 +207,9 @@ class NcclCollector:
             ("COMMS_FULL", "communicators"),
             ("INFLIGHT_FULL", "inflight"),
             ("ERRORS_FULL", "call_errors"),
+            ("SOCKETS_FULL", "sock_owner"),
+            ("LINKS_FULL", "tcp_links"),
+            ("SCHED_FULL", "thread_sched"),
         ):
             full.add_metric([self.node, map_name], counters[name])
         yield full
@@ -215,7 +218,7 @@ class NcclCollector:
             "Events dropped because the ring buffer to user space was full.",
             labels=["node"],
         )
-        lost.add_metric([self.node], counters["EVENTS_LOST"])
+        lost.add_metric([self.node], counters["EVENTS_LOST"] + counters["TCP_EVENTS_LOST"])
         yield lost
         if self.spans is not None:
             spans = CounterMetricFamily(

@@ -79,6 +79,7 @@ class CallEvent:
     result: int
     color: int
     runq_wait_ns: int = 0  # the calling thread's run-queue wait during the call
+    proxy_wait_ns: int = 0  # the process's NCCL proxy threads' run-queue wait during it
 
     @property
     def duration_ns(self) -> int:
@@ -106,6 +107,7 @@ class CallEvent:
             "stream": hex(self.stream),
             "result": contract.result_name(self.result),
             "runq_wait_ns": self.runq_wait_ns,
+            "proxy_wait_ns": self.proxy_wait_ns,
         }
 
 
@@ -248,6 +250,7 @@ class MapReader:
             result=e.result,
             color=e.color,
             runq_wait_ns=e.runq_wait_ns,
+            proxy_wait_ns=e.proxy_wait_ns,
         )
 
     def on_event(self, callback) -> None:

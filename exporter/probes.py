@@ -67,6 +67,7 @@ MAP_CAPACITY = {
     "tcp_links": MAX_LINKS,
     "tcp_srtt": MAX_LINKS,
     "thread_sched": MAX_SCHED_THREADS,
+    "sched_stats": MAX_PROCESSES * 3,
 }
 
 

@@ -120,9 +120,9 @@ class TcpWindow:
 
     def between(self, start_ns: int, end_ns: int) -> list:
         with self.lock:
-            while self.events and self.events[0].timestamp_ns < end_ns - self.keep_ns:
+            while self.events and self.events[0].timestamp_real_ns < end_ns - self.keep_ns:
                 self.events.popleft()
-            return [e for e in self.events if start_ns <= e.timestamp_ns <= end_ns]
+            return [e for e in self.events if start_ns <= e.timestamp_real_ns <= end_ns]
 
 
 class SpanSink:
@@ -161,7 +161,7 @@ class SpanSink:
                     self.dropped += 1
                     return
                 self.pending.append(event)
-        elif hasattr(event, "timestamp_ns") and getattr(event, "event", None):
+        elif hasattr(event, "timestamp_real_ns"):  # a TcpEvent
             self.window.add(event)
 
     # --- the builder thread ---------------------------------------------------
@@ -232,6 +232,7 @@ class SpanSink:
             "nccl.stream": d["stream"],
             "nccl.result": d["result"],
             "nccl.runq_wait_ns": e.runq_wait_ns,
+            "nccl.proxy_runq_wait_ns": e.proxy_wait_ns,
             "process.pid": e.pid,
             "thread.id": e.tid,
         }
@@ -241,12 +242,13 @@ class SpanSink:
         for t in self.window.between(start, end):
             if t.pid == e.pid:
                 mine += 1
+                d = t.as_dict()
                 span.add_event(
                     "tcp.retransmit" if t.event == "tcp_retransmit_skb" else f"tcp.{t.event.removeprefix('tcp_')}",
                     attributes={"net.peer.addr": t.daddr, "net.host.addr": t.saddr,
                                 "net.host.port": t.sport, "net.peer.port": t.dport,
-                                "tcp.state": str(t.state), "tcp.event": t.event},
-                    timestamp=t.timestamp_ns,
+                                "tcp.state": d["state"], "tcp.event": t.event},
+                    timestamp=t.timestamp_real_ns,
                 )
             elif t.event == "tcp_retransmit_skb":
                 elsewhere += 1
