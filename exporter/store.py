@@ -108,7 +108,6 @@ MIGRATIONS: list[list[str]] = [
             node         TEXT    NOT NULL
         )""",
         "CREATE INDEX nccl_events_time ON nccl_events (timestamp_ns)",
-        "CREATE INDEX nccl_events_comm_seq ON nccl_events (comm_id_hash, op, seq)",
         "CREATE INDEX tcp_events_event_time ON tcp_events (event, timestamp_ns)",
         "CREATE INDEX sched_events_time ON sched_events (timestamp_ns)",
     ],
@@ -121,6 +120,7 @@ SCHEMA_VERSION = len(MIGRATIONS)
 # killed lacks them; every query still answers, by scanning.
 DEFERRED_INDEXES = [
     "CREATE INDEX IF NOT EXISTS nccl_events_op_duration ON nccl_events (op, duration_ns)",
+    "CREATE INDEX IF NOT EXISTS nccl_events_comm_seq ON nccl_events (comm_id_hash, op, seq)",
 ]
 
 NCCL_COLUMNS = ("timestamp_ns", "duration_ns", "op", "rank", "nranks", "comm_id_hash",
