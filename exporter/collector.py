@@ -220,6 +220,16 @@ class NcclCollector:
         )
         lost.add_metric([self.node], counters["EVENTS_LOST"] + counters["TCP_EVENTS_LOST"])
         yield lost
+        misses = CounterMetricFamily(
+            contract.EXPORTER_BPF_MISSES,
+            "Tracepoint/uprobe hits the kernel did not run a program for, because another "
+            "BPF program was already running on that CPU (e.g. a retransmit in a softirq "
+            "that interrupted a scheduler probe). Those hits are missing from every count.",
+            labels=["node", "program"],
+        )
+        for program, n in sorted(self.probes.recursion_misses().items()):
+            misses.add_metric([self.node, program], n)
+        yield misses
         if self.spans is not None:
             spans = CounterMetricFamily(
                 contract.EXPORTER_SPANS,

@@ -155,5 +155,6 @@ EXPORTER_MAP_FULL = "nccl_exporter_map_full_total"
 EXPORTER_EVENTS_LOST = "nccl_exporter_events_lost_total"
 EXPORTER_SCRAPE_DURATION = "nccl_exporter_scrape_duration_seconds"
 EXPORTER_SPANS = "nccl_exporter_spans_total"
+EXPORTER_BPF_MISSES = "nccl_exporter_bpf_recursion_misses_total"
 
 DEFAULT_PORT = 9862

@@ -242,6 +242,21 @@ class NcclProbes:
         gen = self.bpf["comm_generation"]  # threads re-read their cached identity
         gen[gen.Key(0)] = gen.Leaf(gen[gen.Key(0)].value + 1)
 
+    def recursion_misses(self) -> dict[str, int]:
+        """Per program: hits the kernel skipped because another BPF program was
+        already running on that CPU (a softirq retransmit that interrupts a
+        scheduler probe, say). Those events are not counted anywhere else."""
+        out = {}
+        for name, fn in list(self.bpf.funcs.items()):
+            try:
+                with open(f"/proc/self/fdinfo/{fn.fd}") as f:
+                    for line in f:
+                        if line.startswith("recursion_misses:"):
+                            out[name.decode()] = int(line.split()[1])
+            except OSError:
+                continue
+        return out
+
     def close(self) -> None:
         """Detach everything. Removing a uprobe waits for an RCU grace period
         (~0.2 s on 6.x kernels); done one by one, 64 probes take ~15 s, so

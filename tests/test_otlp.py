@@ -81,8 +81,17 @@ def run_lossy_job(simlib, tmp_path, receiver_cls, protocol, observer=None):
                              rendezvous_dir=tmp_path / "rdv", truth_dir=tmp_path / "truth", timeout=180)
             assert result.ok, result.summary()
             families = exporter.scrape()
+            openmetrics = openmetrics_text(exporter.url)
         # The exporter has stopped: everything it built was flushed on the way out.
-        return result, receiver.spans(), families
+        return result, receiver.spans(), families, openmetrics
+
+
+def openmetrics_text(url: str) -> str:
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read().decode()
 
 
 def match_spans_to_truth(result, spans):
@@ -103,7 +112,8 @@ def match_spans_to_truth(result, spans):
 
 def test_grpc_spans_match_ground_truth(simlib, tmp_path):
     with TimedObserver() as observer:
-        result, spans, families = run_lossy_job(simlib, tmp_path, GrpcReceiver, "grpc", observer)
+        result, spans, families, openmetrics = run_lossy_job(simlib, tmp_path, GrpcReceiver, "grpc",
+                                                             observer)
         hits = observer.timed_hits()
     truth, matched = match_spans_to_truth(result, spans)
     hashes = expected_comm_hashes(result.truth)
@@ -167,13 +177,24 @@ def test_grpc_spans_match_ground_truth(simlib, tmp_path):
         with_events += got > 0
     assert with_events > 0, "no slow call saw a retransmit: the lossy link did not show"
 
+    # Exemplars: the duration histogram names the trace of a recent slow call,
+    # on the bucket of that call's duration (OpenMetrics exposition).
+    span_traces = {span.trace_id.hex() for _, span, _, _ in matched}
+    exemplar = re.compile(r'^nccl_collective_duration_seconds_bucket\{(.*)\} \S+ # \{trace_id="([0-9a-f]{32})"\} (\S+)')
+    found = [m for m in map(exemplar.match, openmetrics.splitlines()) if m]
+    assert found, "no exemplar on the duration histogram"
+    for m in found:
+        assert m.group(2) in span_traces, m.group(0)
+        le = re.search(r'le="([^"]+)"', m.group(1)).group(1)
+        assert float(m.group(3)) <= float(le)
+
     spans_total = {s.labels["outcome"]: s.value
                    for s in ExporterProcess.samples(families, contract.EXPORTER_SPANS)}
     assert spans_total.get("dropped", 0) == 0
 
 
 def test_http_protobuf_spans_arrive(simlib, tmp_path):
-    result, spans, _families = run_lossy_job(simlib, tmp_path, HttpReceiver, "http/protobuf")
+    result, spans, _families, _om = run_lossy_job(simlib, tmp_path, HttpReceiver, "http/protobuf")
     truth, matched = match_spans_to_truth(result, spans)
     slow = [r for r in truth if r["end_mono_ns"] - r["start_mono_ns"] >= THRESHOLD_NS]
     assert slow and all(id(r) in {id(b) for *_, b in matched} for r in slow)

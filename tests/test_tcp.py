@@ -102,6 +102,19 @@ class Observer:
         return out
 
 
+RETRANSMIT_PROGRAM = "tracepoint__tcp__tcp_retransmit_skb"
+
+
+def assert_matches_observer(exporter: Counter, seen: Counter, missed: int) -> None:
+    """Per link, the exporter counts what the observer saw, except hits the
+    kernel skipped because another BPF program was running on that CPU (a
+    softirq retransmit interrupting a scheduler probe): those are counted in
+    the program's recursion_misses, and only they may be missing."""
+    assert all(exporter[k] <= seen[k] for k in exporter), (exporter, seen)
+    short = sum(seen[k] - exporter[k] for k in seen)
+    assert short <= missed, f"{short} hits not counted, {missed} recursion misses: {exporter} vs {seen}"
+
+
 def retrans_segs(cluster: Cluster) -> int:
     """Tcp: RetransSegs summed over the cluster's hosts (each its own netns)."""
     total = 0
@@ -174,6 +187,7 @@ def drain(probes):
 # -------------------------------------------------------------------- tests --
 @pytest.mark.parametrize("ipv6", [False, True], ids=["ipv4", "ipv6"])
 def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, simlib, tmp_path, ipv6):
+    missed_before = probes.recursion_misses().get(RETRANSMIT_PROGRAM, 0)
     with Cluster(4, name=f"tcp{int(ipv6)}") as cluster, Observer() as observer:
         cluster.set_loss(LOSSY, LOSS_PCT)
         segs_before = retrans_segs(cluster)
@@ -209,7 +223,8 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
         for (s, d, _port), v in c.items():
             out[(s, d)] += v
         return +out
-    assert per_pair(exporter) == per_pair(seen)
+    missed = probes.recursion_misses().get(RETRANSMIT_PROGRAM, 0) - missed_before
+    assert_matches_observer(per_pair(exporter), per_pair(seen), missed)
     assert total <= segs
 
     # Attribution: a retransmit from the lossy host's address is the lossy rank's.
@@ -286,6 +301,7 @@ GEN_CLIENT = textwrap.dedent("""
 def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events, tmp_path):
     # Data into the lossy host: its ingress drops make the sender retransmit
     # (an egress drop fails the local send instead, which TCP just retries).
+    missed_before = probes.recursion_misses().get(RETRANSMIT_PROGRAM, 0)
     with Cluster(2, name="tcpgen") as cluster, Observer() as observer:
         cluster.set_loss(LOSSY, LOSS_PCT)
         srv, cli = cluster.hosts[LOSSY], cluster.hosts[0]
@@ -308,7 +324,8 @@ def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events,
     total = sum(exporter.values())
     print(f"\nuntraced: exporter {total} hits, observer {sum(seen.values())}, RetransSegs +{segs}")
     assert exporter[(cli.addr, srv.addr, GEN_PORT)] > 0, "bulk send into the lossy host: no retransmits"
-    assert exporter == seen
+    missed = probes.recursion_misses().get(RETRANSMIT_PROGRAM, 0) - missed_before
+    assert_matches_observer(exporter, seen, missed)
     assert total <= segs
     assert links and all(l.owner == 0 for l in links)
     samples = [s for f in reader.families("n1", lambda pid: 7) for s in f.samples
