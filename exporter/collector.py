@@ -261,17 +261,17 @@ class _Histograms:
 
     def family(self, name: str, doc: str, label_names: list[str],
                exemplars: dict | None = None) -> HistogramMetricFamily:
-        """exemplars: labels -> (trace id, duration s, unix time): the latest slow
+        """exemplars: labels -> (trace id, duration ns, unix time): the latest slow
         call's trace, shown on its bucket (OpenMetrics exposition only)."""
         f = HistogramMetricFamily(name, doc, labels=label_names)
         for labels in sorted(self.buckets):
             buckets = histogram.cumulative_buckets(self.buckets[labels])
             ex = (exemplars or {}).get(labels)
             if ex:
-                trace_id, value, ts = ex
-                i = min(histogram.bucket_of(int(value * 1e9)), len(buckets) - 1)
+                trace_id, duration_ns, ts = ex
+                i = min(histogram.bucket_of(duration_ns), len(buckets) - 1)
                 le, count = buckets[i]
-                buckets[i] = (le, count, Exemplar({"trace_id": trace_id}, value, ts))
+                buckets[i] = (le, count, Exemplar({"trace_id": trace_id}, duration_ns / 1e9, ts))
             f.add_metric(list(labels), buckets, self.sums[labels] / 1e9)
         return f
 

@@ -259,7 +259,7 @@ class SpanSink:
         span.end(end_time=end)
         key = (e.op, format_comm(e.comm_hash), e.rank, e.nranks)
         trace_hex = f"{span.get_span_context().trace_id:032x}"
-        self.exemplars[key] = (trace_hex, e.duration_ns / 1e9, end / 1e9)
+        self.exemplars[key] = (trace_hex, e.duration_ns, end / 1e9)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Build what is pending and flush it (bounded: a dead backend cannot hang us)."""

@@ -165,16 +165,20 @@ def test_grpc_spans_match_ground_truth(simlib, tmp_path):
     # Span events: the retransmits of that rank's sockets inside the call's
     # window, as an independent tracefs observer saw them (each simulated
     # rank is alone on its host address).
-    with_events = 0
+    # Only hits the kernel skipped (another BPF program running on that CPU,
+    # counted as recursion misses) may be missing.
+    missed = sum(s.value for s in ExporterProcess.samples(families, contract.EXPORTER_BPF_MISSES)
+                 if s.labels["program"] == "tracepoint__tcp__tcp_retransmit_skb")
+    with_events = short = 0
     for _, span, a, _ in matched:
         addr = observer.hosts[a["nccl.rank"]]
         want = sum(1 for t, saddr in hits
                    if saddr == addr and span.start_time_unix_nano <= t <= span.end_time_unix_nano)
         got = sum(1 for ev in span.events if ev.name == "tcp.retransmit")
-        assert got == want, (a["nccl.rank"], a["nccl.seq"], got, want, span.start_time_unix_nano,
-                             span.end_time_unix_nano, [(t, s) for t, s in hits if s == addr],
-                             [(ev.time_unix_nano, attributes(ev)) for ev in span.events])
+        assert got <= want, (a["nccl.rank"], a["nccl.seq"], got, want)
+        short += want - got
         with_events += got > 0
+    assert short <= missed, f"{short} retransmits missing from spans, {missed} recursion misses"
     assert with_events > 0, "no slow call saw a retransmit: the lossy link did not show"
 
     # Exemplars: the duration histogram names the trace of a recent slow call,
