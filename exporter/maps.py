@@ -111,6 +111,26 @@ class CallEvent:
         }
 
 
+def forget_dead(table, proc: str = "/proc") -> int:
+    """Delete the entries of a map keyed by a struct with `tgid` whose process is gone."""
+    dead = [k for k in table.keys() if not os.path.exists(f"{proc}/{k.tgid}")]
+    for k in dead:
+        try:
+            del table[k]
+        except KeyError:
+            pass
+    return len(dead)
+
+
+def open_ring(bpf, name: str, decode, callback) -> None:
+    """Deliver `callback(decode(data))` for each record of ring buffer `name`, from poll()."""
+
+    def raw(_ctx, data, _size):
+        callback(decode(data))
+
+    bpf[name].open_ring_buffer(raw)
+
+
 def format_comm(h: int) -> str:
     """Label value of a communicator hash; 'unknown' when the agent never saw it made."""
     return f"{h:016x}" if h else "unknown"
@@ -187,14 +207,7 @@ class MapReader:
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop communicators of processes that are gone; returns how many."""
-        table = self.bpf["communicators"]
-        dead = [k for k in table.keys() if not os.path.exists(f"{proc}/{k.tgid}")]
-        for k in dead:
-            try:
-                del table[k]
-            except KeyError:
-                pass
-        return len(dead)
+        return forget_dead(self.bpf["communicators"], proc)
 
     def inflight(self) -> list[InflightCall]:
         return [
@@ -255,11 +268,7 @@ class MapReader:
 
     def on_event(self, callback) -> None:
         """Call `callback(CallEvent)` for each event, from poll()."""
-
-        def raw(_ctx, data, _size):
-            callback(self.decode_event(data))
-
-        self.bpf["events"].open_ring_buffer(raw)
+        open_ring(self.bpf, "events", self.decode_event, callback)
 
     def poll(self, timeout_ms: int) -> None:
         self.bpf.ring_buffer_poll(timeout_ms)

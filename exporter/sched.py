@@ -15,6 +15,7 @@ from typing import Callable
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from . import contract
+from .maps import forget_dead
 
 # bpf/sched.c: SCHED_KIND_*
 KINDS = {0: "other", 1: "caller", 2: "proxy"}
@@ -96,16 +97,7 @@ class SchedReader:
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop sched_stats of processes that are gone; returns how many entries."""
-        import os
-
-        table = self.bpf["sched_stats"]
-        dead = [k for k in table.keys() if not os.path.exists(f"{proc}/{k.tgid}")]
-        for k in dead:
-            try:
-                del table[k]
-            except KeyError:
-                pass
-        return len(dead)
+        return forget_dead(self.bpf["sched_stats"], proc)
 
     # --- Prometheus ------------------------------------------------------------
 

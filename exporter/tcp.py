@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from . import contract
-from .maps import ClockOffset
+from .maps import ClockOffset, open_ring
 
 AF_INET = 2
 AF_INET6 = 10
@@ -181,11 +181,7 @@ class TcpReader:
 
     def on_event(self, callback) -> None:
         """Call `callback(TcpEvent)` for each event, from bpf.ring_buffer_poll()."""
-
-        def raw(_ctx, data, _size):
-            callback(self.decode_event(data))
-
-        self.bpf["tcp_events"].open_ring_buffer(raw)
+        open_ring(self.bpf, "tcp_events", self.decode_event, callback)
 
     def families(self, node: str, rank_of) -> list:
         """Metric families; rank_of(pid) -> int | None labels each owner."""
