@@ -34,8 +34,8 @@ PROMETHEUS = "/usr/bin/prometheus"
 ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
 
 NRANKS = 8
-LOSSY_RANK = 2          # 3 % packet loss on this rank's link
-LOSS_PERCENT = 3
+LOSSY_RANK = 2          # packet loss on this rank's link: enough RTOs for the p99 alert
+LOSS_PERCENT = 5
 STRAGGLER_RANK = 5      # computes 40 ms longer before every collective
 STRAGGLER_DELAY_MS = 40
 COMPUTE_MS = 5
@@ -297,7 +297,15 @@ def test_retransmit_alert_names_the_lossy_link_and_rank_only(run):
     alerts = firing(run, "NcclTcpRetransmits")
     print(f"NcclTcpRetransmits: {sorted(uniq(alerts, ('saddr', 'daddr', 'rank', 'node')))}")
     assert alerts, "no retransmit alert"
-    assert any(a["saddr"] == lossy_addr and a["rank"] == str(LOSSY_RANK) for a in alerts), alerts
+    # Both directions of the lossy link may alert: data the lossy host sends
+    # (its sockets: rank LOSSY_RANK) and data sent to it (the peer's socket,
+    # the peer's rank). Which crosses the threshold first depends on timing:
+    # an egress drop fails the local send and is retried as a failure, not a
+    # retransmit, so either direction can lead.
+    assert any(lossy_addr in (a["saddr"], a["daddr"]) for a in alerts), alerts
+    owner = {f"198.18.0.{r + 1}": str(r) for r in range(NRANKS)}
+    for a in alerts:
+        assert a["rank"] == owner[a["saddr"]], f"retransmits attributed to another rank than the sender's: {a}"
     # Links into the straggler retransmit too, with no loss at all: it reads
     # its sockets 40 ms late, its kernel delays the ACKs, and the senders'
     # tail-loss probes fire (nstat in the namespaces: TcpExtTCPLossProbes ==
@@ -307,8 +315,6 @@ def test_retransmit_alert_names_the_lossy_link_and_rank_only(run):
     for a in alerts:
         assert lossy_addr in (a["saddr"], a["daddr"]) or a["daddr"] == straggler_addr, \
             f"retransmit alert on a link with neither loss nor a late reader: {a}"
-        if a["saddr"] == lossy_addr:
-            assert a["rank"] == str(LOSSY_RANK), f"the lossy host's sockets belong to rank {LOSSY_RANK}: {a}"
 
 
 def test_no_false_alerts(run):
