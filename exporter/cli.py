@@ -185,7 +185,6 @@ def cmd_run(args) -> int:
             raise
         recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
         agent.listeners.append(recorder)
-        _deliver_tcp_events(agent)
     registry.register(NcclCollector(agent.reader, node, agent.probes, agent.processes,
                                     lock=agent.lock, spans=spans, sections=agent.sections))
     shown = "localhost" if host in ("0.0.0.0", "::") else host
@@ -300,20 +299,6 @@ def _open_recorder(path, node, scope=None):
         raise CliError(str(e)) from None
 
 
-def _deliver_tcp_events(agent) -> None:
-    """Route bpf/tcp.c's ring buffer to agent.listeners, unless the agent already does."""
-    if getattr(agent, "tcp", None) is not None or getattr(agent, "_store_tcp", False):
-        return
-    try:
-        from .tcp import TcpReader
-
-        agent.probes.bpf["tcp_events"]
-    except (ImportError, KeyError):
-        return  # no TCP probes in this build: tcp_events stays empty
-    TcpReader(agent.probes.bpf, agent.reader.clock).on_event(agent._dispatch)
-    agent._store_tcp = True
-
-
 def _kernel_losses(agent) -> dict:
     counters = agent.reader.counters()
     return {"kernel_nccl_events": counters.get("EVENTS_LOST", 0),
@@ -347,7 +332,6 @@ def cmd_trace(args) -> int:
     if recorder is not None:
         recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
         agent.listeners.append(recorder)
-        _deliver_tcp_events(agent)
     else:
         agent.listeners.append(show)
     what = f"for {args.duration:g} s" if args.duration else "until Ctrl-C"

@@ -7,10 +7,9 @@ import os
 import pathlib
 from typing import Iterable
 
-COLLECTIVE_OPS = {
-    "ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "BROADCAST", "REDUCE",
-    "SEND", "RECV", "ALL_TO_ALL", "GATHER", "SCATTER",
-}
+from ..contract import COLLECTIVE_OPS as _COLLECTIVE_OPS
+
+COLLECTIVE_OPS = frozenset(_COLLECTIVE_OPS.values())
 
 
 def _files(paths_or_dir) -> list[pathlib.Path]:
