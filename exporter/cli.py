@@ -301,8 +301,11 @@ def _open_recorder(path, node, scope=None):
 
 def _kernel_losses(agent) -> dict:
     counters = agent.reader.counters()
+    misses = agent.probes.recursion_misses()
     return {"kernel_nccl_events": counters.get("EVENTS_LOST", 0),
-            "kernel_tcp_events": counters.get("TCP_EVENTS_LOST", 0)}
+            "kernel_tcp_events": counters.get("TCP_EVENTS_LOST", 0),
+            # retransmits the kernel skipped: another BPF program was running on that CPU
+            "kernel_skipped_retransmits": misses.get("tracepoint__tcp__tcp_retransmit_skb", 0)}
 
 
 def cmd_trace(args) -> int:

@@ -292,7 +292,9 @@ def test_retransmit_rows_equal_an_independent_observer(rec):
     own = rows(rec["dbs"]["lossy"], "SELECT COUNT(*) FROM tcp_events WHERE event LIKE 'tcp_retransmit%' "
                                     "AND timestamp_ns >= ?", since_mono + offset)[0][0]
     mine = sum(1 for line in observed if " saddr=198.18.0.6 " in line)
-    assert own == mine > 0
+    # Only hits the kernel skipped (counted in meta, see exporter.cli._kernel_losses) may be missing.
+    skipped = int(rows(rec["dbs"]["lossy"], "SELECT value FROM meta WHERE key = 'lost_kernel_skipped_retransmits'")[0][0])
+    assert mine > 0 and own <= mine <= own + skipped, (own, mine, skipped)
 
 
 def test_slowest_calls_query(rec):
