@@ -94,8 +94,7 @@ class Agent:
     def _dispatch(self, event: CallEvent) -> None:
         self.events_seen += 1
         if event.kind == EVENT_LIFECYCLE:
-            if event.pid not in self.processes._known:
-                self.processes.saw(event.pid)
+            self.processes.identity(event.pid)  # learns (and traces) a new process once
             log.info(
                 "%s pid=%d comm=%s nccl_comm_hash=%016x rank=%d nranks=%d result=%d %.1f ms",
                 event.op, event.pid, format_comm(event.comm_hash), event.nccl_hash,

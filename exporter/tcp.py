@@ -119,6 +119,12 @@ class TcpEvent:
         }
 
 
+def _link_fields(k) -> dict:
+    """The link of a tcp_links / tcp_srtt key, decoded."""
+    return {"family": k.family, "saddr": format_addr(k.family, k.saddr),
+            "daddr": format_addr(k.family, k.daddr), "port": k.port, "owner": k.owner}
+
+
 class TcpReader:
     """Reads tcp_links / tcp_srtt and decodes tcp_events of bpf/tcp.c."""
 
@@ -129,11 +135,7 @@ class TcpReader:
     def links(self) -> list[TcpLink]:
         return [
             TcpLink(
-                family=k.family,
-                saddr=format_addr(k.family, k.saddr),
-                daddr=format_addr(k.family, k.daddr),
-                port=k.port,
-                owner=k.owner,
+                **_link_fields(k),
                 retransmits=v.retransmits,
                 failures=v.failures,
                 resets_sent=v.resets_sent,
@@ -145,11 +147,7 @@ class TcpReader:
     def srtt(self) -> list[TcpSrtt]:
         return [
             TcpSrtt(
-                family=k.family,
-                saddr=format_addr(k.family, k.saddr),
-                daddr=format_addr(k.family, k.daddr),
-                port=k.port,
-                owner=k.owner,
+                **_link_fields(k),
                 count=v.count,
                 sum_us=v.sum_us,
                 buckets=tuple(v.buckets),
