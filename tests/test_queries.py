@@ -187,6 +187,15 @@ def test_recorders_stop_cleanly_and_print_a_summary(rec):
     assert rec["rc"]["killed"] == -signal.SIGKILL
 
 
+def assert_nothing_lost_but_kernel_skips(meta: dict) -> None:
+    """lost_total is the sum of its parts, and every part is 0 except the retransmit hits the
+    kernel itself skipped (recursion protection: a softirq retransmit that lands while another
+    BPF program runs on that CPU). Those are outside our control, counted, and rare."""
+    parts = {k: int(v) for k, v in meta.items() if k.startswith("lost_") and k != "lost_total"}
+    assert int(meta["lost_total"]) == sum(parts.values()), meta
+    assert {k: v for k, v in parts.items() if k != "lost_kernel_skipped_retransmits" and v} == {}, meta
+
+
 def test_every_call_recorded_exactly_once(rec):
     """SIGTERM after the job: every call the library made is in the db, once."""
     truth = rec["truth"]
@@ -197,7 +206,7 @@ def test_every_call_recorded_exactly_once(rec):
                                               "SELECT pid, tid, op, count, peer FROM nccl_events")
                       if r[0] in who or name != "all")  # other tests may use the library meanwhile
         assert got == want, name
-        assert rows(rec["dbs"][name], "SELECT value FROM meta WHERE key = 'lost_total'") == [("0",)]
+        assert_nothing_lost_but_kernel_skips(dict(rows(rec["dbs"][name], "SELECT key, value FROM meta")))
     # durations agree with the library's own, per call (in order per thread)
     by_thread = {}
     for r in truth:
@@ -367,7 +376,8 @@ def test_straggler_queries_name_the_slow_rank(rec):
     assert checked
     assert q["recording-losses"]  # documented
     health = dict((r["key"], r["value"]) for r in query(rec["dbs"]["all"], q["recording-losses"]))
-    assert health["lost_total"] == "0" and int(health["end_ns"]) > int(health["start_ns"])
+    assert_nothing_lost_but_kernel_skips(health)
+    assert int(health["end_ns"]) > int(health["start_ns"])
 
 
 def test_overload_is_counted_never_silent(rec):
