@@ -55,7 +55,7 @@ struct comm_key {
 
 struct comm_info {
     u64 comm_hash;
-    u64 nccl_hash;  // NCCL's commHash; 0 when not derivable (split children)
+    u64 nccl_hash;  // NCCL's commHash; 0: unknown (a split of a parent never seen made)
     u64 splits;     // ncclCommSplit calls made on this comm (child id input)
     s32 rank;
     s32 nranks;
@@ -219,6 +219,35 @@ static __always_inline u64 splitmix64(u64 x) {
     return z ^ (z >> 31);
 }
 
+// NCCL's own hash (eatHash/digestHash of NCCL >= 2.23, exporter/hashing.py):
+// a two-word state; eating n bytes xors n into a0, then runs one round per
+// 8-byte little-endian chunk.
+static __always_inline void nccl_eat_round(u64 *a0, u64 *a1, u64 chunk) {
+    *a0 += *a1;
+    *a1 ^= *a0;
+    *a0 = (*a0 ^ (*a0 >> 31)) * 0x9DE62BBC8CEF3CE3ULL;
+    *a1 = (*a1 ^ (*a1 >> 32)) * 0x485CD6311B599E79ULL;
+    *a0 += chunk;
+}
+
+static __always_inline u64 nccl_digest(u64 a0, u64 a1) {
+    u64 h = (a0 ^ (a0 >> 31)) * 0xBAC3BD562846DE6BULL;
+    h += a1;
+    return (h ^ (h >> 32)) * 0x995A187A14E7B445ULL;
+}
+
+// NCCL's commHash of a split child: eat the parent's commHash (8 bytes), the
+// parent's split counter after this split (int) and the color (int).
+static __always_inline u64 nccl_split_hash(u64 parent, u32 count, u32 color) {
+    u64 a0 = 1 ^ 8, a1 = 1;
+    nccl_eat_round(&a0, &a1, parent);
+    a0 ^= 4;
+    nccl_eat_round(&a0, &a1, count);
+    a0 ^= 4;
+    nccl_eat_round(&a0, &a1, color);
+    return nccl_digest(a0, a1);
+}
+
 // Hash a ncclUniqueId at user address `uid` into c->comm_hash / c->nccl_hash
 // (see exporter/hashing.py for the definitions).
 static __always_inline void hash_unique_id(struct call *c, const void *uid) {
@@ -228,16 +257,14 @@ static __always_inline void hash_unique_id(struct call *c, const void *uid) {
         return;
     u64 *w = id->words;
     u64 h = 0;
+    u64 a0 = 1 ^ 128, a1 = 1;  // NCCL: getHash(id, 128)
     #pragma unroll
-    for (int i = 0; i < 16; i++)
+    for (int i = 0; i < 16; i++) {
         h = splitmix64(h ^ w[i]);
-    u64 djb = 5381;
-    const signed char *b = (const signed char *)w;
-    #pragma unroll
-    for (int i = 0; i < 128; i++)
-        djb = ((djb << 5) + djb) ^ (u64)(s64)b[i];  // NCCL's char is signed
+        nccl_eat_round(&a0, &a1, w[i]);
+    }
     c->comm_hash = h;
-    c->nccl_hash = djb;
+    c->nccl_hash = nccl_digest(a0, a1);
 }
 
 // Stack argument n (1-based) at a uprobe on the first instruction: [sp] holds
@@ -500,6 +527,7 @@ static __always_inline int enter_split(struct pt_regs *ctx, u32 op) {
     struct comm_info *info = communicators.lookup(&k);
     if (info) {
         c->comm_hash = info->comm_hash;  // the parent's, until the return
+        c->nccl_hash = info->nccl_hash;
         c->rank = info->rank;
         c->nranks = info->nranks;
         c->aux = info->splits;  // splits of one parent are collective: never concurrent
@@ -592,11 +620,12 @@ static __always_inline void lifecycle_return(struct call *c, s32 result) {
         u64 mixed = splitmix64(c->comm_hash ^ SPLIT_TAG);
         c->comm_hash = splitmix64(mixed ^ (((c->aux & 0xFFFFFFFFULL) << 32) |
                                            ((u64)(u32)c->color)));
-        c->nccl_hash = 0;
+        // NCCL counts splits on the parent from 1 (aux counts from 0).
+        c->nccl_hash = c->nccl_hash ? nccl_split_hash(c->nccl_hash, c->aux + 1, c->color) : 0;
         c->comm = child;
         c->rank = -1;  // the child's rank and size depend on every rank's key:
         c->nranks = -1;  // learnt when the program asks (ncclCommUserRank/Count)
-        remember_comm(child, c->comm_hash, 0, -1, -1);
+        remember_comm(child, c->comm_hash, c->nccl_hash, -1, -1);
     } else if (op == OP_COMM_DESTROY || op == OP_COMM_ABORT) {
         struct comm_key k = {.tgid = tgid, .comm = c->comm};
         communicators.delete(&k);

@@ -34,18 +34,52 @@ def comm_id_hash(unique_id: bytes) -> int:
     return h
 
 
-def nccl_comm_hash(unique_id: bytes) -> int:
-    """NCCL's own commHash: getHash(commId->internal, 128), DJB2a.
+# NCCL's hash (src/include/bitops.h of NCCL >= 2.23: eatHash/digestHash; the
+# same code in the 2.32 wheel, checked against its own functions by
+# tests/test_real_nccl.py). NCCL <= 2.22 used DJB2a instead: see docs/communicators.md.
+_EAT_MUL0 = 0x9DE62BBC8CEF3CE3
+_EAT_MUL1 = 0x485CD6311B599E79
+_DIGEST_MUL0 = 0xBAC3BD562846DE6B
+_DIGEST_MUL1 = 0x995A187A14E7B445
 
-    result = result * 33 ^ c, where c is a *signed* char on x86-64, so bytes
-    >= 0x80 are sign-extended before the xor, as in NCCL's C code.
-    """
+
+def nccl_eat(acc: list[int], data: bytes) -> None:
+    """Absorb `data` into the two-word state `acc`: the length first, then one
+    round per 8-byte little-endian chunk (the last one zero-filled)."""
+    a0, a1 = acc[0] ^ len(data), acc[1]
+    for off in range(0, len(data), 8):
+        a0 = (a0 + a1) & MASK64
+        a1 ^= a0
+        a0 = ((a0 ^ (a0 >> 31)) * _EAT_MUL0) & MASK64
+        a1 = ((a1 ^ (a1 >> 32)) * _EAT_MUL1) & MASK64
+        a0 = (a0 + int.from_bytes(data[off:off + 8], "little")) & MASK64
+    acc[0], acc[1] = a0, a1
+
+
+def nccl_digest(acc: list[int]) -> int:
+    h = ((acc[0] ^ (acc[0] >> 31)) * _DIGEST_MUL0) & MASK64
+    h = (h + acc[1]) & MASK64
+    return ((h ^ (h >> 32)) * _DIGEST_MUL1) & MASK64
+
+
+def nccl_comm_hash(unique_id: bytes) -> int:
+    """NCCL's own commHash of a root communicator: getHash(commId->internal, 128),
+    i.e. eat all 128 bytes into the state {1, 1}, then digest."""
     _check_len(unique_id)
-    result = 5381
-    for byte in unique_id:
-        signed = byte - 256 if byte >= 128 else byte
-        result = (((result << 5) + result) ^ (signed & MASK64)) & MASK64
-    return result
+    acc = [1, 1]
+    nccl_eat(acc, unique_id)
+    return nccl_digest(acc)
+
+
+def split_nccl_comm_hash(parent_nccl_hash: int, split_count: int, color: int) -> int:
+    """NCCL's commHash of a communicator made by ncclCommSplit: the parent's
+    commHash (u64), the parent's split counter after this split (int: 1 for the
+    first ncclCommSplit on that parent) and the color (int), eaten in that order."""
+    acc = [1, 1]
+    nccl_eat(acc, struct.pack("<Q", parent_nccl_hash & MASK64))
+    nccl_eat(acc, struct.pack("<I", split_count & 0xFFFFFFFF))
+    nccl_eat(acc, struct.pack("<I", color & 0xFFFFFFFF))
+    return nccl_digest(acc)
 
 
 def split_comm_id_hash(parent_hash: int, color: int, split_seq: int) -> int:

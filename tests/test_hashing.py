@@ -1,8 +1,9 @@
 """exporter/hashing.py against independent implementations.
 
-- a C program compiled with gcc: NCCL's getHash exactly as written in NCCL
-  (`const char*`, so the platform's char signedness decides), the splitmix64
-  fold and the split derivation, with C's own u64 wrap-around;
+- a C program compiled with gcc: NCCL's eatHash/digestHash (bitops.h of NCCL
+  >= 2.23: any byte count, chunks of up to 8 bytes), the splitmix64 fold and
+  the split derivations, with C's own u64 wrap-around;
+- the real library's own hash functions: tests/test_real_nccl.py;
 - a second Python implementation in another style (ctypes fixed-width ints);
 - fixed vectors, so a change of definition is caught even if both sides move.
 """
@@ -23,20 +24,35 @@ HASH_C = r"""
 #include <stdio.h>
 #include <string.h>
 
-/* NCCL src/include/utils.h */
-static uint64_t getHash(const char* string, int n) {
-  // Based on DJB2a, result = result * 33 ^ char
-  uint64_t result = 5381;
-  for (int c = 0; c < n; c++) {
-    result = ((result << 5) + result) ^ string[c];
+/* NCCL's hash state: two words; eating n bytes xors n into the first, then
+   runs one round per chunk of up to 8 bytes (little-endian, zero-filled). */
+static void eat(uint64_t acc[2], const void *bytes, size_t n) {
+  const unsigned char *p = bytes;
+  acc[0] ^= n;
+  while (n > 0) {
+    size_t take = n < 8 ? n : 8;
+    uint64_t chunk = 0;
+    acc[0] += acc[1];
+    acc[1] ^= acc[0];
+    acc[0] ^= acc[0] >> 31;
+    acc[0] *= 0x9de62bbc8cef3ce3ULL;
+    acc[1] ^= acc[1] >> 32;
+    acc[1] *= 0x485cd6311b599e79ULL;
+    memcpy(&chunk, p, take);  /* x86-64: little-endian */
+    acc[0] += chunk;
+    p += take;
+    n -= take;
   }
-  return result;
 }
 
-static uint64_t getHashUnsigned(const unsigned char* string, int n) {
-  uint64_t result = 5381;
-  for (int c = 0; c < n; c++) result = ((result << 5) + result) ^ string[c];
-  return result;
+static uint64_t digest(const uint64_t acc[2]) {
+  uint64_t h = acc[0];
+  h ^= h >> 31;
+  h *= 0xbac3bd562846de6bULL;
+  h += acc[1];
+  h ^= h >> 32;
+  h *= 0x995a187a14e7b445ULL;
+  return h;
 }
 
 static uint64_t splitmix64(uint64_t x) {
@@ -46,7 +62,8 @@ static uint64_t splitmix64(uint64_t x) {
   return z ^ (z >> 31);
 }
 
-/* stdin lines:  id <256 hex digits>  |  split <parent hex> <color> <seq> */
+/* stdin lines:  id <256 hex digits>  |  split <parent hex> <color> <seq>
+                 |  nsplit <parent nccl hash hex> <count> <color> */
 int main(void) {
   char kind[8];
   while (scanf("%7s", kind) == 1) {
@@ -56,15 +73,23 @@ int main(void) {
       uint64_t w[16], h = 0;
       memcpy(w, id, sizeof(w));
       for (int i = 0; i < 16; i++) h = splitmix64(h ^ w[i]);
-      printf("%016llx %016llx %016llx\n", (unsigned long long)h,
-             (unsigned long long)getHash((const char*)id, 128),
-             (unsigned long long)getHashUnsigned(id, 128));
+      uint64_t acc[2] = {1, 1};
+      eat(acc, id, sizeof(id));
+      printf("%016llx %016llx\n", (unsigned long long)h, (unsigned long long)digest(acc));
     } else if (!strcmp(kind, "split")) {
       unsigned long long parent; int color; unsigned int seq;
       if (scanf("%llx %d %u", &parent, &color, &seq) != 3) return 2;
       uint64_t mixed = splitmix64(parent ^ 0x53504C4954434F4DULL);
       uint64_t child = splitmix64(mixed ^ (((uint64_t)seq << 32) | (uint64_t)(uint32_t)color));
       printf("%016llx\n", (unsigned long long)child);
+    } else if (!strcmp(kind, "nsplit")) {
+      unsigned long long parent; int count, color;
+      if (scanf("%llx %d %d", &parent, &count, &color) != 3) return 2;
+      uint64_t acc[2] = {1, 1}, p64 = parent;
+      eat(acc, &p64, sizeof(p64));
+      eat(acc, &count, sizeof(count));
+      eat(acc, &color, sizeof(color));
+      printf("%016llx\n", (unsigned long long)digest(acc));
     } else {
       return 2;
     }
@@ -118,12 +143,19 @@ def _fold(uid: bytes) -> int:
     return h
 
 
-def _djb2a_signed(uid: bytes) -> int:
-    r = ctypes.c_uint64(5381)
-    for b in uid:
-        c = ctypes.c_uint64(ctypes.c_int8(b).value).value  # char -> sign-extended
-        r = ctypes.c_uint64((r.value * 33) ^ c)
-    return r.value
+def _nccl_hash(data: bytes) -> int:
+    """NCCL's getHash, byte chunks taken with ctypes from a zero-padded buffer."""
+    a0, a1 = ctypes.c_uint64(1 ^ len(data)), ctypes.c_uint64(1)
+    padded = data + bytes(-len(data) % 8)
+    for off in range(0, len(padded), 8):
+        a0.value += a1.value
+        a1.value ^= a0.value
+        a0.value = (a0.value ^ (a0.value >> 31)) * 0x9DE62BBC8CEF3CE3
+        a1.value = (a1.value ^ (a1.value >> 32)) * 0x485CD6311B599E79
+        a0.value += ctypes.c_uint64.from_buffer_copy(padded, off).value
+    h = ctypes.c_uint64((a0.value ^ (a0.value >> 31)) * 0xBAC3BD562846DE6B)
+    h.value += a1.value
+    return ctypes.c_uint64((h.value ^ (h.value >> 32)) * 0x995A187A14E7B445).value
 
 
 # --- tests -------------------------------------------------------------------------------
@@ -132,13 +164,13 @@ def test_fixed_vectors():
     # splitmix64 with seed 0: the first two outputs of Vigna's reference generator.
     assert hashing.splitmix64(0) == 0xE220A8397B1DCDAF
     assert hashing.splitmix64(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
-    # Computed once with the C reference above.
+    # Computed once with the C reference above (NCCL hash: also equal to the 2.32 wheel's own).
     assert hashing.comm_id_hash(bytes(128)) == 0x676DAC289584BCC9
-    assert hashing.nccl_comm_hash(bytes(128)) == 0x90116B2EAA8B6505
+    assert hashing.nccl_comm_hash(bytes(128)) == 0xCC976EC6C24BB53C
     assert hashing.comm_id_hash(bytes(range(128))) == 0x5B074B4237243D35
-    assert hashing.nccl_comm_hash(bytes(range(128))) == 0xBF47C767CBDF3105
+    assert hashing.nccl_comm_hash(bytes(range(128))) == 0x6AFE1CC17717E1F4
     assert hashing.comm_id_hash(bytes(range(128, 256))) == 0x96196B9FF33E3BD0
-    assert hashing.nccl_comm_hash(bytes(range(128, 256))) == 0x3758FA770A673905
+    assert hashing.nccl_comm_hash(bytes(range(128, 256))) == 0x1379339BDC3AFBDC
 
 
 def test_matches_c_reference(c_hash):
@@ -146,27 +178,27 @@ def test_matches_c_reference(c_hash):
     out = c_hash(["id " + uid.hex() for uid in ids])
     assert len(out) == len(ids)
     for uid, line in zip(ids, out):
-        fold, nccl_signed, _unsigned = (int(x, 16) for x in line.split())
+        fold, nccl = (int(x, 16) for x in line.split())
         assert hashing.comm_id_hash(uid) == fold, uid.hex()
-        assert hashing.nccl_comm_hash(uid) == nccl_signed, uid.hex()
+        assert hashing.nccl_comm_hash(uid) == nccl, uid.hex()
 
 
-def test_nccl_hash_sign_extends_like_x86_64_char(c_hash):
-    """Bytes >= 0x80 decide the convention: NCCL's `char` is signed on x86-64."""
-    high = bytes(range(128, 256))
-    fold, signed_c, unsigned_c = (int(x, 16) for x in c_hash(["id " + high.hex()])[0].split())
-    assert signed_c != unsigned_c, "the vector must tell the two conventions apart"
-    assert hashing.nccl_comm_hash(high) == signed_c
-    # Ids of only 7-bit bytes hash the same either way.
-    low = bytes(range(128))
-    _, s, u = (int(x, 16) for x in c_hash(["id " + low.hex()])[0].split())
-    assert s == u == hashing.nccl_comm_hash(low)
+def test_nccl_split_hash_matches_c_reference(c_hash):
+    parent = hashing.nccl_comm_hash(bytes(range(128)))
+    cases = [(parent, 1, 0), (parent, 2, 0), (parent, 1, 1), (parent, 3, -2),
+             (0xFFFFFFFFFFFFFFFF, 123456, 2147483647), (1, 1, -1)]
+    out = c_hash([f"nsplit {p:x} {n} {c}" for p, n, c in cases])
+    assert len(out) == len(cases)
+    for (p, n, c), line in zip(cases, out):
+        assert hashing.split_nccl_comm_hash(p, n, c) == int(line, 16), (p, n, c)
+    children = {hashing.split_nccl_comm_hash(parent, n, c) for n in range(1, 9) for c in range(8)}
+    assert len(children) == 64  # count- and color-sensitive
 
 
 def test_matches_second_python_implementation():
     for uid in _ids():
         assert hashing.comm_id_hash(uid) == _fold(uid)
-        assert hashing.nccl_comm_hash(uid) == _djb2a_signed(uid)
+        assert hashing.nccl_comm_hash(uid) == _nccl_hash(uid)
 
 
 def test_every_word_counts():

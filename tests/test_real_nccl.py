@@ -298,3 +298,61 @@ def test_collector_exposes_call_errors(traced):
                 and s.labels["library"] == traced.lib_path]
     assert len(attached) == len(traced.report.attached)
     assert all(s.value == 1 for s in attached)
+
+
+# --- NCCL's own commHash, computed by the wheel's own code ------------------------
+
+def _local_functions(path: str) -> dict[str, int]:
+    """Defined symbols of .symtab (internal ones included) -> address, via binutils' nm."""
+    out = subprocess.run(["nm", "--defined-only", path], capture_output=True, text=True, check=True).stdout
+    syms: dict[str, int] = {}
+    for line in out.splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) == 3:
+            syms.setdefault(parts[2], int(parts[0], 16))
+    return syms
+
+
+def test_nccl_comm_hash_equals_the_librarys_own_hash_functions():
+    """exporter.hashing.nccl_comm_hash / split_nccl_comm_hash against the wheel's
+    eatHash<unsigned long>, eatHash<int> and digestHash (internal functions, found
+    in .symtab and called with ctypes; no GPU needed). The root hash is NCCL's
+    getHash(id, 128): its length prefix (xor 128) is made by pre-xoring the state
+    around 8-byte eats."""
+    path = require_real_nccl()
+    syms = _local_functions(path)
+    need = {"eat_u64": "_Z7eatHashImEvPmPKT_", "eat_i32": "_Z7eatHashIiEvPmPKT_",
+            "digest": "_ZL10digestHashPKm"}
+    if not all(name in syms for name in need.values()):
+        pytest.skip(f"{path} has no {', '.join(need.values())} in .symtab (another NCCL version)")
+    lib = ctypes.CDLL(path)
+    base = ctypes.cast(lib.ncclGetUniqueId, c_void_p).value - exported_functions(path)["ncclGetUniqueId"]
+    eater = ctypes.CFUNCTYPE(None, c_void_p, c_void_p)
+    eat_u64 = eater(base + syms[need["eat_u64"]])
+    eat_i32 = eater(base + syms[need["eat_i32"]])
+    digest = ctypes.CFUNCTYPE(ctypes.c_uint64, c_void_p)(base + syms[need["digest"]])
+
+    def library_root_hash(uid: bytes) -> int:
+        acc = (ctypes.c_uint64 * 2)(1, 1)
+        for i in range(16):
+            acc[0] ^= (128 ^ 8) if i == 0 else 8  # eatHash<u64> xors 8; getHash(id, 128) xors 128 once
+            word = ctypes.c_uint64(int.from_bytes(uid[8 * i:8 * i + 8], "little"))
+            eat_u64(acc, byref(word))
+        return digest(acc)
+
+    def library_split_hash(parent: int, count: int, color: int) -> int:
+        acc = (ctypes.c_uint64 * 2)(1, 1)
+        eat_u64(acc, byref(ctypes.c_uint64(parent)))
+        eat_i32(acc, byref(ctypes.c_int32(count)))
+        eat_i32(acc, byref(ctypes.c_int32(color)))
+        return digest(acc)
+
+    uid = UniqueId()
+    assert lib.ncclGetUniqueId(byref(uid)) == NCCL_SUCCESS
+    ids = [ctypes.string_at(ctypes.addressof(uid), hashing.UNIQUE_ID_BYTES), bytes(128),
+           bytes(range(128)), os.urandom(128)]
+    for raw in ids:
+        assert hashing.nccl_comm_hash(raw) == library_root_hash(raw), raw.hex()
+    parent = hashing.nccl_comm_hash(ids[0])
+    for count, color in ((1, 0), (2, 0), (1, 1), (3, -2), (7, 12345)):
+        assert hashing.split_nccl_comm_hash(parent, count, color) == library_split_hash(parent, count, color)
