@@ -554,7 +554,7 @@ static __always_inline int enter_comm_query(struct pt_regs *ctx, u32 op) {
     struct call *c = begin(op, &tid);
     if (!c)
         return 0;
-    c->comm = PT_REGS_PARM1(ctx);
+    resolve_comm(c, PT_REGS_PARM1(ctx));  // its event names the communicator asked about
     c->out = PT_REGS_PARM2(ctx);
     c->start_ns = bpf_ktime_get_ns();
     return 0;

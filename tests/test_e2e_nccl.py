@@ -37,22 +37,26 @@ def simlib():
     return build_library()
 
 
-def expected_comm_hashes(records) -> dict[tuple[int, int], int]:
-    """(pid, comm handle) -> comm_id_hash, from the lifecycle ground truth."""
+def expected_comm_hashes(records, nccl: bool = False) -> dict[tuple[int, int], int]:
+    """(pid, comm handle) -> comm_id_hash (nccl: NCCL's own commHash), from the
+    lifecycle ground truth."""
+    root = hashing.nccl_comm_hash if nccl else hashing.comm_id_hash
     out: dict[tuple[int, int], int] = {}
-    split_seq: Counter = Counter()
     for r in sorted(lifecycle(records), key=lambda r: r["start_mono_ns"]):
         if r["result"] != 0:
             continue
         if r["op"] in ("COMM_INIT_RANK", "COMM_INIT_RANK_CONFIG", "COMM_INIT_RANK_SCALABLE"):
-            out[(r["pid"], r["comm"])] = hashing.comm_id_hash(bytes.fromhex(r["uid"]))
+            out[(r["pid"], r["comm"])] = root(bytes.fromhex(r["uid"]))
         elif r["op"] == "COMM_INIT_ALL":
-            h = hashing.comm_id_hash(bytes.fromhex(r["uid"]))
+            h = root(bytes.fromhex(r["uid"]))
             for handle in r["comms"]:
                 out[(r["pid"], handle)] = h
         elif r["op"] == "COMM_SPLIT" and r["comm"]:
             parent = out[(r["pid"], r["parent"])]
-            out[(r["pid"], r["comm"])] = hashing.split_comm_id_hash(parent, r["color"], r["split_seq"])
+            if nccl:  # NCCL counts the splits of a parent from 1
+                out[(r["pid"], r["comm"])] = hashing.split_nccl_comm_hash(parent, r["split_seq"] + 1, r["color"])
+            else:
+                out[(r["pid"], r["comm"])] = hashing.split_comm_id_hash(parent, r["color"], r["split_seq"])
     return out
 
 
