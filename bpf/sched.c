@@ -11,6 +11,9 @@
 //   - a log2 histogram per (process, thread kind)        -> sched_stats
 //   - added to the thread's inflight slot's runq_wait_ns when the thread is
 //     inside an NCCL call (op != 0)                        -> struct call
+//   - an event in the `sched_events` ring buffer when the delay is at least
+//     sched_config[0] ns (0, the default: none; recordings turn it on)
+//                                                          -> exporter/sched.py
 // Off-CPU time (switch-out while not runnable .. wakeup) is summed per
 // (process, thread kind) too. Every other thread costs one bitmap test per
 // event (two for sched_switch).
@@ -55,7 +58,23 @@ struct sched_stats {
     u64 buckets[RUNQ_SLOTS];
 };
 
+// One run-queue wait of a traced thread, for recordings (sched_events table).
+struct sched_event {
+    u64 runnable_ns;  // ktime when it became runnable (woken or preempted)
+    u64 wait_ns;      // until it was switched in
+    u32 pid;          // tgid; 0: not learnt yet (user space asks /proc)
+    u32 tid;
+    u32 kind;         // SCHED_KIND_*
+    u32 cpu;          // the CPU it was switched in on
+    u32 op;           // the NCCL op the thread is inside (OP_*), 0: none
+    u32 pad;
+    char comm[16];    // the thread's name
+};
+
 BPF_HASH(thread_sched, u32, struct sched_state, MAX_SCHED_THREADS);
+// [0]: the shortest run-queue wait that becomes an event, ns; 0: no events.
+BPF_ARRAY(sched_config, u64, 1);
+BPF_RINGBUF_OUTPUT(sched_events, SCHED_EVENT_PAGES);
 BPF_HASH(sched_stats, struct sched_key, struct sched_stats, MAX_SCHED_KEYS);
 // All zeros, never written: a new sched_stats entry (too big for the stack
 // next to everything else).
@@ -230,6 +249,27 @@ TRACEPOINT_PROBE(sched, sched_switch) {
                 runq_record(st->tgid, kind, delay);
             else
                 st->pending_runq_ns += delay;  // recorded at its first switch-out
+            u32 zero = 0;
+            u64 *min_wait = sched_config.lookup(&zero);
+            if (min_wait && *min_wait && delay >= *min_wait) {
+                struct sched_event *e = sched_events.ringbuf_reserve(sizeof(struct sched_event));
+                if (!e) {
+                    count_up(CNT_SCHED_EVENTS_LOST);
+                } else {
+                    e->runnable_ns = now - delay;
+                    e->wait_ns = delay;
+                    e->pid = st->tgid;
+                    e->tid = next;
+                    e->kind = kind;
+                    e->cpu = bpf_get_smp_processor_id();
+                    e->op = c ? c->op : 0;
+                    e->pad = 0;
+                    // A copy from the tracepoint record (a plain memcpy would
+                    // dereference a moved ctx pointer, which the verifier refuses).
+                    bpf_probe_read_kernel(e->comm, sizeof(e->comm), args->next_comm);
+                    sched_events.ringbuf_submit(e, 0);
+                }
+            }
         }
     }
     return 0;

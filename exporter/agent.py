@@ -31,7 +31,8 @@ class AgentError(RuntimeError):
 class AgentConfig:
     node: str
     nccl_libs: list[str] = field(default_factory=list)  # empty: discover
-    record_all: bool = False
+    record_all: bool = False  # a ring-buffer event for every NCCL call, not only slow ones
+    runq_event_min_ns: int = 0  # run-queue waits at least this long become events; 0: none
     rescan_interval: float = 0.5
 
 
@@ -42,7 +43,7 @@ class Agent:
         self.probes = NcclProbes()
         self.reader = MapReader(self.probes.bpf)
         self.processes = ProcessTable(self.probes)
-        self.listeners: list = []  # callables taking a CallEvent (or a TcpEvent)
+        self.listeners: list = []  # callables taking a CallEvent, TcpEvent or SchedEvent
         self.slow = None  # exporter.slow.SlowCallPolicy, set by whoever wants slow-call events
         self._found: queue.Queue = queue.Queue()
         self._watcher = None
@@ -51,11 +52,14 @@ class Agent:
         # The kernel side: TCP links and the scheduler, read at scrape time,
         # and TCP events (retransmits, resets of traced sockets) as they come.
         self.tcp = TcpReader(self.probes.bpf, self.reader.clock)
-        self.tcp.on_event(self._dispatch_tcp)
-        self.sched = SchedReader(self.probes.bpf)
+        self.tcp.on_event(self._dispatch_kernel)
+        self.sched = SchedReader(self.probes.bpf, self.reader.clock)
+        self.sched.on_event(self._dispatch_kernel)
         self.sections: list = [self.tcp.families, self.sched.families]
         if config.record_all:
             self.probes.set_record_all(True)
+        if config.runq_event_min_ns:
+            self.probes.set_runq_event_min(config.runq_event_min_ns)
 
     # --- libraries ---------------------------------------------------------
 
@@ -103,7 +107,7 @@ class Agent:
         for listener in self.listeners:
             listener(event)
 
-    def _dispatch_tcp(self, event) -> None:
+    def _dispatch_kernel(self, event) -> None:
         self.events_seen += 1
         for listener in self.listeners:
             listener(event)

@@ -35,7 +35,7 @@ class CliError(Exception):
 
 # --- argument helpers -------------------------------------------------------
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$")
 
 
 def parse_duration(text: str) -> float:
@@ -44,7 +44,20 @@ def parse_duration(text: str) -> float:
     if not m:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30s, 2m, 1h, 500ms)")
     value, unit = float(m.group(1)), m.group(2) or "s"
-    return value * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+    return value * {"us": 1e-6, "ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
+DEFAULT_RUNQ_WAIT_MIN = "100us"
+
+
+def parse_runq_wait_min(text: str) -> int:
+    """--runq-wait-min: 'off' -> 0 (no scheduler events); a duration -> ns (0 -> 1: every wait)."""
+    if str(text).strip().lower() == "off":
+        return 0
+    try:
+        return max(1, round(parse_duration(text) * 1e9))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"not a duration or 'off': {text!r} (try 100us, 1ms, 0, off)") from None
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -119,7 +132,7 @@ def cmd_check(args) -> int:
     return preflight.main(nccl_libs=args.nccl_lib or ())
 
 
-def _start_agent(args, cfg, record_all=False):
+def _start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
     from .agent import Agent, AgentConfig, AgentError
     from .identity import node_name
     from .probes import ProbeError
@@ -129,7 +142,8 @@ def _start_agent(args, cfg, record_all=False):
     node = node_name(getattr(args, "node", None), cfg.get("node"))
     libs = list(args.nccl_lib or cfg.get("nccl_libs") or [])
     try:
-        agent = Agent(AgentConfig(node=node, nccl_libs=libs, record_all=record_all))
+        agent = Agent(AgentConfig(node=node, nccl_libs=libs, record_all=record_all,
+                                  runq_event_min_ns=runq_event_min_ns))
     except ProbeError as e:
         raise CliError(str(e)) from None
     try:
@@ -163,7 +177,9 @@ def cmd_run(args) -> int:
     except OSError as e:
         raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     try:
-        agent, node = _start_agent(args, cfg, record_all=bool(args.db))  # --db: every call
+        # --db: every call, and run-queue waits
+        agent, node = _start_agent(args, cfg, record_all=bool(args.db),
+                                   runq_event_min_ns=args.runq_wait_min if args.db else 0)
     except Exception:
         server.shutdown()
         raise
@@ -304,19 +320,22 @@ def _kernel_losses(agent) -> dict:
     misses = agent.probes.recursion_misses()
     return {"kernel_nccl_events": counters.get("EVENTS_LOST", 0),
             "kernel_tcp_events": counters.get("TCP_EVENTS_LOST", 0),
+            "kernel_sched_events": counters.get("SCHED_EVENTS_LOST", 0),
             # retransmits the kernel skipped: another BPF program was running on that CPU
             "kernel_skipped_retransmits": misses.get("tracepoint__tcp__tcp_retransmit_skb", 0)}
 
 
 def cmd_trace(args) -> int:
     from .identity import node_name
+    from .maps import CallEvent
     from .store import Progress, StoreError
 
     _setup_logging(args.log_level)
     scope = _trace_scope(args)
     recorder = _open_recorder(args.out, node_name(args.node), scope) if args.out else None
     try:
-        agent, _node = _start_agent(args, {}, record_all=True)
+        agent, _node = _start_agent(args, {}, record_all=True,
+                                    runq_event_min_ns=args.runq_wait_min if args.out else 0)
     except BaseException:
         if recorder is not None:
             recorder.close()
@@ -324,7 +343,7 @@ def cmd_trace(args) -> int:
     counts = {"shown": 0}
 
     def show(event):
-        if not hasattr(event, "op") or event.pid not in scope:
+        if not isinstance(event, CallEvent) or event.pid not in scope:
             return
         counts["shown"] += 1
         if args.format == "json":
@@ -424,6 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="probe this libnccl (repeatable); default: every libnccl "
                              "mapped by running processes, and new ones as they appear")
 
+    def runq_option(sp, when):
+        sp.add_argument("--runq-wait-min", type=parse_runq_wait_min, metavar="D|off",
+                        default=parse_runq_wait_min(DEFAULT_RUNQ_WAIT_MIN),
+                        help=f"{when}: record each time a thread of a traced process waited at least D "
+                             f"runnable for a CPU (sched_events; default {DEFAULT_RUNQ_WAIT_MIN}; 0: every "
+                             "wait; off: none)")
+
     c = sub.add_parser("check", help="say what works and what is missing on this host")
     lib_option(c)
     c.set_defaults(func=cmd_check)
@@ -451,8 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of the fixed threshold, a call is slow at K x the recent p50 of "
                         "its op/comm/rank series (recomputed every 10 s; never below 1 ms)")
     r.add_argument("--db", metavar="PATH",
-                   help="also record every NCCL call and TCP retransmit/reset to this SQLite file "
+                   help="also record every NCCL call, TCP retransmit/reset and scheduler wait to this SQLite file "
                         "(as 'trace --out'; read it with 'query')")
+    runq_option(r, "with --db")
     lib_option(r)
     r.set_defaults(func=cmd_run)
 
@@ -470,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--node", metavar="NAME",
                    help="node name stored in the recording (default: $NCCL_EXPORTER_NODE, hostname)")
     t.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
+    runq_option(t, "with --out")
     lib_option(t)
     t.set_defaults(func=cmd_trace)
 

@@ -28,6 +28,7 @@ MAX_SOCKETS = 65536    # sock_owner: sockets of traced processes (bpf/tcp.c)
 MAX_LINKS = 4096       # tcp_links: (family, saddr, daddr, port, owner) series
 TCP_EVENT_PAGES = 64   # tcp_events ring buffer: 256 KiB
 MAX_SCHED_THREADS = 65536  # thread_sched: scheduler state of traced threads (bpf/sched.c)
+SCHED_EVENT_PAGES = 256  # sched_events ring buffer (run-queue waits, recordings only): 1 MiB
 
 # Slots of the `counters` array map.
 COUNTERS = {
@@ -40,6 +41,7 @@ COUNTERS = {
     "LINKS_FULL": 6,
     "TCP_EVENTS_LOST": 7,
     "SCHED_FULL": 8,
+    "SCHED_EVENTS_LOST": 9,
 }
 COUNTER_SLOTS = 16
 
@@ -127,6 +129,7 @@ def generated_header() -> str:
         f"#define MAX_LINKS {MAX_LINKS}",
         f"#define TCP_EVENT_PAGES {TCP_EVENT_PAGES}",
         f"#define MAX_SCHED_THREADS {MAX_SCHED_THREADS}",
+        f"#define SCHED_EVENT_PAGES {SCHED_EVENT_PAGES}",
         f"#define EPHEMERAL_PORT_LO {ephemeral_ports()[0]}",
         f"#define EPHEMERAL_PORT_HI {ephemeral_ports()[1]}",
         f"#define HAVE_RETRANSMIT_ERR {int(tracepoint_has_field('tcp', 'tcp_retransmit_skb', 'err'))}",
@@ -222,6 +225,11 @@ class NcclProbes:
     def set_record_all(self, on: bool) -> None:
         cfg = self.bpf["event_config"]
         cfg[cfg.Key(OP_COUNT)] = cfg.Leaf(1 if on else 0)
+
+    def set_runq_event_min(self, min_wait_ns: int) -> None:
+        """Run-queue waits of traced threads at least this long become sched events; 0: none."""
+        cfg = self.bpf["sched_config"]
+        cfg[cfg.Key(0)] = cfg.Leaf(int(min_wait_ns))
 
     def set_slow_threshold(self, op: str, threshold_ns: int) -> None:
         cfg = self.bpf["event_config"]

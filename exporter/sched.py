@@ -3,7 +3,9 @@
 `SchedReader(bpf).families(node, rank_of)` gives the Prometheus families
 nccl_runqueue_delay_seconds (histogram) and nccl_offcpu_seconds_total
 (counter), labelled {node, rank, thread}; the plain accessors are for tests
-and other consumers.
+and other consumers. `on_event(callback)` delivers run-queue waits as
+SchedEvent records once `NcclProbes.set_runq_event_min()` asks for them
+(recordings do: the sched_events table).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Callable
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from . import contract
-from .maps import forget_dead
+from .maps import ClockOffset, forget_dead, open_ring
 
 # bpf/sched.c: SCHED_KIND_*
 KINDS = {0: "other", 1: "caller", 2: "proxy"}
@@ -54,11 +56,71 @@ class SchedStats:
         return self.sum_ns / 1e9
 
 
-class SchedReader:
-    """Reads `sched_stats` and `thread_sched` of the loaded probe program."""
+@dataclass(frozen=True)
+class SchedEvent:
+    """One run-queue wait of a traced thread: runnable from timestamp for duration."""
 
-    def __init__(self, bpf):
+    timestamp_ns: int       # CLOCK_MONOTONIC: when it became runnable
+    timestamp_real_ns: int  # the same, wall clock
+    duration_ns: int        # until it was switched in
+    pid: int
+    tid: int
+    thread: str             # caller | proxy | other
+    comm: str               # the thread's name
+    cpu: int
+    op: str                 # the NCCL call it was inside ("" for none)
+
+    def as_dict(self) -> dict:
+        return {
+            "event": "runq_wait",
+            "timestamp_ns": self.timestamp_real_ns,
+            "duration_ns": self.duration_ns,
+            "pid": self.pid,
+            "tid": self.tid,
+            "thread": self.thread,
+            "comm": self.comm,
+            "cpu": self.cpu,
+            "op": self.op or None,
+        }
+
+
+def tgid_of(tid: int, proc: str = "/proc") -> int:
+    """The process of a thread, from /proc (0 when it is gone)."""
+    try:
+        with open(f"{proc}/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class SchedReader:
+    """Reads `sched_stats` and `thread_sched` of the loaded probe program,
+    and the `sched_events` ring buffer."""
+
+    def __init__(self, bpf, clock: ClockOffset | None = None):
         self.bpf = bpf
+        self.clock = clock or ClockOffset()
+
+    def decode_event(self, data) -> SchedEvent:
+        e = self.bpf["sched_events"].event(data)
+        return SchedEvent(
+            timestamp_ns=e.runnable_ns,
+            timestamp_real_ns=self.clock.to_realtime(e.runnable_ns),
+            duration_ns=e.wait_ns,
+            pid=e.pid or tgid_of(e.tid),  # a thread's first wait comes before its process is learnt
+            tid=e.tid,
+            thread=KINDS.get(e.kind, f"kind{e.kind}"),
+            comm=bytes(e.comm).split(b"\0", 1)[0].decode("utf-8", "replace"),
+            cpu=e.cpu,
+            op=contract.OPS.get(e.op, "") if e.op else "",
+        )
+
+    def on_event(self, callback) -> None:
+        """Call `callback(SchedEvent)` for each run-queue wait event, from bpf.ring_buffer_poll()."""
+        open_ring(self.bpf, "sched_events", self.decode_event, callback)
 
     # --- plain accessors ---------------------------------------------------
 

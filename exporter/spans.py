@@ -35,6 +35,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from . import __version__, contract
 from .maps import EVENT_CALL, CallEvent, format_comm
+from .tcp import TcpEvent
 
 log = logging.getLogger("nccl_exporter")
 
@@ -161,7 +162,7 @@ class SpanSink:
                     self.dropped += 1
                     return
                 self.pending.append(event)
-        elif hasattr(event, "timestamp_real_ns"):  # a TcpEvent
+        elif isinstance(event, TcpEvent):
             self.window.add(event)
 
     # --- the builder thread ---------------------------------------------------

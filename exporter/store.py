@@ -111,6 +111,15 @@ MIGRATIONS: list[list[str]] = [
         "CREATE INDEX tcp_events_event_time ON tcp_events (event, timestamp_ns)",
         "CREATE INDEX sched_events_time ON sched_events (timestamp_ns)",
     ],
+    # 2 -> 3: sched_events filled (which thread, inside which call), proxy waits per call
+    [
+        "ALTER TABLE nccl_events ADD COLUMN proxy_runq_wait_ns INTEGER",  # NULL: not measured
+        "ALTER TABLE sched_events ADD COLUMN rank INTEGER",
+        "ALTER TABLE sched_events ADD COLUMN thread TEXT",   # caller | proxy | other
+        "ALTER TABLE sched_events ADD COLUMN comm TEXT",     # the thread's name
+        "ALTER TABLE sched_events ADD COLUMN cpu INTEGER",
+        "ALTER TABLE sched_events ADD COLUMN op TEXT",       # the NCCL call it waited in; NULL: none
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -125,10 +134,11 @@ DEFERRED_INDEXES = [
 
 NCCL_COLUMNS = ("timestamp_ns", "duration_ns", "op", "rank", "nranks", "comm_id_hash",
                 "nccl_comm_hash", "seq", "count", "bytes", "datatype", "red_op", "peer", "root",
-                "stream", "result", "pid", "tid", "node", "kind", "runq_wait_ns")
+                "stream", "result", "pid", "tid", "node", "kind", "runq_wait_ns", "proxy_runq_wait_ns")
 TCP_COLUMNS = ("timestamp_ns", "event", "family", "saddr", "daddr", "sport", "dport", "state",
                "seq", "pid", "tid", "rank", "node")
-SCHED_COLUMNS = ("timestamp_ns", "pid", "tid", "event", "duration_ns", "node")
+SCHED_COLUMNS = ("timestamp_ns", "pid", "tid", "event", "duration_ns", "node", "rank", "thread",
+                 "comm", "cpu", "op")
 
 INSERT_NCCL = f"INSERT INTO nccl_events ({', '.join(NCCL_COLUMNS)}) VALUES ({', '.join('?' * len(NCCL_COLUMNS))})"
 INSERT_TCP = f"INSERT INTO tcp_events ({', '.join(TCP_COLUMNS)}) VALUES ({', '.join('?' * len(TCP_COLUMNS))})"
@@ -236,7 +246,9 @@ class Scope:
 
 # --- rows -----------------------------------------------------------------------
 
-_KIND = {EVENT_LIFECYCLE: "lifecycle"}
+# nccl_events.kind: 'lifecycle' for every op of contract.LIFECYCLE_OPS (the
+# kernel sends the frequent ones, ncclCommCount/UserRank, as plain calls).
+_LIFECYCLE_NAMES = frozenset(contract.LIFECYCLE_OPS.values())
 _DT = {code: name for code, (name, _size) in contract.NCCL_DATATYPES.items()}
 
 
@@ -271,7 +283,10 @@ class _Rows:
             contract.redop_name(rop) if rop >= 0 else None,
             e.peer if e.peer >= 0 else None, e.root if e.root >= 0 else None,
             self.hexa(e.stream), contract.NCCL_RESULTS.get(e.result) or contract.result_name(e.result),
-            e.pid, e.tid, self.node, _KIND.get(e.kind, "call"), getattr(e, "runq_wait_ns", None),
+            e.pid, e.tid, self.node,
+            "lifecycle" if e.kind == EVENT_LIFECYCLE or e.op in _LIFECYCLE_NAMES else "call",
+            getattr(e, "runq_wait_ns", None),
+            getattr(e, "proxy_wait_ns", None),
         )
 
     def tcp(self, d: dict, rank) -> tuple:
@@ -284,8 +299,9 @@ class _Rows:
             d.get("pid") or None, d.get("tid") or None, d.get("rank", rank), self.node,
         )
 
-    def sched(self, d: dict) -> tuple:
-        return (d["timestamp_ns"], d["pid"], d.get("tid"), d["event"], d["duration_ns"], self.node)
+    def sched(self, d: dict, rank) -> tuple:
+        return (d["timestamp_ns"], d["pid"], d.get("tid"), d["event"], d["duration_ns"], self.node,
+                rank, d.get("thread"), d.get("comm"), d.get("cpu"), d.get("op"))
 
 
 def _text(v):
@@ -431,31 +447,28 @@ class Recorder:
     def _write(self, batch: list) -> None:
         rows = self._rows
         nccl, tcp, sched = [], [], []
-        new_pids = []
+        procs = []
         seen = self._seen_pids
         for event in batch:
             if type(event) is CallEvent:
-                nccl.append(rows.call(event))
-                pid = event.pid
+                what, d, pid = "nccl", event, event.pid
                 if event.comm_hash and (pid, event.comm_hash) not in self._seen_comms:
                     self._learn_comm(event)
             else:
                 what, d = classify(event)
-                if what == "nccl":
-                    nccl.append(rows.call(d))
-                    pid = d.pid
-                elif what == "tcp":
-                    pid = d.get("pid")
-                    tcp.append(rows.tcp(d, self._rank_of(pid)))
-                elif what == "sched":
-                    sched.append(rows.sched(d))
-                    pid = d.get("pid")
-                else:
+                if not what:
                     continue
-            if pid and pid not in seen:
+                pid = d.pid if what == "nccl" else d.get("pid")
+            if pid and pid not in seen:  # first: its launcher rank labels this very row
                 seen.add(pid)
-                new_pids.append(pid)
-        procs = [self._process_row(pid) for pid in new_pids] if self.identify_processes else []
+                if self.identify_processes:
+                    procs.append(self._process_row(pid))
+            if what == "nccl":
+                nccl.append(rows.call(d))
+            elif what == "tcp":
+                tcp.append(rows.tcp(d, self._rank_of(pid)))
+            else:
+                sched.append(rows.sched(d, self._rank_of(pid)))
         comms, self._comm_rows = self._comm_rows, []
         c = self.conn
         c.execute("BEGIN")

@@ -227,6 +227,21 @@ def test_every_call_recorded_exactly_once(rec):
             assert abs(ts - r["start_real_ns"]) < SLACK_NS  # wall clock
 
 
+def test_every_call_carries_both_communicator_hashes(rec):
+    """comm_id_hash and NCCL's own commHash of every recorded call, root and split
+    communicators alike, equal what the ground truth's unique ids give."""
+    from exporter.hashing import format_hash
+    from tests.test_e2e_nccl import expected_comm_hashes
+
+    ours = expected_comm_hashes(rec["truth"])
+    nccls = expected_comm_hashes(rec["truth"], nccl=True)
+    want = {(format_hash(ours[key]), format_hash(nccls[key])) for key in ours}
+    got = set(rows(rec["dbs"]["all"], "SELECT DISTINCT comm_id_hash, nccl_comm_hash FROM nccl_events "
+                                      "WHERE kind = 'call' AND pid IN (%s)" % ",".join(map(str, rec["pids"]))))
+    assert got == want
+    assert len(want) == 3  # the world, and the two halves split from it
+
+
 def test_scope_by_netns_keeps_one_host(rec):
     pids = rec["pids"]
     assert rows(rec["dbs"]["lossy"], "SELECT DISTINCT pid FROM nccl_events") == [(pids[LOSSY],)]
@@ -262,10 +277,6 @@ def tcp_observed(rec):
 
 
 def test_retransmit_rows_equal_an_independent_observer(rec):
-    try:
-        import exporter.tcp  # noqa: F401
-    except ImportError:
-        pytest.skip("exporter/tcp.py has not landed: no TCP events are recorded")
     # A process is traced (its sockets get an owner) once the agent has seen its
     # first NCCL call return: retransmits during communicator set-up can precede
     # that. Compare from the end of the last set-up call (+0.5 s) on.
@@ -388,8 +399,9 @@ def test_overload_is_counted_never_silent(rec):
     assert int(meta["lost_queue_full"]) == int(m.group(3))
     recorded = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM nccl_events")[0][0]
     tcp = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM tcp_events")[0][0]
+    sched = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM sched_events")[0][0]
     # what was recorded plus what was dropped is everything that was offered ...
-    assert recorded + tcp + int(meta["lost_queue_full"]) == int(meta["events_offered"])
+    assert recorded + tcp + sched + int(meta["lost_queue_full"]) == int(meta["events_offered"])
     assert int(meta["lost_total"]) >= int(meta["lost_queue_full"])
     # ... which is at least every call of the job, and what was kept is real
     assert int(meta["events_offered"]) >= len(rec["truth"])

@@ -8,6 +8,7 @@ ranks with generous factors, never absolute latencies.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -200,3 +201,94 @@ def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, tmp_path
     assert mean(starved[1]) > 2 * max(others), report
     # The total wait: up by a large factor too.
     assert starved[1][0] > 3 * base[1][0], report
+
+
+# ---------------------------------------------------------------------------
+# Recording: run-queue waits as sched_events rows.
+
+def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
+    """`trace --out --runq-wait-min 0` under a CPU hog on rank 1's CPU: every wait of
+    a traced thread is a row (the per-call sums equal the kernel's own per-call
+    runq_wait_ns exactly), rows name the thread kind and rank, and the documented
+    query puts the starved rank first."""
+    if os.cpu_count() < 2:
+        pytest.skip("needs 2 CPUs")
+    from exporter.simulator.build import build_library
+    from exporter.simulator.cluster import Cluster, start_job
+    from tests.test_queries import documented_queries, query, rows, start_recorder, wait_started
+
+    lib = build_library()
+    db = tmp_path / "sched.db"
+    cpu_of = {0: 0, 1: 1, 2: 0, 3: 0}
+    recorder = start_recorder(db, lib, "--runq-wait-min", "0")
+    hog = None
+    try:
+        wait_started([recorder])
+        with Cluster(4) as cluster:
+            job = start_job(cluster, lib, "train", iterations=10**9, rendezvous_dir=tmp_path / "rdv",
+                            truth_dir=tmp_path / "truth", count=4096,
+                            extra_env={"NCCL_SIM_DURATION_S": "9"})
+            try:
+                deadline = time.monotonic() + 3
+                while time.monotonic() < deadline:  # pin threads made since, too
+                    for rank, pid in enumerate(job.pids):
+                        _pin(pid, cpu_of[rank])
+                    time.sleep(0.3)
+                hog = subprocess.Popen(["taskset", "-c", "1", "chrt", "-f", "1",
+                                        sys.executable, "-c", "while True: pass"])
+                time.sleep(3)
+                hog.kill()
+                hog.wait()
+                result = job.wait(timeout=120)
+                assert result.ok, result.summary()
+            finally:
+                job.kill()
+        time.sleep(1.0)
+        recorder.send_signal(signal.SIGTERM)
+        assert recorder.wait(60) == 0
+    finally:
+        if hog is not None and hog.poll() is None:
+            hog.kill()
+            hog.wait()
+        if recorder.poll() is None:
+            recorder.kill()
+            recorder.wait()
+
+    meta = dict(rows(db, "SELECT key, value FROM meta"))
+    assert meta["lost_kernel_sched_events"] == "0" and meta["lost_queue_full"] == "0", meta
+    rank_of = {pid: rank for rank, pid in enumerate(result.pids)}
+    waits = rows(db, "SELECT timestamp_ns, duration_ns, pid, tid, rank, thread, comm, op FROM sched_events")
+    assert waits and int(meta["sched_events_recorded"]) == len(waits)
+    assert {w[2] for w in waits} <= set(result.pids)  # traced processes only
+    for ts, dur, pid, tid, rank, thread, comm, op in waits:
+        assert dur >= 1 and rank == rank_of[pid] and thread in ("caller", "proxy", "other"), (pid, rank, thread)
+        assert (thread == "proxy") == comm.startswith("NCCL "), (thread, comm)
+    assert {w[5] for w in waits} >= {"caller", "proxy"}
+
+    # Exactly once: each call's kernel-summed run-queue wait of its calling thread
+    # equals the recorded waits of that thread that ended (switch-in) inside the call.
+    calls = rows(db, "SELECT tid, op, timestamp_ns, duration_ns, runq_wait_ns FROM nccl_events "
+                     "WHERE pid IN (%s)" % ",".join(map(str, result.pids)))
+    by_tid: dict[int, list] = {}
+    for tid, op, ts, dur, wait in calls:
+        by_tid.setdefault(tid, []).append((ts, ts + dur, op, wait or 0))
+    summed: dict[tuple, int] = {}
+    for ts, dur, pid, tid, rank, thread, comm, op in waits:
+        if op is None:
+            continue
+        end = ts + dur
+        inside = [c for c in by_tid.get(tid, ()) if c[0] <= end <= c[1] and c[2] == op]
+        assert len(inside) == 1, (tid, op, end)
+        summed[inside[0]] = summed.get(inside[0], 0) + dur
+    mismatched = [(c, summed.get(c, 0)) for cs in by_tid.values() for c in cs if c[3] != summed.get(c, 0)]
+    assert not mismatched, mismatched[:5]
+    assert sum(summed.values()) > 0
+
+    # The documented queries: the starved rank waited longest, and its calls
+    # head the slow calls whose threads waited for a CPU.
+    q = documented_queries()
+    by_rank = query(db, q["runq-waits-by-rank"])
+    assert by_rank[0]["rank"] == 1, by_rank
+    slow = query(db, q["runq-waits-in-slow-calls"])
+    assert slow and slow[0]["pid"] == result.pids[1], slow[:3]
+    assert slow[0]["caller_waited_ms"] + slow[0]["proxies_waited_ms"] > 0, slow[:3]
