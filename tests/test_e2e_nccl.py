@@ -245,3 +245,36 @@ def test_comm_init_all_counts_once_and_names_its_communicators(simlib, tmp_path)
     info = exporter.samples(families, contract.COMMUNICATOR_INFO)
     assert sorted((s.labels["comm"], s.labels["rank"], s.labels["nranks"]) for s in info) == [
         (want, "0", "3"), (want, "1", "3"), (want, "2", "3")]
+
+
+def test_run_with_db_records_every_call_beside_the_metrics(simlib, tmp_path):
+    """`run --db`: /metrics as usual, and the same calls, every one of them, in the
+    recording; stopping the exporter (SIGINT) flushes it and closes it cleanly."""
+    import sqlite3
+
+    db = tmp_path / "run.db"
+    with ExporterProcess(nccl_libs=[simlib], extra_args=["--db", str(db)]) as exporter, Cluster(4) as cluster:
+        result = run_job(cluster, simlib, "mixed", iterations=2, rendezvous_dir=tmp_path / "rdv",
+                         truth_dir=tmp_path / "truth", timeout=120)
+        assert result.ok, result.summary()
+        time.sleep(0.5)  # the last events reach the ring buffer
+        families = exporter.scrape()
+    assert exporter.proc.returncode == 0, exporter.output()
+
+    conn = sqlite3.connect(db)
+    try:
+        pids = ",".join(map(str, result.pids))
+        got = Counter(conn.execute(f"SELECT pid, tid, op, count FROM nccl_events WHERE pid IN ({pids})"))
+        per_series = Counter(conn.execute(
+            f"SELECT op, comm_id_hash, CAST(rank AS TEXT) FROM nccl_events WHERE kind = 'call' AND pid IN ({pids})"))
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
+    finally:
+        conn.close()
+    want = Counter((r["pid"], r["tid"], r["op"], r["count"]) for r in result.truth)
+    assert got == want
+    # The two sinks agree: the histogram's count per (op, comm, rank) is the number of rows.
+    hist = Counter()
+    for lbl, buckets in series_by_labels(families, contract.COLLECTIVE_DURATION):
+        hist[(lbl["op"], lbl["comm"], lbl["rank"])] += sum(buckets)
+    assert hist == per_series
+    assert "end_ns" in meta and meta["lost_total"] == meta.get("lost_kernel_skipped_retransmits", "0"), meta
