@@ -106,12 +106,18 @@ def bench_paced(events: list[CallEvent], path: str, rate: float) -> dict:
             "recorded": rec.total_recorded}
 
 
+def create_unindexed_schema(conn) -> None:
+    """The naive baseline: the recorder's schema (every migration) without its indexes."""
+    for step in store.MIGRATIONS:
+        for sql in step:
+            if not sql.lstrip().upper().startswith("CREATE INDEX"):
+                conn.execute(sql)
+
+
 def bench_naive_record(events: list[CallEvent], path: str, limit_s: float = 10.0) -> dict:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode = WAL")
-    for sql in store.MIGRATIONS[0]:
-        conn.execute(sql)
-    conn.execute("ALTER TABLE nccl_events ADD COLUMN runq_wait_ns INTEGER")
+    create_unindexed_schema(conn)
     rows = store._Rows("bench")
     t0 = time.perf_counter()
     n = 0
@@ -146,9 +152,7 @@ def build_query_db(path: str, n_calls: int, n_tcp: int, indexed: bool) -> None:
         rec.close()
         return
     conn = sqlite3.connect(path, isolation_level=None)
-    for sql in store.MIGRATIONS[0]:
-        conn.execute(sql)
-    conn.execute("ALTER TABLE nccl_events ADD COLUMN runq_wait_ns INTEGER")
+    create_unindexed_schema(conn)
     rows = store._Rows("bench")
     conn.execute("BEGIN")
     conn.executemany(store.INSERT_NCCL, (rows.call(e) for e in events))
