@@ -205,7 +205,7 @@ class TcpReader:
                 resets[(node, "received", *labels[1:])] += l.resets_received
 
         link_labels = ["node", "saddr", "daddr", "port", "rank"]
-        rt = CounterMetricFamily(
+        rt = _counter(
             contract.TCP_RETRANSMITS,
             "TCP retransmissions on a link, counted as tcp_retransmit_skb tracepoint hits, "
             "i.e. retransmitted skbs that were sent. One skb can carry many segments "
@@ -213,27 +213,21 @@ class TcpReader:
             "(node_exporter's node_netstat_Tcp_RetransSegs), which counts segments. "
             "port: the link's service port; rank: the owning process's rank, empty "
             "when the socket's owner is untraced or unknown.",
-            labels=link_labels,
+            link_labels, retrans,
         )
-        for labels, v in sorted(retrans.items()):
-            rt.add_metric(list(labels), v)
-        fl = CounterMetricFamily(
+        fl = _counter(
             contract.TCP_RETRANSMIT_FAILURES,
             "TCP retransmission attempts that failed (tcp_retransmit_skb hits with "
             "err != 0: nothing was sent, e.g. the qdisc or a local queue refused it). "
             "Counted on kernels >= 6.17 only; 0 before.",
-            labels=link_labels,
+            link_labels, failures,
         )
-        for labels, v in sorted(failures.items()):
-            fl.add_metric(list(labels), v)
-        rs = CounterMetricFamily(
+        rs = _counter(
             contract.TCP_RESETS,
             "TCP resets (RST segments) sent or received on a link, one per "
             "tcp_send_reset / tcp_receive_reset tracepoint hit.",
-            labels=["node", "direction", "saddr", "daddr", "port", "rank"],
+            ["node", "direction", "saddr", "daddr", "port", "rank"], resets,
         )
-        for labels, v in sorted(resets.items()):
-            rs.add_metric(list(labels), v)
 
         hist: dict[tuple, list] = {}
         for s in self.srtt():
@@ -258,3 +252,11 @@ class TcpReader:
             buckets.append(("+Inf", cumulative))
             sr.add_metric(list(labels), buckets, acc[-1] * 1e-6)
         return [rt, fl, rs, sr]
+
+
+def _counter(name: str, help_text: str, labels: list[str], values: dict[tuple, int]) -> CounterMetricFamily:
+    """A counter family with one sample per label tuple of `values`, in sorted order."""
+    family = CounterMetricFamily(name, help_text, labels=labels)
+    for label_values, v in sorted(values.items()):
+        family.add_metric(list(label_values), v)
+    return family
