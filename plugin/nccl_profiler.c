@@ -1,0 +1,1015 @@
+/*
+ * nccl_profiler.c -- nccl-exporter's NCCL profiler plugin.
+ *
+ * Computes, per collective and per P2p operation, the GPU interval (earliest
+ * KernelCh start timer .. latest KernelCh stop timer) and hands one record
+ * per state change to empty exported hook functions that the agent uprobes
+ * (see nccl_exporter_plugin.h).  Exports ncclProfiler_v7, _v6, _v5 and _v4:
+ * every interface version that carries GPU timestamps.
+ *
+ * Design notes (details in docs/plugin.md):
+ *  - Handles we return are not pointers: bit 63 set, a slot index, the slot's
+ *    generation and a sub-index (0 = the Coll/P2p itself, c+1 = KernelCh of
+ *    channel c).  A stale or foreign handle is detected (generation mismatch)
+ *    and ignored instead of being dereferenced.
+ *  - Slots come from one fixed pool allocated at the first init; allocation
+ *    is a lock-free CAS scan from a rotating cursor.  A slot lives until the
+ *    Coll/P2p was stopped (= enqueued) and all its expected KernelCh children
+ *    were stopped, or until finalize / age-out reclaims it.
+ *  - No locks, no malloc, no syscalls per event (clock_gettime is the vDSO);
+ *    the optional log file costs one write(2) per completed operation.
+ *  - Chain-loading: NCCL_EXPORTER_PROFILER_CHAIN=/path/plugin.so is dlopened
+ *    and every callback is forwarded to it, converted to its newest supported
+ *    interface version, with its handles kept apart from ours.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nccl_exporter_plugin.h"
+#include "profiler_abi.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define HOOK __attribute__((visibility("default"), noipa, used))
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* What we ask NCCL for. */
+#define OUR_MASK (NXP_EV_COLL | NXP_EV_P2P | NXP_EV_KERNEL_CH)
+
+_Static_assert(sizeof(struct nccl_exporter_record) == 144, "record layout");
+_Static_assert(offsetof(struct nccl_exporter_record, comm_hash) == 16, "record layout");
+_Static_assert(offsetof(struct nccl_exporter_record, gpu_start_timer) == 64, "record layout");
+_Static_assert(offsetof(struct nccl_exporter_record, rank) == 104, "record layout");
+_Static_assert(offsetof(struct nccl_exporter_record, kind) == 120, "record layout");
+_Static_assert(offsetof(struct nccl_exporter_record, op_name) == 128, "record layout");
+_Static_assert(sizeof(struct nccl_exporter_comm) == 80, "comm layout");
+_Static_assert(sizeof(nxp_descr_v4) == 104 && sizeof(nxp_descr_v5) == 112 &&
+               sizeof(nxp_descr_v6) == 112 && sizeof(nxp_descr_v7) == 136, "descriptor sizes");
+
+/* ------------------------------------------------------------------------ */
+/* Hooks: empty on purpose.  noipa keeps every call (and the symbol) even  */
+/* though the body has no effect; the asm keeps the argument "used".       */
+
+HOOK void nccl_exporter_coll_queued(const struct nccl_exporter_record *r) { __asm__ volatile("" ::"r"(r) : "memory"); }
+HOOK void nccl_exporter_gpu_start(const struct nccl_exporter_record *r) { __asm__ volatile("" ::"r"(r) : "memory"); }
+HOOK void nccl_exporter_gpu_done(const struct nccl_exporter_record *r) { __asm__ volatile("" ::"r"(r) : "memory"); }
+HOOK void nccl_exporter_abandoned(const struct nccl_exporter_record *r) { __asm__ volatile("" ::"r"(r) : "memory"); }
+HOOK void nccl_exporter_comm_init(const struct nccl_exporter_comm *r) { __asm__ volatile("" ::"r"(r) : "memory"); }
+HOOK void nccl_exporter_comm_fini(const struct nccl_exporter_comm *r) { __asm__ volatile("" ::"r"(r) : "memory"); }
+/* Direct (non-PLT) calls to the same addresses the uprobes attach to. */
+extern void hook_coll_queued(const struct nccl_exporter_record *r) __attribute__((visibility("hidden"), alias("nccl_exporter_coll_queued")));
+extern void hook_gpu_start(const struct nccl_exporter_record *r) __attribute__((visibility("hidden"), alias("nccl_exporter_gpu_start")));
+extern void hook_gpu_done(const struct nccl_exporter_record *r) __attribute__((visibility("hidden"), alias("nccl_exporter_gpu_done")));
+extern void hook_abandoned(const struct nccl_exporter_record *r) __attribute__((visibility("hidden"), alias("nccl_exporter_abandoned")));
+extern void hook_comm_init(const struct nccl_exporter_comm *r) __attribute__((visibility("hidden"), alias("nccl_exporter_comm_init")));
+extern void hook_comm_fini(const struct nccl_exporter_comm *r) __attribute__((visibility("hidden"), alias("nccl_exporter_comm_fini")));
+
+/* ------------------------------------------------------------------------ */
+/* Process-wide state                                                      */
+
+#define CTX_MAGIC 0x6e786370u /* "nxcp" */
+#define MAX_POOL (1u << 22)
+
+struct clk {            /* GPU timer -> CLOCK_MONOTONIC offset estimator */
+  _Atomic int64_t cur_min;     /* min(mono_at_delivery - timer) this window */
+  _Atomic int64_t prev_min;    /* previous window's min */
+  _Atomic uint64_t win_start;  /* mono ns when this window began */
+  _Atomic uint32_t nsamples;
+};
+
+struct ctx {
+  uint32_t magic;
+  int iface;            /* version NCCL called init through */
+  uint64_t comm_hash;
+  int rank, nranks, nnodes;
+  char name[32];
+  void *chain_ctx;      /* the chained plugin's context for this comm */
+  int chain_ok;         /* chained init succeeded */
+  struct clk clk;
+  _Atomic uint64_t *p2p_seq; /* [2 * p2p_n]: per (peer, send/recv) order */
+  uint32_t p2p_n;
+};
+
+struct slot {
+  _Atomic uint32_t state;   /* FREE, LIVE, CLOSING */
+  _Atomic uint32_t gen;     /* bumped on every allocation; part of handles */
+  struct ctx *ctx;
+  void *theirs;             /* chained plugin's handle for this Coll/P2p */
+  _Atomic int32_t refs;     /* 1 (the event) + expected KernelCh children */
+  _Atomic uint32_t started, stopped;
+  _Atomic uint32_t finished; /* done or abandoned already emitted */
+  _Atomic uint32_t flags;
+  _Atomic uint64_t min_start, max_stop;
+  _Atomic uint64_t first_start_host;
+  uint64_t created;         /* mono ns */
+  struct nccl_exporter_record rec; /* the static part, filled at start */
+};
+enum { SLOT_FREE = 0, SLOT_LIVE = 1, SLOT_CLOSING = 2 };
+
+struct wrap {               /* chain mode: a KernelCh handle of both plugins */
+  _Atomic uint32_t used;
+  struct ctx *ctx;
+  void *ours;
+  void *theirs;
+};
+
+static struct {
+  pthread_mutex_t lock;     /* init/finalize only */
+  int initialized;
+  _Atomic int disabled;
+  nxp_logger_t logfn;
+  int *nccl_mask;           /* NCCL's process-wide activation mask */
+  struct slot *slots;
+  uint32_t nslots;
+  _Atomic uint32_t cursor;
+  struct wrap *wraps;
+  uint32_t nwraps;
+  _Atomic uint32_t wcursor;
+  _Atomic uint64_t next_id;
+  _Atomic uint64_t dropped, stale, abandoned, completed, wrap_dropped;
+  _Atomic uint64_t last_sweep;
+  uint64_t max_age_ns;
+  uint64_t window_ns;
+  int log_fd;
+  int ncomms;
+  /* chain */
+  void *chain_dl;
+  int chain_ver;            /* 4..7, 0 = none */
+  nxp_profiler_any *chain;
+  int chain_mask;           /* the chained plugin's own mask variable */
+  _Atomic int chain_mask_seen;
+  _Atomic int chain_types;  /* event types NCCL would send it, from its mask */
+} G = {.lock = PTHREAD_MUTEX_INITIALIZER, .log_fd = -1};
+
+static inline uint64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void logmsg(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void logmsg(int level, const char *fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  if (G.logfn) G.logfn(level, 0x4001 /* NCCL_INIT|NCCL_PROFILE */, __FILE__, __LINE__, "%s", buf);
+  else if (level == NXP_LOG_WARN) fprintf(stderr, "%s\n", buf);
+}
+
+/* Disable our part for good; one line through NCCL's logger. */
+static void disable(const char *why) {
+  int expected = 0;
+  if (atomic_compare_exchange_strong(&G.disabled, &expected, 1))
+    logmsg(NXP_LOG_WARN, "nccl-exporter profiler: disabled: %s (NCCL continues; chained plugin, if any, still runs)", why);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Names                                                                   */
+
+/* exporter op codes: exporter/contract.py COLLECTIVE_OPS */
+static uint8_t op_code(const char *f) {
+  if (!f) return 0;
+  switch (f[0]) {
+  case 'A':
+    if (!strcmp(f, "AllReduce")) return 1;
+    if (!strcmp(f, "AllGather")) return 2;
+    if (!strcmp(f, "AlltoAll") || !strcmp(f, "AllToAll")) return 8;
+    return 0;
+  case 'R':
+    if (!strcmp(f, "ReduceScatter")) return 3;
+    if (!strcmp(f, "Reduce")) return 5;
+    if (!strcmp(f, "Recv")) return 7;
+    return 0;
+  case 'B': return strcmp(f, "Broadcast") ? 0 : 4;
+  case 'S':
+    if (!strcmp(f, "Send")) return 6;
+    if (!strcmp(f, "Scatter")) return 10;
+    return 0;
+  case 'G': return strcmp(f, "Gather") ? 0 : 9;
+  }
+  return 0;
+}
+
+/* ncclDataType_t from NCCL's datatype string; *size = bytes per element. */
+static uint8_t dtype_code(const char *d, unsigned *size, uint32_t *flags) {
+  static const struct { const char *n; uint8_t code, size; } T[] = {
+    {"ncclInt8", 0, 1},     {"ncclUint8", 1, 1},     {"ncclInt32", 2, 4},  {"ncclUint32", 3, 4},
+    {"ncclInt64", 4, 8},    {"ncclUint64", 5, 8},    {"ncclFloat16", 6, 2}, {"ncclFloat32", 7, 4},
+    {"ncclFloat64", 8, 8},  {"ncclBfloat16", 9, 2},  {"ncclFloat8e4m3", 10, 1}, {"ncclFloat8e5m2", 11, 1},
+  };
+  if (d && d[0] == 'n' && d[1] == 'c' && d[2] == 'c' && d[3] == 'l') {
+    for (unsigned i = 0; i < sizeof T / sizeof T[0]; i++)
+      if (!strcmp(d + 4, T[i].n + 4)) { *size = T[i].size; return T[i].code; }
+  }
+  /* NCCL's ncclDatatypeToString has no case for ncclUint8: "Unknown". */
+  if (d && !strcmp(d, "Unknown")) { *size = 1; *flags |= NCCL_EXPORTER_F_DTYPE_GUESSED; return 1; }
+  *size = 0;
+  return 255;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Clock mapping                                                           */
+
+/* Every KernelCh delivery gives one upper bound of (mono - gpu timer): the
+ * host sees a timer only after the GPU wrote it.  The smallest bound over a
+ * sliding window (two windows of window_ns) is the estimate; it is late by
+ * the smallest delivery lag (the poll interval of NCCL's profiler/proxy
+ * thread) and follows drift within 2 windows. */
+static void clk_sample(struct clk *c, uint64_t timer, uint64_t now) {
+  int64_t s = (int64_t)(now - timer);
+  uint64_t ws = atomic_load_explicit(&c->win_start, memory_order_relaxed);
+  if (UNLIKELY(ws == 0 || now - ws > G.window_ns)) {
+    int64_t cur = atomic_load_explicit(&c->cur_min, memory_order_relaxed);
+    atomic_store_explicit(&c->prev_min, ws ? cur : s, memory_order_relaxed);
+    atomic_store_explicit(&c->cur_min, s, memory_order_relaxed);
+    atomic_store_explicit(&c->win_start, now, memory_order_relaxed);
+  } else {
+    int64_t cur = atomic_load_explicit(&c->cur_min, memory_order_relaxed);
+    while (s < cur && !atomic_compare_exchange_weak_explicit(&c->cur_min, &cur, s, memory_order_relaxed,
+                                                             memory_order_relaxed)) {
+    }
+  }
+  atomic_fetch_add_explicit(&c->nsamples, 1, memory_order_relaxed);
+}
+
+static int64_t clk_offset(struct clk *c) {
+  int64_t a = atomic_load_explicit(&c->cur_min, memory_order_relaxed);
+  int64_t b = atomic_load_explicit(&c->prev_min, memory_order_relaxed);
+  return a < b ? a : b;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Handles                                                                 */
+
+#define H_OURS (1ull << 63)
+static inline void *h_make(uint32_t idx, uint32_t gen, uint32_t sub) {
+  return (void *)(uintptr_t)(H_OURS | ((uint64_t)(gen & 0x7fffffffu) << 32) | ((uint64_t)idx << 9) | sub);
+}
+static inline int h_is_ours(void *h) { return ((uintptr_t)h & H_OURS) != 0; }
+
+/* The live slot a handle refers to, or NULL (stale/foreign). */
+static inline struct slot *h_slot(void *h, uint32_t *sub) {
+  uint64_t v = (uintptr_t)h;
+  if (!(v & H_OURS)) return NULL;
+  uint32_t idx = (uint32_t)((v >> 9) & 0x7fffffu);
+  if (idx >= G.nslots) return NULL;
+  struct slot *s = &G.slots[idx];
+  if ((atomic_load_explicit(&s->gen, memory_order_acquire) & 0x7fffffffu) != (uint32_t)((v >> 32) & 0x7fffffffu) ||
+      atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) {
+    atomic_fetch_add_explicit(&G.stale, 1, memory_order_relaxed);
+    return NULL;
+  }
+  *sub = (uint32_t)(v & 0x1ff);
+  return s;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Records                                                                 */
+
+static void snapshot(struct slot *s, struct nccl_exporter_record *r, uint8_t state, uint64_t now) {
+  *r = s->rec;
+  r->state = state;
+  r->host_event_mono_ns = now;
+  uint32_t started = atomic_load_explicit(&s->started, memory_order_relaxed);
+  uint32_t stopped = atomic_load_explicit(&s->stopped, memory_order_relaxed);
+  r->channels_started = started > 255 ? 255 : (uint8_t)started;
+  r->channels_stopped = stopped > 255 ? 255 : (uint8_t)stopped;
+  r->flags |= atomic_load_explicit(&s->flags, memory_order_relaxed);
+  uint64_t a = atomic_load_explicit(&s->min_start, memory_order_relaxed);
+  uint64_t b = atomic_load_explicit(&s->max_stop, memory_order_relaxed);
+  r->gpu_start_timer = a == UINT64_MAX ? 0 : a;
+  r->gpu_stop_timer = b;
+  struct clk *c = &s->ctx->clk;
+  uint32_t n = atomic_load_explicit(&c->nsamples, memory_order_relaxed);
+  if (n) {
+    int64_t off = clk_offset(c);
+    r->gpu_to_mono_offset_ns = off;
+    if (r->gpu_start_timer) r->gpu_start_mono_ns = r->gpu_start_timer + (uint64_t)off;
+    if (r->gpu_stop_timer) r->gpu_stop_mono_ns = r->gpu_stop_timer + (uint64_t)off;
+    if (n < 2) r->flags |= NCCL_EXPORTER_F_OFFSET_COARSE;
+  }
+  if (!r->gpu_stop_timer) r->flags |= NCCL_EXPORTER_F_NO_GPU_TIME;
+}
+
+static const char *state_name(uint8_t st) {
+  switch (st) {
+  case NCCL_EXPORTER_STATE_DONE: return "done";
+  case NCCL_EXPORTER_STATE_ABANDONED: return "abandoned";
+  case NCCL_EXPORTER_STATE_RUNNING: return "running";
+  default: return "queued";
+  }
+}
+
+static void log_record(const struct nccl_exporter_record *r) {
+  if (G.log_fd < 0) return;
+  char line[768];
+  uint64_t gpu_ns = (r->gpu_stop_timer && r->gpu_start_timer && r->gpu_stop_timer >= r->gpu_start_timer)
+                        ? r->gpu_stop_timer - r->gpu_start_timer : 0;
+  int n = snprintf(line, sizeof line,
+                   "nccl-exporter-profiler event=%s kind=%s op=%s opcode=%u comm=0x%016" PRIx64 " rank=%d nranks=%d"
+                   " seq=%" PRIu64 " peer=%d count=%" PRIu64 " bytes=%" PRIu64 " dtype=%u"
+                   " enqueue_mono_ns=%" PRIu64 " gpu_start_timer=%" PRIu64 " gpu_stop_timer=%" PRIu64
+                   " gpu_ns=%" PRIu64 " gpu_start_mono_ns=%" PRIu64 " gpu_stop_mono_ns=%" PRIu64
+                   " offset_ns=%" PRId64 " channels=%u/%u/%u flags=0x%x iface=v%u id=%" PRIu64 " pid=%d\n",
+                   state_name(r->state), r->kind == NCCL_EXPORTER_KIND_P2P ? "p2p" : "coll",
+                   r->op_name[0] ? r->op_name : "?", r->op, r->comm_hash, r->rank, r->nranks, r->seq, r->peer,
+                   r->count, r->bytes, r->datatype, r->host_enqueue_mono_ns, r->gpu_start_timer, r->gpu_stop_timer,
+                   gpu_ns, r->gpu_start_mono_ns, r->gpu_stop_mono_ns, r->gpu_to_mono_offset_ns,
+                   r->channels_started, r->channels_stopped, r->nchannels, r->flags, r->iface_version, r->id,
+                   (int)getpid());
+  if (n > 0) {
+    ssize_t w = write(G.log_fd, line, (size_t)(n < (int)sizeof line ? n : (int)sizeof line - 1));
+    (void)w;
+  }
+}
+
+/* Emit done/abandoned exactly once. */
+static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t now) {
+  if (atomic_exchange_explicit(&s->finished, 1, memory_order_acq_rel)) return;
+  struct nccl_exporter_record r;
+  snapshot(s, &r, state, now);
+  r.flags |= extra_flags;
+  if (state == NCCL_EXPORTER_STATE_DONE) {
+    uint64_t fsh = atomic_load_explicit(&s->first_start_host, memory_order_relaxed);
+    if (fsh && r.gpu_stop_timer > r.gpu_start_timer &&
+        (now - fsh) + 20000 < r.gpu_stop_timer - r.gpu_start_timer)
+      r.flags |= NCCL_EXPORTER_F_START_LATE;
+    atomic_fetch_add_explicit(&G.completed, 1, memory_order_relaxed);
+    hook_gpu_done(&r);
+  } else {
+    r.flags &= ~NCCL_EXPORTER_F_OFFSET_COARSE;
+    atomic_fetch_add_explicit(&G.abandoned, 1, memory_order_relaxed);
+    hook_abandoned(&r);
+  }
+  log_record(&r);
+}
+
+/* Return a slot to the pool (exactly one caller wins the LIVE->CLOSING CAS). */
+static void release(struct slot *s, uint32_t abandon_flags, uint64_t now) {
+  uint32_t live = SLOT_LIVE;
+  if (!atomic_compare_exchange_strong(&s->state, &live, SLOT_CLOSING)) return;
+  if (!atomic_load(&s->finished)) finish(s, NCCL_EXPORTER_STATE_ABANDONED, abandon_flags, now);
+  atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
+  atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
+}
+
+static inline void unref(struct slot *s) {
+  if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) == 1) release(s, 0, mono_ns());
+}
+
+/* Reclaim live slots older than max_age (only when the pool is exhausted). */
+static void sweep_aged(uint64_t now) {
+  uint64_t last = atomic_load(&G.last_sweep);
+  if (now - last < 100000000ull) return; /* at most every 100 ms */
+  if (!atomic_compare_exchange_strong(&G.last_sweep, &last, now)) return;
+  for (uint32_t i = 0; i < G.nslots; i++) {
+    struct slot *s = &G.slots[i];
+    if (atomic_load_explicit(&s->state, memory_order_acquire) == SLOT_LIVE && now - s->created > G.max_age_ns)
+      release(s, NCCL_EXPORTER_F_AGED, now);
+  }
+}
+
+static struct slot *slot_alloc(uint64_t now, uint32_t *idx_out) {
+  for (int pass = 0; pass < 2; pass++) {
+    for (uint32_t tries = 0; tries < G.nslots; tries++) {
+      uint32_t i = atomic_fetch_add_explicit(&G.cursor, 1, memory_order_relaxed) % G.nslots;
+      struct slot *s = &G.slots[i];
+      uint32_t f = SLOT_FREE;
+      if (atomic_load_explicit(&s->state, memory_order_relaxed) == SLOT_FREE &&
+          atomic_compare_exchange_strong_explicit(&s->state, &f, SLOT_CLOSING, memory_order_acquire,
+                                                  memory_order_relaxed)) {
+        *idx_out = i;
+        return s; /* CLOSING until the caller publishes it LIVE */
+      }
+    }
+    if (pass == 0) sweep_aged(now);
+  }
+  atomic_fetch_add_explicit(&G.dropped, 1, memory_order_relaxed);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Our event logic (version independent)                                   */
+
+struct ev {               /* the fields we use, read from any version */
+  uint64_t type;
+  void *parent;
+  /* coll / p2p */
+  uint64_t seq;
+  const char *func, *datatype;
+  size_t count;
+  int root_or_peer;
+  unsigned nchannels;
+  /* kernelCh */
+  unsigned channel;
+  uint64_t ptimer;
+};
+
+static void *ours_start_op(struct ctx *c, const struct ev *e) {
+  if (UNLIKELY(atomic_load_explicit(&G.disabled, memory_order_relaxed) || !G.slots)) return NULL;
+  /* Without KernelCh events (e.g. a RAS override) nothing would complete. */
+  if (UNLIKELY(G.nccl_mask && !(__atomic_load_n(G.nccl_mask, __ATOMIC_RELAXED) & NXP_EV_KERNEL_CH))) return NULL;
+  unsigned nch = e->nchannels;
+  if (nch == 0) return NULL; /* no kernel work (e.g. copy-engine path): nothing to time */
+  uint64_t now = mono_ns();
+  uint32_t idx;
+  struct slot *s = slot_alloc(now, &idx);
+  if (!s) return NULL;
+  uint32_t gen = atomic_fetch_add_explicit(&s->gen, 1, memory_order_relaxed) + 1;
+  if ((gen & 0x7fffffffu) == 0) gen = atomic_fetch_add_explicit(&s->gen, 1, memory_order_relaxed) + 1;
+  s->ctx = c;
+  s->theirs = NULL;
+  s->created = now;
+  atomic_store_explicit(&s->refs, 1 + (int32_t)nch, memory_order_relaxed);
+  atomic_store_explicit(&s->started, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->stopped, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->finished, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->flags, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->min_start, UINT64_MAX, memory_order_relaxed);
+  atomic_store_explicit(&s->max_stop, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->first_start_host, 0, memory_order_relaxed);
+
+  struct nccl_exporter_record *r = &s->rec;
+  memset(r, 0, sizeof *r);
+  r->version = NCCL_EXPORTER_RECORD_VERSION;
+  r->size = sizeof *r;
+  r->id = atomic_fetch_add_explicit(&G.next_id, 1, memory_order_relaxed);
+  r->comm_hash = c->comm_hash;
+  r->rank = c->rank;
+  r->nranks = c->nranks;
+  r->iface_version = (uint8_t)c->iface;
+  r->nchannels = (uint8_t)nch;
+  r->count = e->count;
+  r->host_enqueue_mono_ns = now;
+  uint32_t fl = 0;
+  unsigned esize = 0;
+  r->datatype = dtype_code(e->datatype, &esize, &fl);
+  r->bytes = (uint64_t)e->count * esize;
+  r->op = op_code(e->func);
+  if (e->func) {
+    size_t n = strnlen(e->func, sizeof r->op_name - 1);
+    memcpy(r->op_name, e->func, n);
+  }
+  if (e->type == NXP_EV_COLL) {
+    r->kind = NCCL_EXPORTER_KIND_COLL;
+    r->seq = e->seq;
+    r->peer = (r->op == 4 || r->op == 5) ? e->root_or_peer : -1; /* Broadcast/Reduce have a root */
+  } else {
+    r->kind = NCCL_EXPORTER_KIND_P2P;
+    r->peer = e->root_or_peer;
+    if (c->p2p_seq && e->root_or_peer >= 0) {
+      uint32_t k = ((uint32_t)e->root_or_peer % c->p2p_n) * 2 + (r->op == 7);
+      r->seq = atomic_fetch_add_explicit(&c->p2p_seq[k], 1, memory_order_relaxed);
+    }
+  }
+  r->flags = fl;
+  atomic_store_explicit(&s->state, SLOT_LIVE, memory_order_release);
+
+  struct nccl_exporter_record q;
+  snapshot(s, &q, NCCL_EXPORTER_STATE_QUEUED, now);
+  q.flags &= ~(NCCL_EXPORTER_F_NO_GPU_TIME | NCCL_EXPORTER_F_OFFSET_COARSE);
+  hook_coll_queued(&q);
+  return h_make(idx, gen, 0);
+}
+
+static void *ours_start_kch(struct ctx *c, const struct ev *e) {
+  uint32_t sub;
+  struct slot *s = h_slot(e->parent, &sub);
+  if (!s || sub != 0) return NULL;
+  uint64_t now = mono_ns();
+  clk_sample(&c->clk, e->ptimer, now);
+  uint64_t cur = atomic_load_explicit(&s->min_start, memory_order_relaxed);
+  while (e->ptimer < cur && !atomic_compare_exchange_weak_explicit(&s->min_start, &cur, e->ptimer,
+                                                                   memory_order_relaxed, memory_order_relaxed)) {
+  }
+  uint32_t n = atomic_fetch_add_explicit(&s->started, 1, memory_order_acq_rel);
+  if (n >= s->rec.nchannels) { /* more children than announced: keep the slot for them too */
+    atomic_fetch_or_explicit(&s->flags, NCCL_EXPORTER_F_EXTRA_CHANNELS, memory_order_relaxed);
+    atomic_fetch_add_explicit(&s->refs, 1, memory_order_acq_rel);
+  }
+  if (n == 0) {
+    atomic_store_explicit(&s->first_start_host, now, memory_order_relaxed);
+    struct nccl_exporter_record r;
+    snapshot(s, &r, NCCL_EXPORTER_STATE_RUNNING, now);
+    r.flags &= ~NCCL_EXPORTER_F_NO_GPU_TIME;
+    hook_gpu_start(&r);
+  }
+  uint32_t idx = (uint32_t)(((uintptr_t)e->parent >> 9) & 0x7fffffu);
+  return h_make(idx, (uint32_t)((uintptr_t)e->parent >> 32), 1 + (e->channel & 0xff));
+}
+
+static void ours_kch_stop_state(void *h, uint64_t ptimer) {
+  uint32_t sub;
+  struct slot *s = h_slot(h, &sub);
+  if (!s || sub == 0) return;
+  uint64_t now = mono_ns();
+  clk_sample(&s->ctx->clk, ptimer, now);
+  uint64_t cur = atomic_load_explicit(&s->max_stop, memory_order_relaxed);
+  while (ptimer > cur && !atomic_compare_exchange_weak_explicit(&s->max_stop, &cur, ptimer, memory_order_relaxed,
+                                                               memory_order_relaxed)) {
+  }
+  uint32_t n = atomic_fetch_add_explicit(&s->stopped, 1, memory_order_acq_rel) + 1;
+  uint32_t started = atomic_load_explicit(&s->started, memory_order_acquire);
+  uint32_t want = s->rec.nchannels > started ? s->rec.nchannels : started;
+  if (n == want) finish(s, NCCL_EXPORTER_STATE_DONE, 0, now);
+}
+
+static void ours_stop(void *h) {
+  uint32_t sub;
+  struct slot *s = h_slot(h, &sub);
+  if (!s) return;
+  (void)sub;
+  unref(s);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Chain: conversion between interface versions                            */
+
+/* Size of one event type's member in version v (0 = the type does not exist there). */
+static size_t member_size(int v, uint64_t type) {
+#define MS(T, m) sizeof(((T *)0)->m)
+  switch (type) {
+  case NXP_EV_GROUP: return v >= 4 ? 0 + 1 : 0; /* no payload; 1 = "exists" */
+  case NXP_EV_COLL: return v == 4 ? MS(nxp_descr_v4, coll) : v == 7 ? MS(nxp_descr_v7, coll) : MS(nxp_descr_v5, coll);
+  case NXP_EV_P2P: return v == 4 ? MS(nxp_descr_v4, p2p) : v == 7 ? MS(nxp_descr_v7, p2p) : MS(nxp_descr_v5, p2p);
+  case NXP_EV_PROXY_OP: return MS(nxp_descr_v4, proxyOp);
+  case NXP_EV_PROXY_STEP: return MS(nxp_descr_v4, proxyStep);
+  case NXP_EV_PROXY_CTRL: return 1;
+  case NXP_EV_KERNEL_CH: return MS(nxp_descr_v4, kernelCh);
+  case NXP_EV_NET_PLUGIN: return MS(nxp_descr_v4, netPlugin);
+  case NXP_EV_GROUP_API: return v >= 5 ? MS(nxp_descr_v5, groupApi) : 0;
+  case NXP_EV_COLL_API: return v >= 7 ? MS(nxp_descr_v7, collApi) : v >= 5 ? MS(nxp_descr_v5, collApi) : 0;
+  case NXP_EV_P2P_API: return v >= 7 ? MS(nxp_descr_v7, p2pApi) : v >= 5 ? MS(nxp_descr_v5, p2pApi) : 0;
+  case NXP_EV_KERNEL_LAUNCH: return v >= 5 ? MS(nxp_descr_v5, kernelLaunch) : 0;
+  case NXP_EV_CE_COLL: return v >= 7 ? MS(nxp_descr_v7, ceColl) : v == 6 ? MS(nxp_descr_v6, ceColl) : 0;
+  case NXP_EV_CE_SYNC: return v >= 6 ? MS(nxp_descr_v6, ceCollSync) : 0;
+  case NXP_EV_CE_BATCH: return v >= 6 ? MS(nxp_descr_v6, ceCollBatch) : 0;
+  case NXP_EV_KERNEL_PHASE: return v >= 7 ? MS(nxp_descr_v7, kernelPhase) : 0;
+  }
+  return 0;
+#undef MS
+}
+
+static inline int state_exists(int v, int st) {
+  if (st < NXP_STATE_PROXY_STEP_FIRST) return v <= 3; /* deprecated ProxyOp states */
+  if (st <= NXP_STATE_KERNEL_CH_STOP) return 1;
+  if (st <= NXP_STATE_GROUP_END_API_START) return v >= 5;
+  if (st <= NXP_STATE_CE_LAST) return v >= 6;
+  if (st == NXP_STATE_KERNEL_PHASE_STOP) return v >= 7;
+  return 0;
+}
+
+/* Event types NCCL would send a plugin whose mask is m (its gating rules). */
+static int types_for_mask(int m) {
+  const int ce = NXP_EV_CE_COLL | NXP_EV_CE_SYNC | NXP_EV_CE_BATCH;
+  const int net = NXP_EV_PROXY_OP | NXP_EV_PROXY_STEP | NXP_EV_KERNEL_CH | NXP_EV_NET_PLUGIN;
+  int t = m;
+  if (m & (NXP_EV_GROUP_API | NXP_EV_P2P_API | NXP_EV_COLL_API | NXP_EV_KERNEL_LAUNCH | NXP_EV_GROUP | NXP_EV_COLL |
+           NXP_EV_P2P | net | ce))
+    t |= NXP_EV_GROUP_API;
+  if (m & (NXP_EV_COLL_API | NXP_EV_COLL | net | ce)) t |= NXP_EV_COLL_API;
+  if (m & (NXP_EV_P2P_API | NXP_EV_P2P | net)) t |= NXP_EV_P2P_API;
+  if (m & (NXP_EV_GROUP | NXP_EV_COLL | NXP_EV_P2P | net)) t |= NXP_EV_GROUP;
+  if (m & (NXP_EV_COLL | net)) t |= NXP_EV_COLL;
+  if (m & (NXP_EV_P2P | net)) t |= NXP_EV_P2P;
+  if (m & NXP_EV_KERNEL_PHASE) t |= NXP_EV_KERNEL_CH;
+  return t;
+}
+
+static void merge_masks(void) {
+  int cm = __atomic_load_n(&G.chain_mask, __ATOMIC_RELAXED);
+  int seen = atomic_exchange(&G.chain_mask_seen, cm);
+  atomic_store(&G.chain_types, types_for_mask(cm));
+  if (G.nccl_mask) {
+    int cur = __atomic_load_n(G.nccl_mask, __ATOMIC_RELAXED);
+    /* bits only the chained plugin had asked for and dropped since go away */
+    int ours = atomic_load(&G.disabled) ? 0 : OUR_MASK;
+    int next = (cur & ~(seen & ~OUR_MASK)) | ours | cm;
+    __atomic_store_n(G.nccl_mask, next, __ATOMIC_RELAXED);
+  }
+}
+
+/* Copy the header and the event's own member from version `from` into a
+ * zeroed descriptor of version `to`; returns 0 if `to` lacks the type. */
+static int convert(int from, const void *src, int to, void *dst, void *parent) {
+  uint64_t type = from == 4 ? ((const nxp_descr_v4 *)src)->type : ((const nxp_descr_v7 *)src)->type;
+  size_t ssz = member_size(from, type), dsz = member_size(to, type);
+  if (!dsz) return 0;
+  size_t dsize = to == 4 ? sizeof(nxp_descr_v4) : to == 7 ? sizeof(nxp_descr_v7) : sizeof(nxp_descr_v5);
+  memset(dst, 0, dsize);
+  if (to == 4) ((nxp_descr_v4 *)dst)->type = (uint8_t)type;
+  else ((nxp_descr_v7 *)dst)->type = type;
+  /* parentObj @8, rank @16, union @24 in every version */
+  memcpy((char *)dst + 8, &parent, sizeof parent);
+  memcpy((char *)dst + 16, (const char *)src + 16, sizeof(int));
+  if (type == NXP_EV_GROUP || type == NXP_EV_PROXY_CTRL) return 1;
+  memcpy((char *)dst + 24, (const char *)src + 24, ssz < dsz ? ssz : dsz);
+  /* v4 Coll/P2p have no parentGroup; a newer receiver gets the parent there. */
+  if (from == 4 && to >= 5) {
+    if (type == NXP_EV_COLL) ((nxp_descr_v5 *)dst)->coll.parentGroup = parent;
+    if (type == NXP_EV_P2P) ((nxp_descr_v5 *)dst)->p2p.parentGroup = parent;
+  }
+  return 1;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Chain: handle classification                                            */
+
+static inline int is_wrap(void *h) {
+  return G.wraps && (char *)h >= (char *)G.wraps && (char *)h < (char *)(G.wraps + G.nwraps);
+}
+
+static void split(void *h, void **ours, void **theirs) {
+  *ours = *theirs = NULL;
+  if (!h) return;
+  if (h_is_ours(h)) {
+    *ours = h;
+    uint32_t sub;
+    struct slot *s = h_slot(h, &sub);
+    if (s && sub == 0) *theirs = s->theirs;
+    return;
+  }
+  if (is_wrap(h)) {
+    struct wrap *w = h;
+    *ours = w->ours;
+    *theirs = w->theirs;
+    return;
+  }
+  *theirs = h;
+}
+
+static void *wrap_alloc(struct ctx *c, void *ours, void *theirs) {
+  for (uint32_t tries = 0; tries < G.nwraps; tries++) {
+    uint32_t i = atomic_fetch_add_explicit(&G.wcursor, 1, memory_order_relaxed) % G.nwraps;
+    struct wrap *w = &G.wraps[i];
+    uint32_t f = 0;
+    if (atomic_load_explicit(&w->used, memory_order_relaxed) == 0 &&
+        atomic_compare_exchange_strong(&w->used, &f, 1)) {
+      w->ctx = c;
+      w->ours = ours;
+      w->theirs = theirs;
+      return w;
+    }
+  }
+  atomic_fetch_add_explicit(&G.wrap_dropped, 1, memory_order_relaxed);
+  return NULL;
+}
+
+/* Combine our handle and the chained plugin's into what NCCL gets. */
+static void *combine(struct ctx *c, uint64_t type, void *ours, void *theirs) {
+  if (!theirs) return ours;
+  if (ours && (type == NXP_EV_COLL || type == NXP_EV_P2P)) {
+    uint32_t sub;
+    struct slot *s = h_slot(ours, &sub);
+    if (s) { s->theirs = theirs; return ours; }
+  }
+  if (!ours && !h_is_ours(theirs) && !is_wrap(theirs)) return theirs; /* pass through */
+  void *w = wrap_alloc(c, ours, theirs);
+  return w ? w : ours; /* no wrapper: ours wins (theirs is dropped, counted) */
+}
+
+/* ------------------------------------------------------------------------ */
+/* Common entry points                                                     */
+
+static struct ctx *as_ctx(void *p) {
+  struct ctx *c = p;
+  return (c && c->magic == CTX_MAGIC) ? c : NULL;
+}
+
+static nxp_result_t common_start(int ver, void *context, void **eHandle, const void *descr, const struct ev *e) {
+  struct ctx *c = as_ctx(context);
+  *eHandle = NULL; /* always written: NCCL may reuse the slot otherwise */
+  if (UNLIKELY(!c)) return NXP_SUCCESS;
+  void *ours = NULL, *parent_theirs = NULL;
+  struct ev e2 = *e;
+
+  if (LIKELY(!G.chain)) {
+    if (e->type == NXP_EV_KERNEL_CH) *eHandle = ours_start_kch(c, e);
+    else if (e->type == NXP_EV_COLL || e->type == NXP_EV_P2P) *eHandle = ours_start_op(c, e);
+    return NXP_SUCCESS;
+  }
+
+  /* chain mode */
+  if (UNLIKELY(__atomic_load_n(&G.chain_mask, __ATOMIC_RELAXED) != atomic_load_explicit(&G.chain_mask_seen, memory_order_relaxed)))
+    merge_masks();
+  void *parent_ours;
+  split(e->parent, &parent_ours, &parent_theirs);
+  e2.parent = parent_ours;
+  if (e->type == NXP_EV_KERNEL_CH) ours = parent_ours ? ours_start_kch(c, &e2) : NULL;
+  else if (e->type == NXP_EV_COLL || e->type == NXP_EV_P2P) ours = ours_start_op(c, &e2);
+
+  void *theirs = NULL;
+  if (c->chain_ok && (atomic_load_explicit(&G.chain_types, memory_order_relaxed) & (int)e->type)) {
+    union { nxp_descr_v4 v4; nxp_descr_v5 v5; nxp_descr_v6 v6; nxp_descr_v7 v7; } d;
+    if (convert(ver, descr, G.chain_ver, &d, parent_theirs)) {
+      G.chain->startEvent(c->chain_ctx, &theirs, &d);
+    }
+  }
+  *eHandle = combine(c, e->type, ours, theirs);
+  return NXP_SUCCESS;
+}
+
+static nxp_result_t common_stop(void *h) {
+  if (!h) return NXP_SUCCESS;
+  if (LIKELY(!G.chain)) {
+    ours_stop(h);
+    return NXP_SUCCESS;
+  }
+  void *ours, *theirs;
+  split(h, &ours, &theirs);
+  if (theirs) G.chain->stopEvent(theirs);
+  if (ours) ours_stop(ours);
+  if (is_wrap(h)) {
+    struct wrap *w = h;
+    w->ours = w->theirs = NULL;
+    atomic_store(&w->used, 0);
+  }
+  return NXP_SUCCESS;
+}
+
+static nxp_result_t common_record(int ver, void *h, int state, nxp_state_args *a) {
+  if (!h) return NXP_SUCCESS;
+  void *ours = h, *theirs = NULL;
+  if (UNLIKELY(G.chain != NULL)) split(h, &ours, &theirs);
+  if (ours && state == NXP_STATE_KERNEL_CH_STOP && a) ours_kch_stop_state(ours, a->kernelCh.pTimer);
+  if (theirs && state_exists(G.chain_ver, state)) {
+    nxp_state_args copy;
+    memset(&copy, 0, sizeof copy);
+    if (a) copy = *a;
+    G.chain->recordEventState(theirs, state, (a || G.chain_ver < 7) ? &copy : NULL);
+  }
+  (void)ver;
+  return NXP_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------ */
+/* init / finalize                                                         */
+
+static uint64_t env_u64(const char *name, uint64_t dflt, uint64_t lo, uint64_t hi) {
+  const char *v = getenv(name);
+  if (!v || !*v) return dflt;
+  char *end;
+  errno = 0;
+  unsigned long long x = strtoull(v, &end, 0);
+  if (errno || *end) return dflt;
+  return x < lo ? lo : x > hi ? hi : x;
+}
+
+static void open_log(void) {
+  const char *p = getenv("NCCL_EXPORTER_PROFILER_LOG");
+  if (!p || !*p) return;
+  char path[4096];
+  size_t o = 0;
+  for (const char *q = p; *q && o < sizeof path - 32; q++) { /* %p -> pid */
+    if (q[0] == '%' && q[1] == 'p') { o += (size_t)snprintf(path + o, sizeof path - o, "%d", (int)getpid()); q++; }
+    else path[o++] = *q;
+  }
+  path[o] = 0;
+  G.log_fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  if (G.log_fd < 0) logmsg(NXP_LOG_WARN, "nccl-exporter profiler: cannot open log %s: %s", path, strerror(errno));
+}
+
+static void load_chain(void) {
+  const char *p = getenv("NCCL_EXPORTER_PROFILER_CHAIN");
+  if (!p || !*p) return;
+  void *dl = dlopen(p, RTLD_NOW | RTLD_LOCAL);
+  if (!dl) {
+    logmsg(NXP_LOG_WARN, "nccl-exporter profiler: chain: cannot load %s: %s", p, dlerror());
+    return;
+  }
+  static const char *syms[] = {"ncclProfiler_v7", "ncclProfiler_v6", "ncclProfiler_v5", "ncclProfiler_v4"};
+  for (int i = 0; i < 4; i++) {
+    void *t = dlsym(dl, syms[i]);
+    if (!t) continue;
+    Dl_info self, other;
+    if (dladdr((void *)&load_chain, &self) && dladdr(t, &other)) {
+      if (other.dli_fbase == self.dli_fbase) {
+        logmsg(NXP_LOG_WARN, "nccl-exporter profiler: chain: %s is this plugin; not chained", p);
+        dlclose(dl);
+        return;
+      }
+    }
+    G.chain_dl = dl;
+    G.chain_ver = 7 - i;
+    G.chain = t;
+    logmsg(NXP_LOG_INFO, "nccl-exporter profiler: chained %s (%s, v%d)", p,
+           G.chain->name ? G.chain->name : "?", G.chain_ver);
+    return;
+  }
+  logmsg(NXP_LOG_WARN, "nccl-exporter profiler: chain: %s exports no ncclProfiler_v4..v7; not chained", p);
+  dlclose(dl);
+}
+
+static void global_init(nxp_logger_t logfn) {
+  G.logfn = logfn;
+  G.max_age_ns = env_u64("NCCL_EXPORTER_PROFILER_MAX_AGE_S", 300, 1, 86400 * 365) * 1000000000ull;
+  G.window_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_WINDOW_MS", 1000, 10, 3600000) * 1000000ull;
+  G.nslots = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL", 4096, 16, MAX_POOL);
+  G.slots = calloc(G.nslots, sizeof *G.slots);
+  if (!G.slots) {
+    G.nslots = 0;
+    disable("cannot allocate the record pool");
+  }
+  atomic_store(&G.next_id, 1);
+  open_log();
+  load_chain();
+  if (G.chain) {
+    G.nwraps = G.nslots ? 4 * G.nslots : 4096;
+    G.wraps = calloc(G.nwraps, sizeof *G.wraps);
+    if (!G.wraps) G.nwraps = 0;
+  }
+  G.initialized = 1;
+}
+
+static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mask, const char *name, int nnodes,
+                                int nranks, int rank, nxp_logger_t logfn) {
+  if (context) *context = NULL;
+  if (!context || !mask) return NXP_SUCCESS;
+  pthread_mutex_lock(&G.lock);
+  if (!G.initialized) global_init(logfn);
+  G.nccl_mask = mask;
+  struct ctx *c = calloc(1, sizeof *c);
+  if (!c) {
+    pthread_mutex_unlock(&G.lock);
+    disable("cannot allocate a communicator context");
+    return NXP_SUCCESS; /* NULL context: NCCL sends nothing, calls no finalize */
+  }
+  c->magic = CTX_MAGIC;
+  c->iface = ver;
+  c->comm_hash = hash;
+  c->rank = rank;
+  c->nranks = nranks;
+  c->nnodes = nnodes;
+  if (name) snprintf(c->name, sizeof c->name, "%s", name);
+  if (nranks > 0) {
+    c->p2p_n = nranks > 65536 ? 65536 : (uint32_t)nranks;
+    c->p2p_seq = calloc(2 * (size_t)c->p2p_n, sizeof *c->p2p_seq);
+  }
+  if (G.chain) {
+    int r;
+    if (G.chain_ver == 4)
+      r = ((nxp_profiler_v4 *)G.chain)->init(&c->chain_ctx, &G.chain_mask, name, hash, nnodes, nranks, rank, logfn);
+    else
+      r = ((nxp_profiler_v5 *)G.chain)->init(&c->chain_ctx, hash, &G.chain_mask, name, nnodes, nranks, rank, logfn);
+    c->chain_ok = (r == NXP_SUCCESS || (r == 7 && G.chain_ver <= 5));
+    if (!c->chain_ok) logmsg(NXP_LOG_WARN, "nccl-exporter profiler: chained plugin init failed (%d); not forwarding for comm 0x%" PRIx64, r, hash);
+  }
+  /* OR ours (and the chained plugin's) into NCCL's process-wide mask. */
+  if (!atomic_load(&G.disabled)) __atomic_fetch_or(mask, OUR_MASK, __ATOMIC_RELAXED);
+  if (G.chain) merge_masks();
+  G.ncomms++;
+  int first = G.ncomms == 1;
+  pthread_mutex_unlock(&G.lock);
+
+  if (first)
+    logmsg(NXP_LOG_INFO, "nccl-exporter profiler: v%d, mask 0x%x, pool %u, log %s, chain %s", ver, *mask, G.nslots,
+           G.log_fd >= 0 ? "on" : "off", G.chain ? "on" : "off");
+  struct nccl_exporter_comm ci = {.version = NCCL_EXPORTER_RECORD_VERSION, .size = sizeof ci, .comm_hash = hash,
+                                  .rank = rank, .nranks = nranks, .nnodes = nnodes, .iface_version = (uint32_t)ver,
+                                  .dropped = atomic_load(&G.dropped)};
+  memcpy(ci.name, c->name, sizeof ci.name);
+  hook_comm_init(&ci);
+  if (G.log_fd >= 0) {
+    char line[256];
+    int n = snprintf(line, sizeof line, "nccl-exporter-profiler event=init comm=0x%016" PRIx64 " rank=%d nranks=%d nnodes=%d iface=v%d mask=0x%x chain=v%d pid=%d\n",
+                     hash, rank, nranks, nnodes, ver, *mask, G.chain_ver, (int)getpid());
+    if (n > 0 && write(G.log_fd, line, (size_t)n) < 0) { /* best effort */ }
+  }
+  *context = c;
+  return NXP_SUCCESS;
+}
+
+static nxp_result_t common_finalize(void *context) {
+  struct ctx *c = as_ctx(context);
+  if (!c) return NXP_SUCCESS;
+  if (G.chain && c->chain_ok && G.chain->finalize) G.chain->finalize(c->chain_ctx);
+  uint64_t now = mono_ns(), pending = 0;
+  for (uint32_t i = 0; i < G.nslots; i++) {
+    struct slot *s = &G.slots[i];
+    if (atomic_load_explicit(&s->state, memory_order_acquire) == SLOT_LIVE && s->ctx == c) {
+      pending++;
+      release(s, NCCL_EXPORTER_F_FINALIZED, now);
+    }
+  }
+  for (uint32_t i = 0; i < G.nwraps; i++) {
+    struct wrap *w = &G.wraps[i];
+    if (atomic_load(&w->used) && w->ctx == c) {
+      w->ours = w->theirs = NULL;
+      atomic_store(&w->used, 0);
+    }
+  }
+  struct nccl_exporter_comm ci = {.version = NCCL_EXPORTER_RECORD_VERSION, .size = sizeof ci, .comm_hash = c->comm_hash,
+                                  .rank = c->rank, .nranks = c->nranks, .nnodes = c->nnodes,
+                                  .iface_version = (uint32_t)c->iface, .pending = pending,
+                                  .dropped = atomic_load(&G.dropped)};
+  memcpy(ci.name, c->name, sizeof ci.name);
+  hook_comm_fini(&ci);
+  if (G.log_fd >= 0) {
+    char line[320];
+    int n = snprintf(line, sizeof line, "nccl-exporter-profiler event=finalize comm=0x%016" PRIx64 " rank=%d pending=%" PRIu64
+                     " completed=%" PRIu64 " abandoned=%" PRIu64 " dropped=%" PRIu64 " stale=%" PRIu64 " pid=%d\n",
+                     c->comm_hash, c->rank, pending, atomic_load(&G.completed), atomic_load(&G.abandoned),
+                     atomic_load(&G.dropped), atomic_load(&G.stale), (int)getpid());
+    if (n > 0 && write(G.log_fd, line, (size_t)n) < 0) { /* best effort */ }
+  }
+  pthread_mutex_lock(&G.lock);
+  G.ncomms--;
+  pthread_mutex_unlock(&G.lock);
+  c->magic = 0;
+  free((void *)c->p2p_seq);
+  free(c);
+  return NXP_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Per-version entry points                                                */
+
+static nxp_result_t init_v4(void **ctx, int *mask, const char *name, uint64_t hash, int nnodes, int nranks, int rank,
+                            nxp_logger_t logfn) {
+  return common_init(4, ctx, hash, mask, name, nnodes, nranks, rank, logfn);
+}
+#define INIT_V(N)                                                                                                  \
+  static nxp_result_t init_v##N(void **ctx, uint64_t hash, int *mask, const char *name, int nnodes, int nranks,   \
+                                int rank, nxp_logger_t logfn) {                                                    \
+    return common_init(N, ctx, hash, mask, name, nnodes, nranks, rank, logfn);                                     \
+  }
+INIT_V(5)
+INIT_V(6)
+INIT_V(7)
+
+/* Read only the fields of the event's own type: NCCL's v4/v5 adapters do not
+ * zero the rest of the descriptor. */
+#define START_V(N, TYPEEXPR)                                                                                       \
+  static nxp_result_t start_v##N(void *ctx, void **h, nxp_descr_v##N *d) {                                      \
+    if (UNLIKELY(!h)) return NXP_SUCCESS;                                                                           \
+    if (UNLIKELY(!d)) { *h = NULL; return NXP_SUCCESS; }                                                            \
+    struct ev e;                                                                                                    \
+    e.type = (TYPEEXPR);                                                                                            \
+    e.parent = d->parentObj;                                                                                        \
+    if (LIKELY(!G.chain) && !(e.type & OUR_MASK)) { *h = NULL; return NXP_SUCCESS; }                               \
+    if (e.type == NXP_EV_COLL) {                                                                                    \
+      e.seq = d->coll.seqNumber; e.func = d->coll.func; e.datatype = d->coll.datatype;                              \
+      e.count = d->coll.count; e.root_or_peer = d->coll.root; e.nchannels = d->coll.nChannels;                     \
+    } else if (e.type == NXP_EV_P2P) {                                                                              \
+      e.seq = 0; e.func = d->p2p.func; e.datatype = d->p2p.datatype; e.count = d->p2p.count;                        \
+      e.root_or_peer = d->p2p.peer; e.nchannels = d->p2p.nChannels;                                                 \
+    } else if (e.type == NXP_EV_KERNEL_CH) {                                                                        \
+      e.channel = d->kernelCh.channelId; e.ptimer = d->kernelCh.pTimer;                                             \
+    }                                                                                                               \
+    return common_start(N, ctx, h, d, &e);                                                                          \
+  }
+START_V(4, (uint64_t)d->type)
+START_V(5, d->type)
+START_V(6, d->type)
+START_V(7, d->type)
+
+static nxp_result_t stop_any(void *h) { return common_stop(h); }
+#define RECORD_V(N)                                                                                                \
+  static nxp_result_t record_v##N(void *h, int st, nxp_state_args *a) { return common_record(N, h, st, a); }
+RECORD_V(4)
+RECORD_V(5)
+RECORD_V(6)
+RECORD_V(7)
+
+EXPORT const nxp_profiler_v7 ncclProfiler_v7 = {"nccl-exporter", init_v7, start_v7, stop_any, record_v7, common_finalize};
+EXPORT const nxp_profiler_v6 ncclProfiler_v6 = {"nccl-exporter", init_v6, start_v6, stop_any, record_v6, common_finalize};
+EXPORT const nxp_profiler_v5 ncclProfiler_v5 = {"nccl-exporter", init_v5, start_v5, stop_any, record_v5, common_finalize};
+EXPORT const nxp_profiler_v4 ncclProfiler_v4 = {"nccl-exporter", init_v4, start_v4, stop_any, record_v4, common_finalize};
+
+/* For tests and `nccl-exporter check`: counters of this process. */
+EXPORT void nccl_exporter_profiler_stats(uint64_t out[6]) {
+  out[0] = atomic_load(&G.completed);
+  out[1] = atomic_load(&G.abandoned);
+  out[2] = atomic_load(&G.dropped);
+  out[3] = atomic_load(&G.stale);
+  out[4] = atomic_load(&G.wrap_dropped);
+  out[5] = (uint64_t)atomic_load(&G.disabled);
+}
+
+/* dlclose by NCCL after the last communicator: give the memory back. */
+__attribute__((destructor)) static void nxp_unload(void) {
+  if (G.ncomms > 0) return; /* process exit with live comms: leave everything */
+  free(G.slots);
+  free(G.wraps);
+  G.slots = NULL;
+  G.wraps = NULL;
+  G.nslots = G.nwraps = 0;
+  if (G.log_fd >= 0) close(G.log_fd);
+  G.log_fd = -1;
+  if (G.chain_dl) dlclose(G.chain_dl);
+  G.chain_dl = NULL;
+  G.chain = NULL;
+}
