@@ -183,8 +183,8 @@ static void run_work(struct work *w) {
     record(kh[c], NXP_STATE_KERNEL_CH_STOP, gpu_timer(sp[c]), 0);
     stop(kh[c]);
   }
-  printf("%s start_mono=%" PRIu64 " stop_mono=%" PRIu64 " gpu_start_timer=%" PRIu64 " gpu_stop_timer=%" PRIu64 "\n",
-         w->truth, ts, te, gpu_timer(st[0]), gpu_timer(sp[0]));
+  printf("%s late=%d start_mono=%" PRIu64 " stop_mono=%" PRIu64 " gpu_start_timer=%" PRIu64 " gpu_stop_timer=%" PRIu64 "\n",
+         w->truth, w->late, ts, te, gpu_timer(st[0]), gpu_timer(sp[0]));
   fflush(stdout);
 }
 
