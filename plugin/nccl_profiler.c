@@ -220,6 +220,44 @@ static uint8_t dtype_code(const char *d, unsigned *size, uint32_t *flags) {
   return 255;
 }
 
+/* NCCL's func/datatype strings are static literals: remember the decoded
+ * value per string address.  One 64-bit word per entry, (address << 16) |
+ * (a << 8) | b, so concurrent readers never see a torn entry. */
+#define NAME_CACHE 64
+static _Atomic uint64_t op_cache[NAME_CACHE], dt_cache[NAME_CACHE];
+
+static inline unsigned name_slot(const char *p) { return (unsigned)(((uintptr_t)p >> 3) * 0x9E3779B1u >> 26) % NAME_CACHE; }
+
+static uint8_t op_code_cached(const char *f) {
+  uintptr_t a = (uintptr_t)f;
+  if (!f || a >> 47) return op_code(f);
+  _Atomic uint64_t *e = &op_cache[name_slot(f)];
+  uint64_t v = atomic_load_explicit(e, memory_order_relaxed);
+  if (v && (v >> 16) == a) return (uint8_t)(v >> 8);
+  uint8_t c = op_code(f);
+  atomic_store_explicit(e, ((uint64_t)a << 16) | ((uint64_t)c << 8), memory_order_relaxed);
+  return c;
+}
+
+static uint8_t dtype_code_cached(const char *d, unsigned *size, uint32_t *flags) {
+  uintptr_t a = (uintptr_t)d;
+  if (!d || a >> 47) return dtype_code(d, size, flags);
+  _Atomic uint64_t *e = &dt_cache[name_slot(d)];
+  uint64_t v = atomic_load_explicit(e, memory_order_relaxed);
+  if (v && (v >> 16) == a) {
+    uint8_t code = (uint8_t)(v >> 8);
+    *size = (unsigned)(v & 0x7f);
+    if (v & 0x80) *flags |= NCCL_EXPORTER_F_DTYPE_GUESSED;
+    return code;
+  }
+  uint32_t fl = 0;
+  uint8_t c = dtype_code(d, size, &fl);
+  *flags |= fl;
+  atomic_store_explicit(e, ((uint64_t)a << 16) | ((uint64_t)c << 8) | (fl ? 0x80 : 0) | (*size & 0x7f),
+                        memory_order_relaxed);
+  return c;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Clock mapping                                                           */
 
@@ -361,13 +399,13 @@ static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t
 static void release(struct slot *s, uint32_t abandon_flags, uint64_t now) {
   uint32_t live = SLOT_LIVE;
   if (!atomic_compare_exchange_strong(&s->state, &live, SLOT_CLOSING)) return;
-  if (!atomic_load(&s->finished)) finish(s, NCCL_EXPORTER_STATE_ABANDONED, abandon_flags, now);
+  if (!atomic_load(&s->finished)) finish(s, NCCL_EXPORTER_STATE_ABANDONED, abandon_flags, now ? now : mono_ns());
   atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
   atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
 }
 
 static inline void unref(struct slot *s) {
-  if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) == 1) release(s, 0, mono_ns());
+  if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) == 1) release(s, 0, 0);
 }
 
 /* Reclaim live slots older than max_age (only when the pool is exhausted). */
@@ -456,9 +494,9 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   r->host_enqueue_mono_ns = now;
   uint32_t fl = 0;
   unsigned esize = 0;
-  r->datatype = dtype_code(e->datatype, &esize, &fl);
+  r->datatype = dtype_code_cached(e->datatype, &esize, &fl);
   r->bytes = (uint64_t)e->count * esize;
-  r->op = op_code(e->func);
+  r->op = op_code_cached(e->func);
   if (e->func) {
     size_t n = strnlen(e->func, sizeof r->op_name - 1);
     memcpy(r->op_name, e->func, n);
@@ -489,8 +527,6 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
   uint32_t sub;
   struct slot *s = h_slot(e->parent, &sub);
   if (!s || sub != 0) return NULL;
-  uint64_t now = mono_ns();
-  clk_sample(&c->clk, e->ptimer, now);
   uint64_t cur = atomic_load_explicit(&s->min_start, memory_order_relaxed);
   while (e->ptimer < cur && !atomic_compare_exchange_weak_explicit(&s->min_start, &cur, e->ptimer,
                                                                    memory_order_relaxed, memory_order_relaxed)) {
@@ -501,6 +537,10 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
     atomic_fetch_add_explicit(&s->refs, 1, memory_order_acq_rel);
   }
   if (n == 0) {
+    /* One host clock read per operation start (not per channel): a clock
+     * sample for the offset estimator, and the RUNNING hook's time. */
+    uint64_t now = mono_ns();
+    clk_sample(&c->clk, e->ptimer, now);
     atomic_store_explicit(&s->first_start_host, now, memory_order_relaxed);
     struct nccl_exporter_record r;
     snapshot(s, &r, NCCL_EXPORTER_STATE_RUNNING, now);
@@ -515,8 +555,6 @@ static void ours_kch_stop_state(void *h, uint64_t ptimer) {
   uint32_t sub;
   struct slot *s = h_slot(h, &sub);
   if (!s || sub == 0) return;
-  uint64_t now = mono_ns();
-  clk_sample(&s->ctx->clk, ptimer, now);
   uint64_t cur = atomic_load_explicit(&s->max_stop, memory_order_relaxed);
   while (ptimer > cur && !atomic_compare_exchange_weak_explicit(&s->max_stop, &cur, ptimer, memory_order_relaxed,
                                                                memory_order_relaxed)) {
@@ -524,7 +562,11 @@ static void ours_kch_stop_state(void *h, uint64_t ptimer) {
   uint32_t n = atomic_fetch_add_explicit(&s->stopped, 1, memory_order_acq_rel) + 1;
   uint32_t started = atomic_load_explicit(&s->started, memory_order_acquire);
   uint32_t want = s->rec.nchannels > started ? s->rec.nchannels : started;
-  if (n == want) finish(s, NCCL_EXPORTER_STATE_DONE, 0, now);
+  if (n == want) { /* the last channel: one clock read/sample per operation end */
+    uint64_t now = mono_ns();
+    clk_sample(&s->ctx->clk, ptimer, now);
+    finish(s, NCCL_EXPORTER_STATE_DONE, 0, now);
+  }
 }
 
 static void ours_stop(void *h) {

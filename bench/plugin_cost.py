@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""What the profiler plugin costs NCCL per collective, measured in one run.
+
+Run from the repository root (root and BCC only for the `agent` row):
+
+    .venv/bin/python bench/plugin_cost.py [--n N] [--reps R] [--channels C ...] [--no-agent]
+
+tests/plugin/driver.c in its `bench` mode makes, N times in a tight loop on
+one thread, the callback sequence NCCL makes for one eager collective with
+the plugin's mask (Coll|P2p|KernelCh): startEvent GroupApi, recordEventState
+x2, startEvent/stopEvent CollApi, startEvent Group, startEvent Coll,
+stopEvent Coll/Group/GroupApi, then per channel startEvent KernelCh,
+recordEventState(KernelChStop), stopEvent KernelCh -- and prints ns per
+collective (CLOCK_MONOTONIC around the loop).
+
+Configurations (R repetitions interleaved in a rotating order, median kept):
+  none    NCCL with no plugin: the mask is 0, NCCL makes no callback
+  noop    tests/plugin/noop.c: a v7 plugin that returns at once
+  plugin  nccl-exporter's plugin, no agent attached (the hooks are empty calls)
+  agent   the same plugin, a private copy of it, with uprobes on its three
+          per-record hooks running a BPF program like the agent's would
+          (copy the 144-byte record, bump a log2 histogram in a hash map)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from exporter.sources.plugin.build import build_plugin  # noqa: E402
+
+BPF = r"""
+#include <uapi/linux/ptrace.h>
+struct rec { u32 version, size; u64 id, comm_hash, seq, count, bytes, enq, ev, gs, ge, gsm, gem; s64 off;
+             s32 rank, nranks, peer; u32 flags; u8 kind, op, dtype, state, nch, cs, cp, iface; char name[16]; };
+struct key { u64 comm; u8 op, state, bucket, pad[5]; };
+BPF_HASH(hist, struct key, u64, 4096);
+static int handle(struct pt_regs *ctx) {
+    struct rec r = {};
+    if (bpf_probe_read_user(&r, sizeof(r), (void *)PT_REGS_PARM1(ctx))) return 0;
+    if (r.version != 1) return 0;
+    u64 d = r.ge > r.gs ? r.ge - r.gs : 0;
+    struct key k = {.comm = r.comm_hash, .op = r.op, .state = r.state, .bucket = (u8)bpf_log2l(d + 1)};
+    u64 zero = 0, *v = hist.lookup_or_try_init(&k, &zero);
+    if (v) __sync_fetch_and_add(v, 1);
+    return 0;
+}
+int on_queued(struct pt_regs *ctx) { return handle(ctx); }
+int on_start(struct pt_regs *ctx) { return handle(ctx); }
+int on_done(struct pt_regs *ctx) { return handle(ctx); }
+"""
+
+
+def compile_helpers(d: Path) -> tuple[Path, Path]:
+    inc = ["-I", str(REPO / "plugin")]
+    drv, noop = d / "driver", d / "noop.so"
+    subprocess.run(["gcc", "-O2", "-pthread", *inc, "-o", str(drv), str(REPO / "tests/plugin/driver.c"), "-ldl"],
+                   check=True)
+    subprocess.run(["gcc", "-O2", "-fPIC", "-shared", *inc, "-o", str(noop), str(REPO / "tests/plugin/noop.c")],
+                   check=True)
+    return drv, noop
+
+
+def run_once(drv: Path, lib: str, n: int, ch: int) -> float:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_EXPORTER_")}
+    out = subprocess.run([str(drv), lib, "7", "bench", str(n), str(ch)], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    line = next(l for l in out.splitlines() if l.startswith("bench "))
+    return float(line.split("ns_per_coll=")[1].split()[0])
+
+
+def attach_agent(lib: Path):
+    from bcc import BPF as Bpf  # noqa: N811
+    b = Bpf(text=BPF)
+    for sym, fn in (("nccl_exporter_coll_queued", "on_queued"), ("nccl_exporter_gpu_start", "on_start"),
+                    ("nccl_exporter_gpu_done", "on_done")):
+        b.attach_uprobe(name=str(lib), sym=sym, fn_name=fn)
+    return b
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=200000, help="collectives per timed run")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--channels", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--no-agent", action="store_true")
+    a = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="plugin-cost."))
+    try:
+        drv, noop = compile_helpers(tmp)
+        plugin = build_plugin()
+        configs = {"none": "none", "noop": str(noop), "plugin": str(plugin)}
+        bpf = None
+        if not a.no_agent:
+            agent_copy = tmp / "libnccl-profiler-exporter-agent.so"
+            shutil.copy2(plugin, agent_copy)
+            try:
+                bpf = attach_agent(agent_copy)
+                configs["agent"] = str(agent_copy)
+            except Exception as e:  # no root / no BCC: report without that row
+                print(f"agent row skipped: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        for ch in a.channels:
+            results: dict[str, list[float]] = {k: [] for k in configs}
+            names = list(configs)
+            for r in range(a.reps):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    results[name].append(run_once(drv, configs[name], a.n, ch))
+            med = {k: statistics.median(v) for k, v in results.items()}
+            print(f"\n{ch} channels, {a.n} collectives x {a.reps} reps (median ns per collective):")
+            for k in names:
+                extra = ""
+                if k != "none":
+                    extra = f"  (+{med[k] - med['none']:.1f} ns over none"
+                    if k not in ("noop",):
+                        extra += f", +{med[k] - med['noop']:.1f} ns over noop, x{med[k] / med['noop']:.2f} noop"
+                    extra += ")"
+                spread = f"[{min(results[k]):.1f}..{max(results[k]):.1f}]"
+                print(f"  {k:7s} {med[k]:8.1f} ns  {spread}{extra}")
+        if bpf is not None:
+            total = sum(v.value for v in bpf["hist"].values())
+            print(f"\nagent BPF program saw {total} records")
+            bpf.cleanup()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
