@@ -307,7 +307,11 @@ static inline struct slot *h_slot(void *h, uint32_t *sub) {
   struct slot *s = &G.slots[idx];
   if ((atomic_load_explicit(&s->gen, memory_order_acquire) & 0x7fffffffu) != (uint32_t)((v >> 32) & 0x7fffffffu) ||
       atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) {
-    atomic_fetch_add_explicit(&G.stale, 1, memory_order_relaxed);
+    uint64_t st = atomic_fetch_add_explicit(&G.stale, 1, memory_order_relaxed) + 1;
+    /* A few stale handles are normal (age-out under pressure); a flood means
+     * our bookkeeping and NCCL's disagree: stop rather than guess. */
+    if (UNLIKELY(st >= 100000 && st > 10 * atomic_load_explicit(&G.completed, memory_order_relaxed)))
+      disable("most handles NCCL passes back are unknown to the plugin");
     return NULL;
   }
   *sub = (uint32_t)(v & 0x1ff);
@@ -435,7 +439,9 @@ static struct slot *slot_alloc(uint64_t now, uint32_t *idx_out) {
     }
     if (pass == 0) sweep_aged(now);
   }
-  atomic_fetch_add_explicit(&G.dropped, 1, memory_order_relaxed);
+  if (atomic_fetch_add_explicit(&G.dropped, 1, memory_order_relaxed) == 0)
+    logmsg(NXP_LOG_WARN, "nccl-exporter profiler: record pool (%u) exhausted; operations are dropped and counted "
+           "(NCCL_EXPORTER_PROFILER_POOL)", G.nslots);
   return NULL;
 }
 

@@ -172,6 +172,7 @@ def test_pool_exhaustion_drops_and_counts(bins, tmp_path):
     assert res["stats"]["completed"] == "16" and res["stats"]["dropped"] == "24"
     assert res["stats"]["stale"] == "0" and res["stats"]["disabled"] == "0"
     assert len([r for r in res["recs"] if r.get("event") == "done"]) == 16
+    assert res["stderr"].count("exhausted") == 1  # one line through NCCL's logger, not one per drop
 
 
 # --- chain-loading -------------------------------------------------------------------
