@@ -263,7 +263,7 @@ static uint8_t dtype_code_cached(const char *d, unsigned *size, uint32_t *flags)
 
 /* Every KernelCh delivery gives one upper bound of (mono - gpu timer): the
  * host sees a timer only after the GPU wrote it.  The smallest bound over a
- * sliding window (two windows of window_ns) is the estimate; it is late by
+ * sliding window (two windows of window_ns, default 200 ms) is the estimate; it is late by
  * the smallest delivery lag (the poll interval of NCCL's profiler/proxy
  * thread) and follows drift within 2 windows. */
 static void clk_sample(struct clk *c, uint64_t timer, uint64_t now) {
@@ -271,7 +271,8 @@ static void clk_sample(struct clk *c, uint64_t timer, uint64_t now) {
   uint64_t ws = atomic_load_explicit(&c->win_start, memory_order_relaxed);
   if (UNLIKELY(ws == 0 || now - ws > G.window_ns)) {
     int64_t cur = atomic_load_explicit(&c->cur_min, memory_order_relaxed);
-    atomic_store_explicit(&c->prev_min, ws ? cur : s, memory_order_relaxed);
+    /* after an idle gap the previous window is too old to trust: start afresh */
+    atomic_store_explicit(&c->prev_min, (ws && now - ws <= 2 * G.window_ns) ? cur : s, memory_order_relaxed);
     atomic_store_explicit(&c->cur_min, s, memory_order_relaxed);
     atomic_store_explicit(&c->win_start, now, memory_order_relaxed);
   } else {
@@ -864,7 +865,7 @@ static void load_chain(void) {
 static void global_init(nxp_logger_t logfn) {
   G.logfn = logfn;
   G.max_age_ns = env_u64("NCCL_EXPORTER_PROFILER_MAX_AGE_S", 300, 1, 86400 * 365) * 1000000000ull;
-  G.window_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_WINDOW_MS", 1000, 10, 3600000) * 1000000ull;
+  G.window_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_WINDOW_MS", 200, 10, 3600000) * 1000000ull;
   G.nslots = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL", 4096, 16, MAX_POOL);
   G.slots = calloc(G.nslots, sizeof *G.slots);
   if (!G.slots) {
