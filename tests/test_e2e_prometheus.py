@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter import contract
-from tests.exporter_harness import ExporterProcess, free_port
+from exporter.records import metrics
+from conftest import ExporterProcess, free_port
 from tests.test_dashboards import dashboard_queries, metric_names
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,9 +45,9 @@ ALERT_TIMEOUT_S = 120   # from the job's start
 # Dashboard expressions allowed to return no series in this run: the metric
 # legitimately has none (nothing fails, nothing is reset while the job runs).
 EMPTY_OK = {
-    contract.CALL_ERRORS,              # no NCCL call fails in this job
-    contract.TCP_RESETS,               # connections are reset, if at all, when the job ends
-    contract.TCP_RETRANSMIT_FAILURES,  # 3 % loss never makes a retransmission fail to send
+    metrics.CALL_ERRORS,              # no NCCL call fails in this job
+    metrics.TCP_RESETS,               # connections are reset, if at all, when the job ends
+    metrics.TCP_RETRANSMIT_FAILURES,  # 3 % loss never makes a retransmission fail to send
 }
 # Targets allowed to be empty: ops this workload does not call ("train" runs
 # only ALL_REDUCE).
@@ -57,8 +57,8 @@ EMPTY_OK_TARGETS = {
 }
 # Kernel-side metrics that may not be exported yet (being built): their
 # assertions skip, naming the metric, when /metrics has no such family.
-KERNEL_SIDE = {contract.TCP_RETRANSMITS, contract.TCP_RETRANSMIT_FAILURES, contract.TCP_RESETS,
-               contract.TCP_SRTT, contract.RUNQUEUE_DELAY, contract.OFFCPU}
+KERNEL_SIDE = {metrics.TCP_RETRANSMITS, metrics.TCP_RETRANSMIT_FAILURES, metrics.TCP_RESETS,
+               metrics.TCP_SRTT, metrics.RUNQUEUE_DELAY, metrics.OFFCPU}
 
 pytestmark = [
     pytest.mark.slow,
@@ -213,13 +213,13 @@ def run():
                     pytest.fail("the simulated job failed:\n" + job.result().summary())
                 fams = exporter.scrape()
                 families |= {smp.name for f in fams for smp in f.samples}
-                info = ExporterProcess.samples(fams, contract.COMMUNICATOR_INFO)
+                info = ExporterProcess.samples(fams, metrics.COMMUNICATOR_INFO)
                 if info:
                     comm_info = [s.labels for s in info]
                 world = {c["comm"] for c in comm_info if c["nranks"] == str(NRANKS)}
                 got_p99 = any(a["comm"] in world for a in hook.firing("NcclAllReduceP99High"))
                 got_straggler = bool(hook.firing("NcclStragglerRank"))
-                want_tcp = contract.TCP_RETRANSMITS in families
+                want_tcp = metrics.TCP_RETRANSMITS in families
                 got_tcp = bool(hook.firing("NcclTcpRetransmits"))
                 if got_p99 and got_straggler and (got_tcp or not want_tcp):
                     break
@@ -291,8 +291,8 @@ def test_straggler_alert_names_the_delayed_rank_only(run):
 
 
 def test_retransmit_alert_names_the_lossy_link_and_rank_only(run):
-    if contract.TCP_RETRANSMITS not in run["families"]:
-        pytest.skip(f"{contract.TCP_RETRANSMITS} is not in the exporter's /metrics yet (kernel-side TCP probes)")
+    if metrics.TCP_RETRANSMITS not in run["families"]:
+        pytest.skip(f"{metrics.TCP_RETRANSMITS} is not in the exporter's /metrics yet (kernel-side TCP probes)")
     lossy_addr = f"198.18.0.{LOSSY_RANK + 1}"
     alerts = firing(run, "NcclTcpRetransmits")
     print(f"NcclTcpRetransmits: {sorted(uniq(alerts, ('saddr', 'daddr', 'rank', 'node')))}")

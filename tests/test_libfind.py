@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from exporter import libfind
+from exporter.sources.nccl import libfind
 
 LOADER = r"""
 import ctypes, sys

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from . import contract, histogram
+from exporter.records import contract, histogram
 
 DEFAULT_THRESHOLD_NS = 50_000_000
 
