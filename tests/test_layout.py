@@ -112,3 +112,23 @@ def test_each_bpf_program_compiles_alone_and_shares_the_owners_maps():
         for program in (sched, tcp, nccl):
             if program is not None:
                 program.close()
+
+
+def test_an_owner_loaded_again_shares_its_new_maps():
+    """BCC keeps an exported map's name for the whole process: an owner loaded
+    a second time (tests, benches) must hand its dependents its own new maps."""
+    require_root()
+    from exporter.sources.nccl.probes import NcclProbes
+    from exporter.sources.tcp import TcpSource
+
+    for _ in range(2):
+        nccl = NcclProbes()
+        tcp = TcpSource()
+        try:
+            bits = nccl["traced_threads"]
+            bits[bits.Key(1)] = bits.Leaf(0b101)
+            seen = tcp["traced_threads"]
+            assert seen[seen.Key(1)].value == 0b101
+        finally:
+            tcp.close()
+            nccl.close()

@@ -268,7 +268,7 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
         if l.owner in pids and l.retransmits:
             traced[(l.saddr, l.daddr, l.port)] += l.retransmits
     assert ev == traced
-    counters = probes.bpf["counters"]
+    counters = probes["counters"]
     for name in ("TCP_EVENTS_LOST", "LINKS_FULL", "SOCKETS_FULL"):
         assert counters[counters.Key(COUNTERS[name])].value == 0, name
 

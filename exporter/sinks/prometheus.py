@@ -8,6 +8,7 @@ only reads: pruning dead processes' entries is the agent loop's job.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict
@@ -112,7 +113,11 @@ class NcclCollector:
     def collect(self):
         started = time.perf_counter()
         with self.lock:
-            comms = self.nccl.communicators()
+            # Communicators of processes that are gone are not shown; the
+            # agent's loop deletes their entries (a scrape only reads).
+            alive: dict[int, bool] = {}
+            comms = [c for c in self.nccl.communicators()
+                     if alive.setdefault(c.pid, os.path.exists(f"/proc/{c.pid}"))]
             families = [
                 *self._collectives(),
                 *self._errors(),

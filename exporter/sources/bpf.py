@@ -9,6 +9,7 @@ bpf/nccl.c (see there); so nccl.c is loaded first.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,15 +98,23 @@ def generated_header() -> str:
 
 
 OWNER = "nccl"  # the program that owns (exports) the maps of bpf/traced.h
+SHARED_MAPS = ("inflight", "traced_processes", "traced_threads", "proxy_wait", "counters")
 _owners_loaded = 0
+# BCC keeps the name of an exported map for the life of the process, even
+# after its program is closed: an owner loaded again in the same process
+# (tests, benches) exports its maps under new names, <name>_g<generation>,
+# and its dependents are compiled against those.
+_generation = -1
 
 
 class Program:
     """One compiled BPF program of bpf/ (`name`.c) and its BCC object."""
 
     def __init__(self, name: str, extra_source: str = "", extra_cflags: tuple[str, ...] = ()):
-        global _owners_loaded
-        if name != OWNER and not _owners_loaded:
+        global _owners_loaded, _generation
+        if name == OWNER:
+            _generation += 1
+        elif not _owners_loaded:
             raise ProbeError(f"bpf/{name}.c needs bpf/{OWNER}.c loaded first: it owns the traced "
                              "processes and threads, and without it nothing is traced, so this "
                              "source would report nothing")
@@ -121,6 +130,10 @@ class Program:
         header = f'#line 1 "bpf/{SHARED_HEADER}"\n' + (src / SHARED_HEADER).read_text()
         program = program.replace(f'#include "{SHARED_HEADER}"\n', header + f'#line 1 "bpf/{name}.c"\n', 1)
         text = generated_header() + f'#line 1 "bpf/{name}.c"\n' + program + extra_source
+        self.renamed = {}
+        if _generation > 0:
+            self.renamed = {m: f"{m}_g{_generation}" for m in SHARED_MAPS}
+            text = re.sub(r"\b(" + "|".join(SHARED_MAPS) + r")\b", lambda m: self.renamed[m.group(1)], text)
         self.name = name
         try:
             self.bpf = BPF(text=text, cflags=["-Wno-unused-function", *extra_cflags])
@@ -131,10 +144,10 @@ class Program:
             _owners_loaded += 1
 
     def __getitem__(self, table: str):
-        return self.bpf[table]
+        return self.bpf[self.renamed.get(table, table)]
 
     def entries(self, table: str) -> int:
-        return sum(1 for _ in self.bpf[table].keys())
+        return sum(1 for _ in self[table].keys())
 
     def open_ring(self, table: str, decode, callback) -> None:
         """Deliver `callback(decode(data))` for each record of ring buffer `table`, from poll()."""

@@ -58,11 +58,11 @@ class SchedSource(Program):
 
     def set_runq_event_min(self, min_wait_ns: int) -> None:
         """Run-queue waits of traced threads at least this long become events; 0: none."""
-        cfg = self.bpf["sched_config"]
+        cfg = self["sched_config"]
         cfg[cfg.Key(0)] = cfg.Leaf(int(min_wait_ns))
 
     def decode_event(self, data) -> SchedEvent:
-        e = self.bpf["sched_events"].event(data)
+        e = self["sched_events"].event(data)
         return SchedEvent(
             timestamp_ns=e.runnable_ns,
             timestamp_real_ns=self.clock.to_realtime(e.runnable_ns),
@@ -83,7 +83,7 @@ class SchedSource(Program):
 
     def stats(self) -> list[SchedStats]:
         out = []
-        for k, v in self.bpf["sched_stats"].items():
+        for k, v in self["sched_stats"].items():
             out.append(
                 SchedStats(
                     pid=k.tgid,
@@ -112,8 +112,8 @@ class SchedSource(Program):
 
     def tracked_threads(self) -> set[int]:
         """Thread ids that have a `thread_sched` entry."""
-        return {k.value for k in self.bpf["thread_sched"].keys()}
+        return {k.value for k in self["thread_sched"].keys()}
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop sched_stats of processes that are gone; returns how many entries."""
-        return forget_dead(self.bpf["sched_stats"], proc)
+        return forget_dead(self["sched_stats"], proc)

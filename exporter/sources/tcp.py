@@ -60,7 +60,7 @@ class TcpSource(Program):
                 resets_sent=v.resets_sent,
                 resets_received=v.resets_received,
             )
-            for k, v in self.bpf["tcp_links"].items()
+            for k, v in self["tcp_links"].items()
         ]
 
     def srtt(self) -> list[TcpSrtt]:
@@ -71,15 +71,15 @@ class TcpSource(Program):
                 sum_us=v.sum_us,
                 buckets=tuple(v.buckets),
             )
-            for k, v in self.bpf["tcp_srtt"].items()
+            for k, v in self["tcp_srtt"].items()
         ]
 
     def socket_owners(self) -> int:
         """Entries in sock_owner (sockets of traced processes now known)."""
-        return sum(1 for _ in self.bpf["sock_owner"].keys())
+        return sum(1 for _ in self["sock_owner"].keys())
 
     def decode_event(self, data) -> TcpEvent:
-        e = self.bpf["tcp_events"].event(data)
+        e = self["tcp_events"].event(data)
         return TcpEvent(
             kind=e.kind,
             event=contract.TCP_EVENTS.get(e.kind, f"tcp_event_{e.kind}"),

@@ -39,7 +39,7 @@ class AgentConfig:
     record_all: bool = False  # a ring-buffer event for every NCCL call, not only slow ones
     runq_event_min_ns: int = 0  # run-queue waits at least this long become events; 0: none
     rescan_interval: float = 0.5
-    prune_interval: float = 5.0  # forget dead processes' map entries this often
+    prune_interval: float = 2.0  # forget dead processes' map entries this often
 
 
 class Agent:

@@ -93,18 +93,18 @@ class NcclProbes(Program):
     # --- settings written into the kernel ---------------------------------
 
     def set_record_all(self, on: bool) -> None:
-        cfg = self.bpf["event_config"]
+        cfg = self["event_config"]
         cfg[cfg.Key(contract.OP_COUNT)] = cfg.Leaf(1 if on else 0)
 
     def set_slow_threshold(self, op: str, threshold_ns: int) -> None:
-        cfg = self.bpf["event_config"]
+        cfg = self["event_config"]
         cfg[cfg.Key(contract.OP_CODES[op])] = cfg.Leaf(int(threshold_ns))
 
     def trace_process(self, pid: int, rank: int | None, proc: str = "/proc") -> None:
         """Trace a process (it uses NCCL) and its existing threads; rank None: unknown."""
-        table = self.bpf["traced_processes"]
+        table = self["traced_processes"]
         table[table.Key(pid)] = table.Leaf(-1 if rank is None else int(rank))
-        bits = self.bpf["traced_threads"]
+        bits = self["traced_threads"]
         try:
             tids = [int(t) for t in os.listdir(f"{proc}/{pid}/task")]
         except OSError:
@@ -112,7 +112,7 @@ class NcclProbes(Program):
         for tid in tids:
             key = bits.Key(tid // 64)
             bits[key] = bits.Leaf(bits[key].value | (1 << (tid % 64)))
-        gen = self.bpf["comm_generation"]  # threads re-read their cached identity
+        gen = self["comm_generation"]  # threads re-read their cached identity
         gen[gen.Key(0)] = gen.Leaf(gen[gen.Key(0)].value + 1)
 
     def close(self) -> None:

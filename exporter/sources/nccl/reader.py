@@ -24,8 +24,8 @@ class NcclReader:
 
     def series(self) -> list[Series]:
         out = []
-        stats = self.bpf["series_stats"]
-        for k, slot in self.bpf["series_index"].items():
+        stats = self.probes["series_stats"]
+        for k, slot in self.probes["series_index"].items():
             v = stats[stats.Key(slot.value)]
             out.append(
                 Series(
@@ -45,7 +45,7 @@ class NcclReader:
     def errors(self) -> dict[tuple[str, str], int]:
         return {
             (contract.op_name(k.op), contract.result_name(k.result)): v.value
-            for k, v in self.bpf["call_errors"].items()
+            for k, v in self.probes["call_errors"].items()
         }
 
     def communicators(self) -> list[Communicator]:
@@ -58,12 +58,12 @@ class NcclReader:
                 rank=v.rank,
                 nranks=v.nranks,
             )
-            for k, v in self.bpf["communicators"].items()
+            for k, v in self.probes["communicators"].items()
         ]
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop communicators of processes that are gone; returns how many."""
-        return forget_dead(self.bpf["communicators"], proc)
+        return forget_dead(self.probes["communicators"], proc)
 
     def inflight(self) -> list[InflightCall]:
         return [
@@ -75,12 +75,12 @@ class NcclReader:
                 nranks=v.nranks,
                 start_ns=v.start_ns,
             )
-            for k, v in self.bpf["inflight"].items()
+            for k, v in self.probes["inflight"].items()
             if v.op and v.start_ns  # op 0: the thread's slot is idle; start 0: being filled
         ]
 
     def counters(self) -> dict[str, int]:
-        table = self.bpf["counters"]
+        table = self.probes["counters"]
         return {name: table[table.Key(slot)].value for name, slot in contract.COUNTERS.items()}
 
     def fill(self) -> dict[str, tuple[int, int]]:
@@ -94,7 +94,7 @@ class NcclReader:
         return out
 
     def decode_event(self, data) -> CallEvent:
-        e = self.bpf["events"].event(data)
+        e = self.probes["events"].event(data)
         return CallEvent(
             kind=e.kind,
             op=contract.op_name(e.op),
