@@ -1,18 +1,28 @@
 """nccl-exporter's command line: one module per command in this package,
 each with `add_parser(sub)` and `main(args)`; what they share is in options.py.
-To add a command, add a module and list it in COMMANDS."""
+To add a command, add a module here: it is found by name (the core commands
+come first in --help, the others in alphabetical order)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import pkgutil
 import sys
 
 from exporter import __version__
 from exporter.records import contract
-from exporter.tools.cli import check, demo, query, run, trace
 from exporter.tools.cli.options import CliError
 
-COMMANDS = (check, run, trace, query, demo)
+CORE = ("check", "run", "trace", "query", "demo")
+NOT_COMMANDS = {"options"}
+
+
+def commands() -> list:
+    """The command modules of this package, core ones first."""
+    names = [m.name for m in pkgutil.iter_modules(__path__) if m.name not in NOT_COMMANDS]
+    ordered = [n for n in CORE if n in names] + sorted(n for n in names if n not in CORE)
+    return [importlib.import_module(f"{__name__}.{n}") for n in ordered]
 
 EPILOG = """\
 examples:
@@ -46,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"nccl-exporter {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for command in COMMANDS:
+    for command in commands():
         command.add_parser(sub)
     return p
 
