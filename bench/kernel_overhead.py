@@ -6,7 +6,7 @@ Run as root from the repository root (under 2 minutes):
 
     .venv/bin/python bench/kernel_overhead.py [--seconds S] [--reps R]
 
-The whole NcclProbes() program is loaded once (no NCCL library attached: the
+The three programs (NcclProbes, TcpSource, SchedSource) are loaded once (no NCCL library attached: the
 uprobes play no part here). Two workloads, a small C program (compiled here
 with gcc) that forks a pair of processes:
 
@@ -130,21 +130,21 @@ def build(tmp: Path) -> Path:
 
 
 class Switch:
-    """Detach / re-attach every tracepoint of the loaded program."""
+    """Detach / re-attach every tracepoint of the loaded programs."""
 
-    def __init__(self, bpf):
-        self.bpf = bpf
-        self.tps = [tp.decode() if isinstance(tp, bytes) else tp for tp in bpf.tracepoint_fds]
+    def __init__(self, programs):
+        self.tps = [(p.bpf, tp.decode() if isinstance(tp, bytes) else tp)
+                    for p in programs for tp in p.bpf.tracepoint_fds]
         self.on = True
 
     def set(self, on: bool) -> None:
         if on == self.on:
             return
-        for tp in self.tps:
+        for bpf, tp in self.tps:
             if on:
-                self.bpf.attach_tracepoint(tp=tp, fn_name="tracepoint__" + tp.replace(":", "__"))
+                bpf.attach_tracepoint(tp=tp, fn_name="tracepoint__" + tp.replace(":", "__"))
             else:
-                self.bpf.detach_tracepoint(tp)
+                bpf.detach_tracepoint(tp)
         self.on = on
 
 
@@ -173,16 +173,19 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("run as root (BPF)")
-    from exporter.probes import NcclProbes
+    from exporter.sources.nccl.probes import NcclProbes
+    from exporter.sources.sched import SchedSource
+    from exporter.sources.tcp import TcpSource
 
     with tempfile.TemporaryDirectory(prefix="kbench-") as d:
         exe = build(Path(d))
         t = time.monotonic()
         probes = NcclProbes()
+        programs = [probes, TcpSource(), SchedSource()]
         t_load = time.monotonic() - t
-        print(f"program loaded in {t_load:.1f} s; tracepoints: "
-              f"{', '.join(sorted(Switch(probes.bpf).tps))}")
-        sw = Switch(probes.bpf)
+        sw = Switch(programs)
+        print(f"programs loaded in {t_load:.1f} s; tracepoints: "
+              f"{', '.join(sorted(tp for _, tp in sw.tps))}")
         results = {w: {c: [] for c in CONDITIONS} for w in WORKLOADS}
         try:
             for rep in range(a.reps):
@@ -193,7 +196,8 @@ def main(argv=None) -> int:
                         results[w][cond].append(run_once(exe, w, a.seconds, probes, cond == "traced"))
         finally:
             sw.set(True)
-            probes.close()
+            for program in reversed(programs):
+                program.close()
 
     print(f"\n{a.reps} runs x {a.seconds:g} s per condition, interleaved; median (min..max)")
     for w, unit in WORKLOADS.items():

@@ -130,7 +130,7 @@ def run_driver(driver: Path, lib: Path, calls: int, mode: str, timeout: float = 
 
 
 def function_address(lib: Path, function: str) -> int:
-    from exporter.elf import exported_functions
+    from exporter.sources.nccl.elf import exported_functions
 
     exported = exported_functions(str(lib))
     addr = exported.get(function, exported.get("p" + function))
@@ -141,9 +141,9 @@ def function_address(lib: Path, function: str) -> int:
 
 def product_calls(probes, op_name: str = OP) -> tuple[int, int]:
     """(calls, errors) of op_name counted in the product's maps."""
-    from exporter.maps import MapReader
+    from exporter.sources.nccl.reader import NcclReader
 
-    reader = MapReader(probes.bpf)
+    reader = NcclReader(probes)
     calls = sum(s.calls for s in reader.series() if s.op == op_name)
     errors = sum(n for (op, _result), n in reader.errors().items() if op == op_name)
     return calls, errors
@@ -174,16 +174,16 @@ def counted(text: str, op_name: str = OP) -> tuple[int, int]:
     """(calls, errors) of op_name in a /metrics page."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from exporter import contract
+    from exporter.records import metrics
 
     calls = errors = 0.0
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.labels.get("op") != op_name:
                 continue
-            if s.name == contract.COLLECTIVE_DURATION + "_count":
+            if s.name == metrics.COLLECTIVE_DURATION + "_count":
                 calls += s.value
-            elif s.name == contract.CALL_ERRORS:
+            elif s.name == metrics.CALL_ERRORS:
                 errors += s.value
     return int(calls), int(errors)
 
@@ -405,7 +405,7 @@ def main(argv=None) -> int:
 
         from bcc import BPF
 
-        from exporter.probes import NcclProbes
+        from exporter.sources.nccl.probes import NcclProbes
 
         empty_bpf = BPF(text=EMPTY_BPF)
         addr = function_address(libs["empty"], TARGET)

@@ -25,8 +25,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from exporter import store  # noqa: E402
-from exporter.maps import CallEvent  # noqa: E402
+from exporter.records.events import CallEvent  # noqa: E402
+from exporter.records.render import Renderer  # noqa: E402
+from exporter.sinks.recording import schema, writer  # noqa: E402
 
 JOIN = """WITH slow_collectives AS (
 SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid
@@ -67,7 +68,7 @@ def synthetic_events(n: int, seed: int = 1) -> list[CallEvent]:
 
 
 def bench_record(events: list[CallEvent], path: str) -> dict:
-    rec = store.Recorder(path, node="bench", queue_max=len(events) + 1, identify_processes=False)
+    rec = writer.Recorder(path, node="bench", queue_max=len(events) + 1, identify_processes=False)
     t0 = time.perf_counter()
     done = threading.Event()
 
@@ -91,7 +92,7 @@ def bench_record(events: list[CallEvent], path: str) -> dict:
 
 def bench_paced(events: list[CallEvent], path: str, rate: float) -> dict:
     """Offer events at `rate`/s with the default queue bound: is anything lost?"""
-    rec = store.Recorder(path, node="bench", identify_processes=False)
+    rec = writer.Recorder(path, node="bench", identify_processes=False)
     t0 = time.perf_counter()
     chunk = 1000
     for i in range(0, len(events), chunk):
@@ -108,7 +109,7 @@ def bench_paced(events: list[CallEvent], path: str, rate: float) -> dict:
 
 def create_unindexed_schema(conn) -> None:
     """The naive baseline: the recorder's schema (every migration) without its indexes."""
-    for step in store.MIGRATIONS:
+    for step in schema.MIGRATIONS:
         for sql in step:
             if not sql.lstrip().upper().startswith("CREATE INDEX"):
                 conn.execute(sql)
@@ -118,11 +119,11 @@ def bench_naive_record(events: list[CallEvent], path: str, limit_s: float = 10.0
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode = WAL")
     create_unindexed_schema(conn)
-    rows = store._Rows("bench")
+    rows = Renderer("bench")
     t0 = time.perf_counter()
     n = 0
     for e in events:
-        conn.execute(store.INSERT_NCCL, rows.call(e))  # autocommit: one transaction per event
+        conn.execute(schema.INSERT["nccl"], rows.call(e))  # autocommit: one transaction per event
         n += 1
         if n % 1000 == 0 and time.perf_counter() - t0 > limit_s:
             break
@@ -132,7 +133,7 @@ def bench_naive_record(events: list[CallEvent], path: str, limit_s: float = 10.0
 
 def build_query_db(path: str, n_calls: int, n_tcp: int, indexed: bool) -> None:
     if indexed:
-        rec = store.Recorder(path, node="bench", queue_max=n_calls + n_tcp + 1, identify_processes=False)
+        rec = writer.Recorder(path, node="bench", queue_max=n_calls + n_tcp + 1, identify_processes=False)
     events = synthetic_events(n_calls)
     span = events[-1].start_ns
     rnd = random.Random(2)
@@ -153,10 +154,10 @@ def build_query_db(path: str, n_calls: int, n_tcp: int, indexed: bool) -> None:
         return
     conn = sqlite3.connect(path, isolation_level=None)
     create_unindexed_schema(conn)
-    rows = store._Rows("bench")
+    rows = Renderer("bench")
     conn.execute("BEGIN")
-    conn.executemany(store.INSERT_NCCL, (rows.call(e) for e in events))
-    conn.executemany(store.INSERT_TCP, (rows.tcp(d, None) for d in tcp))
+    conn.executemany(schema.INSERT["nccl"], (rows.call(e) for e in events))
+    conn.executemany(schema.INSERT["tcp"], (rows.tcp(d, None) for d in tcp))
     conn.execute("COMMIT")
     conn.close()
 
@@ -186,7 +187,7 @@ def main() -> int:
         print(f"record: {r['rate']:,.0f} events/s sustained (writer, {a.events:,} events, lost {r['lost']}); "
               f"listener {r['put_rate']:,.0f} events/s; close (indexes, checkpoint) {r['close_s']:.2f} s")
         paced = bench_paced(events[:400_000], f"{d}/paced.db", 200_000)
-        print(f"record paced at 200,000/s with the default queue ({store.QUEUE_MAX}): offered "
+        print(f"record paced at 200,000/s with the default queue ({writer.QUEUE_MAX}): offered "
               f"{paced['offered_rate']:,.0f}/s, recorded {paced['recorded']:,}, lost {paced['lost']}")
         n = bench_naive_record(events, f"{d}/naive.db")
         print(f"record naive baseline (one INSERT + commit per event, no indexes): {n['rate']:,.0f} events/s")

@@ -1,8 +1,9 @@
 // NCCL call surface: uprobes on libnccl's public API, aggregated in the kernel.
 //
-// Loaded by exporter/probes.py with BCC. Op codes (OP_*), map sizes (MAX_*)
-// and the per-function entry stubs are generated there from
-// exporter/contract.py, so the names live in one place.
+// Loaded by exporter/sources/nccl/probes.py with BCC. Op codes (OP_*), map
+// sizes (MAX_*), record kinds and the per-function entry stubs are generated
+// from exporter/records/contract.py, so the names live in one place. This
+// program owns the maps of bpf/traced.h that bpf/tcp.c and bpf/sched.c share.
 //
 // Per call, nothing crosses to user space: the return probe folds the call
 // into `series_stats` (count, bytes, latency histogram). Only rare
@@ -11,17 +12,15 @@
 
 #include <uapi/linux/ptrace.h>
 
+#define TRACED_OWNER  // this program owns the maps shared in traced.h
+#include "traced.h"
+
 // ---- Histogram layout: HIST_MIN_LOG2, HIST_MAX_LOG2, HIST_SUB come from
-// exporter/histogram.py. Bucket 0: d <= 2^MIN ns. Then HIST_SUB linear
+// exporter/records/histogram.py. Bucket 0: d <= 2^MIN ns. Then HIST_SUB linear
 // sub-buckets per power of two up to 2^MAX ns: bucket 1 + SUB*(k-MIN) + s
 // holds 2^k + s*2^k/SUB < d <= 2^k + (s+1)*2^k/SUB. The last is overflow.
 #define HIST_FINITE (1 + (HIST_MAX_LOG2 - HIST_MIN_LOG2) * HIST_SUB)
 #define HIST_SLOTS (HIST_FINITE + 1)
-
-// Indexes into `counters`: CNT_* come from exporter/probes.py (COUNTERS).
-
-#define EVENT_CALL 1
-#define EVENT_LIFECYCLE 2
 
 #define NCCL_SUCCESS 0
 #define NCCL_IN_PROGRESS 7
@@ -61,41 +60,6 @@ struct comm_info {
     s32 nranks;
 };
 
-// One outermost NCCL call in progress on a thread.
-struct call {
-    u64 start_ns;
-    u64 comm;
-    u64 comm_hash;
-    u64 nccl_hash;
-    u64 count;
-    u64 stream;
-    u64 out;         // ncclComm_t* / int* the call writes its result to
-    u64 nested_out;  // ncclUniqueId* of an inner ncclGetUniqueId
-    u64 seq;         // this rank's n-th call of this op on this comm (from 1)
-    u64 aux;         // split: parent's split sequence number
-    u64 sp;          // stack pointer at entry: stack arguments are read lazily
-    // The communicator this thread used last, valid while comm_generation is
-    // unchanged: most calls skip the communicators lookup. Kept across calls.
-    u64 cached_comm;
-    u64 cached_gen;
-    u64 cached_hash;
-    u64 cached_nccl_hash;
-    s32 cached_rank;
-    s32 cached_nranks;
-    u32 stream_arg;  // 0: stream is in .stream; n: the n-th stack argument
-    u32 series_by_op[OP_COUNT];  // series_stats slot + 1 per op, for cached_comm
-    u64 runq_wait_ns;  // time this thread waited runnable during the call (bpf/sched.c)
-    u64 proxy_wait_start;  // the process's proxy threads' total run-queue wait at entry
-    s32 rank;
-    s32 nranks;
-    u32 op;
-    u32 depth;       // inner public calls made by this one (not counted)
-    s32 datatype;
-    s32 red_op;
-    s32 root;
-    s32 peer;
-    s32 color;
-};
 
 struct event {
     u64 start_ns;    // CLOCK_MONOTONIC
@@ -134,51 +98,21 @@ BPF_ARRAY(series_threshold, u64, MAX_SERIES);  // next free slot of series_stats
 BPF_HASH(series_claims, u32, u8, MAX_SERIES);  // slots taken
 BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
 BPF_HASH(communicators, struct comm_key, struct comm_info, MAX_COMMS);
-// Per thread that has called NCCL (op != 0: inside a call), until it exits.
-BPF_HASH(inflight, u32, struct call, MAX_THREADS);
 // Traced processes: those that use NCCL. Value: the process's rank (launcher
 // RANK/SLURM_PROCID/..., else its world communicator rank; -1 unknown),
 // written by user space; a process is added here by its first NCCL call too.
 // It labels calls on a communicator the agent never saw created, and the
 // kernel-side probes (bpf/tcp.c, bpf/sched.c) look only at these processes.
-BPF_HASH(traced_processes, u32, s32, MAX_PROCESSES);
-// One bit per thread id of a traced process: the cheap test that lets the
-// scheduler and socket probes return at once for everything else.
-BPF_ARRAY(traced_threads, u64, PID_WORDS);
 // Bumped whenever a communicator or a launcher rank is learnt or forgotten.
 BPF_ARRAY(comm_generation, u64, 1);
 // Per-op slow-call threshold in ns (0: off); index OP_COUNT: 1 = every call.
 BPF_ARRAY(event_config, u64, OP_COUNT + 1);
-BPF_ARRAY(counters, u64, CNT_SLOTS);
 // All zeros, never written: a new thread's slot (too big for the stack).
 BPF_ARRAY(empty_call, struct call, 1);
 BPF_RINGBUF_OUTPUT(events, EVENT_PAGES);
 // Scratch for the 128-byte ncclUniqueId (too big for the BPF stack next to a call).
 struct unique_id { u64 words[16]; };
 BPF_PERCPU_ARRAY(uid_scratch, struct unique_id, 1);
-
-static __always_inline void count_up(u32 slot) {
-    u64 *v = counters.lookup(&slot);
-    if (v)
-        __sync_fetch_and_add(v, 1);
-}
-
-static __always_inline int thread_traced(u32 tid) {
-    u32 word = tid / 64;
-    u64 *bits = traced_threads.lookup(&word);
-    return bits && (*bits & (1ULL << (tid % 64)));
-}
-
-static __always_inline void set_thread_traced(u32 tid, int on) {
-    u32 word = tid / 64;
-    u64 *bits = traced_threads.lookup(&word);
-    if (!bits)
-        return;
-    if (on)
-        __sync_fetch_and_or(bits, 1ULL << (tid % 64));
-    else
-        __sync_fetch_and_and(bits, ~(1ULL << (tid % 64)));
-}
 
 static __always_inline u32 datatype_size(s32 dt) {
     switch (dt) {
@@ -188,17 +122,6 @@ static __always_inline u32 datatype_size(s32 dt) {
     case 4: case 5: case 8: return 8;            // int64 uint64 float64
     }
     return 0;
-}
-
-static __always_inline u32 log2_floor(u64 v) {
-    u32 r = 0;
-    if (v >> 32) { v >>= 32; r += 32; }
-    if (v >> 16) { v >>= 16; r += 16; }
-    if (v >> 8)  { v >>= 8;  r += 8; }
-    if (v >> 4)  { v >>= 4;  r += 4; }
-    if (v >> 2)  { v >>= 2;  r += 2; }
-    if (v >> 1)  { r += 1; }
-    return r;
 }
 
 static __always_inline u32 bucket_of(u64 d) {
@@ -279,8 +202,13 @@ static __always_inline u64 stack_arg(struct pt_regs *ctx, int n) {
     return stack_arg_at(PT_REGS_SP(ctx), n);
 }
 
-// Defined in bpf/sched.c, which is compiled after this file.
-static __always_inline u64 sched_proxy_wait_ns(u32 tgid);
+// Cumulative run-queue wait of a process's proxy threads (ns), kept by
+// bpf/sched.c: snapshot at a call's entry and return; the difference is what
+// the proxies waited during the call (see docs/sched.md). 0 without sched.c.
+static __always_inline u64 proxy_wait_ns(u32 tgid) {
+    u64 *w = proxy_wait.lookup(&tgid);
+    return w ? *w : 0;
+}
 
 // Does this call's return look at the event path (slow-call or record-all)?
 static __always_inline int events_wanted(u32 op) {
@@ -331,7 +259,7 @@ static __always_inline struct call *begin(u32 op, u32 *tid_out) {
     c->stream_arg = 0;
     c->runq_wait_ns = 0;
     // Only calls that may become events pay for this lookup (spans, recording).
-    c->proxy_wait_start = events_wanted(op) ? sched_proxy_wait_ns(bpf_get_current_pid_tgid() >> 32) : 0;
+    c->proxy_wait_start = events_wanted(op) ? proxy_wait_ns(bpf_get_current_pid_tgid() >> 32) : 0;
     c->rank = -1;
     c->nranks = -1;
     c->depth = 0;
@@ -684,7 +612,7 @@ static __always_inline void emit(struct call *c, u32 kind, u32 tid, u64 end, s32
     e->result = result;
     e->color = c->color;
     e->runq_wait_ns = c->runq_wait_ns;
-    u64 proxy_now = sched_proxy_wait_ns(e->pid);
+    u64 proxy_now = proxy_wait_ns(e->pid);
     e->proxy_wait_ns = proxy_now > c->proxy_wait_start ? proxy_now - c->proxy_wait_start : 0;
     events.ringbuf_submit(e, 0);
 }
@@ -832,6 +760,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     if ((u32)id == (u32)(id >> 32)) {
         u32 tgid = id >> 32;
         traced_processes.delete(&tgid);
+        proxy_wait.delete(&tgid);
     }
     return 0;
 }

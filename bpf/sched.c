@@ -1,8 +1,8 @@
 // Scheduler view of traced processes: run-queue delay and off-CPU time.
 //
-// Compiled after bpf/nccl.c in one BCC program (exporter/probes.py): it uses
-// nccl.c's `traced_threads` bitmap (thread_traced), `inflight` slots and
-// count_up(). Data come only from tracepoint arguments, never from kernel
+// Compiled on its own (exporter/sources/sched.py) after bpf/nccl.c, whose
+// maps it imports through bpf/traced.h: `traced_threads` (thread_traced),
+// `inflight` slots, `proxy_wait` and the counters. Data come only from tracepoint arguments, never from kernel
 // struct layouts (the build host's headers are not the running kernel's).
 //
 // Per traced thread, `thread_sched` remembers since when it is runnable
@@ -18,14 +18,14 @@
 // (process, thread kind) too. Every other thread costs one bitmap test per
 // event (two for sched_switch).
 
-#define SCHED_KIND_OTHER 0
-#define SCHED_KIND_CALLER 1   // the thread has an inflight slot: it called NCCL
-#define SCHED_KIND_PROXY 2    // its name starts with "NCCL " (proxy/progress threads)
-#define SCHED_KINDS 3
+#include "traced.h"
+
+// SCHED_KIND_* (thread kinds) and RUNQ_MAX_LOG2 come from the contract:
+//   caller: the thread has an inflight slot: it called NCCL
+//   proxy:  its name starts with "NCCL " (proxy/progress threads)
 
 // Histogram of run-queue delay in µs: bucket 0: d <= 1 µs; bucket k
 // (1..RUNQ_MAX_LOG2): 2^(k-1) < d <= 2^k µs; the last one: above 2^22 µs (~4.2 s).
-#define RUNQ_MAX_LOG2 22
 #define RUNQ_SLOTS (RUNQ_MAX_LOG2 + 2)
 
 // prev_state of sched_switch: TASK_REPORT bits 0x01..0x80 (S D T t X Z P I);
@@ -121,6 +121,21 @@ static __always_inline struct sched_stats *sched_stats_of(u32 tgid, u32 kind) {
     return sched_stats.lookup(&k);
 }
 
+// Add a proxy thread's run-queue wait to its process's total in the shared
+// `proxy_wait` map, which bpf/nccl.c reads at a call's entry and return.
+static __always_inline void proxy_wait_add(u32 tgid, u64 delay) {
+    u64 *w = proxy_wait.lookup(&tgid);
+    if (w) {
+        __sync_fetch_and_add(w, delay);
+        return;
+    }
+    if (proxy_wait.insert(&tgid, &delay) != 0) {
+        w = proxy_wait.lookup(&tgid);  // another CPU made it first, or full
+        if (w)
+            __sync_fetch_and_add(w, delay);
+    }
+}
+
 static __always_inline void runq_record(u32 tgid, u32 kind, u64 delay) {
     struct sched_stats *s = sched_stats_of(tgid, kind);
     if (!s)
@@ -131,6 +146,8 @@ static __always_inline void runq_record(u32 tgid, u32 kind, u64 delay) {
     __sync_fetch_and_add(&s->count, 1);
     __sync_fetch_and_add(&s->sum_ns, delay);
     __sync_fetch_and_add(&s->buckets[b], 1);
+    if (kind == SCHED_KIND_PROXY)
+        proxy_wait_add(tgid, delay);
 }
 
 static __always_inline struct sched_state *sched_state_of(u32 tid) {
@@ -154,14 +171,6 @@ static __always_inline void sched_forget(u32 tid) {
     thread_sched.delete(&tid);
 }
 
-// Cumulative run-queue wait of a process's proxy threads (ns): snapshot it at
-// an NCCL call's entry and return; the difference is what the proxies waited
-// during the call (see docs/sched.md).
-static __always_inline u64 sched_proxy_wait_ns(u32 tgid) {
-    struct sched_key k = {.tgid = tgid, .kind = SCHED_KIND_PROXY};
-    struct sched_stats *s = sched_stats.lookup(&k);
-    return s ? s->sum_ns : 0;
-}
 
 // A thread became runnable.
 static __always_inline void sched_woken(u32 tid) {

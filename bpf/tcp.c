@@ -2,11 +2,11 @@
 // the tcp/ and sock/ tracepoints only (no kprobes, no struct sock layouts:
 // every kernel datum here is a tracepoint argument).
 //
-// Compiled as one program with bpf/nccl.c (which comes first): uses its
-// traced_processes / traced_threads (thread_traced()), counters (count_up())
-// and log2_floor(). MAX_SOCKETS, MAX_LINKS, TCP_EVENT_PAGES,
-// EPHEMERAL_PORT_LO/HI, HAVE_RETRANSMIT_ERR and CNT_* come from
-// exporter/probes.py. Read by exporter/tcp.py.
+// Compiled on its own (exporter/sources/tcp.py) after bpf/nccl.c, whose maps
+// it imports through bpf/traced.h: traced_threads (thread_traced()) and the
+// counters (count_up()). MAX_SOCKETS, MAX_LINKS, TCP_EVENT_PAGES,
+// EPHEMERAL_PORT_LO/HI, HAVE_RETRANSMIT_ERR, TCP_EV_*, SRTT_FINITE and CNT_*
+// come from the generated header (exporter/records/contract.py).
 //
 // Attribution: retransmits, resets and tcp_probe mostly run in softirq or
 // timer context, where the current task is whoever was interrupted. So the
@@ -17,6 +17,8 @@
 // tcp_send_reset's `reason` field is an `enum sk_rst_reason` (kernel >= 6.10)
 // that the build's kernel headers may lack: BCC copies the field's type from
 // the tracepoint format, so give that name a complete 4-byte enum of our own.
+#include "traced.h"
+
 #define sk_rst_reason tcp_rst_reason_compat
 enum tcp_rst_reason_compat { TCP_RST_REASON_COMPAT_ = 0 };
 
@@ -25,15 +27,11 @@ enum tcp_rst_reason_compat { TCP_RST_REASON_COMPAT_ = 0 };
 #define TCP_IPPROTO 6
 #define TCP_ST_SYN_SENT 2
 
-// Event kinds on tcp_events; also say which tcp_link_stats field counts it.
-#define TCP_EV_RETRANSMIT 1
-#define TCP_EV_RETRANSMIT_FAILED 2
-#define TCP_EV_SEND_RESET 3
-#define TCP_EV_RECEIVE_RESET 4
+// Event kinds on tcp_events (TCP_EV_*, from the contract) also say which
+// tcp_link_stats field counts it.
 
 // srtt histogram: bucket i <= 2^i us for i < SRTT_FINITE (1 us .. 8.4 s),
 // the last one is the overflow.
-#define SRTT_FINITE 24
 #define SRTT_BUCKETS (SRTT_FINITE + 1)
 
 struct sock_owner_t {

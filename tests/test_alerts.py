@@ -11,6 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from conftest import check_promql
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -100,6 +102,14 @@ def test_alerts_name_rank_node_and_link_where_relevant():
         text = by_name[name]["annotations"]["summary"] + by_name[name]["annotations"]["description"]
         for label in labels:
             assert "$labels." + label in text, f"{name} does not name {label}"
+
+
+def test_alert_expressions_use_contract_names_and_labels():
+    """Every metric and label an alert reads is in exporter/records/metrics.py."""
+    read = set()
+    for r in alert_rules():
+        read |= check_promql(r["expr"], r["alert"])
+    assert "nccl_collective_duration_seconds" in read and "nccl_tcp_retransmits" in read
 
 
 def test_required_alerts_and_metric_names():

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter import contract
+from conftest import check_promql
+from exporter.records import contract, metrics
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD_DIR = REPO / "dashboards" / "grafana"
@@ -20,12 +21,6 @@ DASHBOARDS = sorted(DASHBOARD_DIR.glob("*.json"))
 # Variables every dashboard has; comm/op only where the panels are per call.
 COMMON_VARS = {"datasource", "tempo", "job", "node", "rank"}
 PER_CALL_VARS = {"comm", "op"}
-
-KNOWN_METRICS = {
-    getattr(contract, n) for n in dir(contract)
-    if n.isupper() and isinstance(getattr(contract, n), str) and getattr(contract, n).startswith("nccl_")
-}
-
 
 def load(path: Path) -> dict:
     return json.loads(path.read_text())
@@ -53,18 +48,6 @@ def dashboard_queries(rate_interval: str = "15s") -> list[tuple[str, str, str, s
         for p in panels(load(path)):
             for t in p.get("targets", []):
                 out.append((path.name, p["title"], t["refId"], substitute(t["expr"], rate_interval)))
-    return out
-
-
-def metric_names(expr: str) -> set[str]:
-    """nccl_* metric names an expression reads (suffixes _bucket/_sum/_count stripped)."""
-    names = set(re.findall(r"\b(nccl_[a-z_]+)\b", expr))
-    out = set()
-    for n in names:
-        for suffix in ("_bucket", "_sum", "_count"):
-            if n.endswith(suffix) and n[: -len(suffix)] in KNOWN_METRICS:
-                n = n[: -len(suffix)]
-        out.add(n)
     return out
 
 
@@ -120,9 +103,8 @@ def test_expressions_use_contract_names_and_variables(path):
     for p in panels(d):
         for t in p["targets"]:
             expr = t["expr"]
-            names = metric_names(expr)
+            names = check_promql(expr, p["title"])  # names and labels of exporter/records/metrics.py
             assert names, f"{p['title']}: reads an nccl_* metric"
-            assert names <= KNOWN_METRICS, f"{p['title']}: unknown metric {names - KNOWN_METRICS}"
             assert 'job=~"$job"' in expr, f"{p['title']}: filtered by $job"
             if "[" in expr:
                 assert "$__rate_interval" in expr, f"{p['title']}: uses $__rate_interval"
@@ -143,9 +125,9 @@ def test_required_panels_exist():
         assert formula in busbw["description"]
     assert any(p["type"] == "heatmap" for p in panels(load(DASHBOARD_DIR / "nccl-stragglers.json")))
     assert "quantile by (op, comm) (0.5" in exprs["nccl-stragglers.json"]
-    for m in (contract.TCP_RETRANSMITS, contract.TCP_RESETS, contract.TCP_SRTT):
+    for m in (metrics.TCP_RETRANSMITS, metrics.TCP_RESETS, metrics.TCP_SRTT):
         assert m in exprs["nccl-network.json"]
-    for m in (contract.RUNQUEUE_DELAY, contract.OFFCPU):
+    for m in (metrics.RUNQUEUE_DELAY, metrics.OFFCPU):
         assert m in exprs["nccl-cpu.json"]
     assert "thread" in exprs["nccl-cpu.json"]
 
@@ -182,3 +164,14 @@ def test_expressions_parse_with_promtool(tmp_path):
     rules.write_text("\n".join(lines) + "\n")
     p = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_the_contract_check_can_fail():
+    """check_promql refuses an unknown metric, a label the metric lacks, and a
+    grouping label no metric of the expression has."""
+    for bad in ('nccl_no_such_metric_total', 'nccl_collective_duration_seconds_bucket{bogus="x"}',
+                'sum by (saddr) (rate(nccl_collective_duration_seconds_count[5m]))'):
+        with pytest.raises(AssertionError):
+            check_promql(bad, "test")
+    assert check_promql('sum by (op, le) (rate(nccl_collective_duration_seconds_bucket{job="x"}[5m]))',
+                        "test") == {"nccl_collective_duration_seconds"}

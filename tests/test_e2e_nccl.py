@@ -17,11 +17,12 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from exporter import contract, hashing, histogram
+from exporter.records import histogram, metrics
+from exporter.sources.nccl import hashing
 from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, run_job, start_job
 from exporter.simulator.truth import calls, lifecycle, load_truth
-from tests.exporter_harness import ExporterProcess, series_by_labels
+from conftest import ExporterProcess, series_by_labels
 
 # The probes time a call from uprobe to uretprobe; the library times itself
 # from its first to its last instruction. The probe's window encloses the
@@ -104,7 +105,7 @@ def test_mixed_job_counts_bytes_buckets_match_truth(simlib, tmp_path):
     assert len(comms) >= 4, f"expected world, world2 and two split children, got {comms}"
 
     # Counts, per (op, comm, rank, nranks): exactly the ground truth, nothing more.
-    hist = series_by_labels(families, contract.COLLECTIVE_DURATION)
+    hist = series_by_labels(families, metrics.COLLECTIVE_DURATION)
     got_counts = {
         (lbl["op"], lbl["comm"], lbl["rank"], lbl["nranks"]): sum(buckets)
         for lbl, buckets in hist
@@ -115,8 +116,8 @@ def test_mixed_job_counts_bytes_buckets_match_truth(simlib, tmp_path):
     # Bytes, per (op, comm, rank).
     got_bytes = {
         (s.labels["op"], s.labels["comm"], s.labels["rank"]): s.value
-        for fam in families if fam.name + "_total" == contract.COLLECTIVE_BYTES or fam.name == contract.COLLECTIVE_BYTES
-        for s in fam.samples if s.name == contract.COLLECTIVE_BYTES
+        for fam in families if fam.name + "_total" == metrics.COLLECTIVE_BYTES or fam.name == metrics.COLLECTIVE_BYTES
+        for s in fam.samples if s.name == metrics.COLLECTIVE_BYTES
     }
     assert got_bytes == dict(nbytes)
 
@@ -133,7 +134,7 @@ def test_mixed_job_counts_bytes_buckets_match_truth(simlib, tmp_path):
                                           "REDUCE", "SEND", "RECV", "ALL_TO_ALL", "GATHER", "SCATTER"}
 
     # Lifecycle calls: counted once per outermost call.
-    life = series_by_labels(families, contract.LIFECYCLE_DURATION)
+    life = series_by_labels(families, metrics.LIFECYCLE_DURATION)
     got_life = {lbl["op"]: sum(b) for lbl, b in life}
     want_life = Counter(r["op"] for r in lifecycle(records))
     assert got_life == dict(want_life)
@@ -150,7 +151,7 @@ def test_communicator_identity_and_hang_then_kill(simlib, tmp_path):
             inflight = []
             while time.monotonic() < deadline:
                 families = exporter.scrape()
-                inflight = [s for s in exporter.samples(families, contract.INFLIGHT_OLDEST)
+                inflight = [s for s in exporter.samples(families, metrics.INFLIGHT_OLDEST)
                             if s.labels["op"] == "ALL_REDUCE"]
                 if len(inflight) == 3 and min(s.value for s in inflight) > 0.5:
                     break
@@ -161,7 +162,7 @@ def test_communicator_identity_and_hang_then_kill(simlib, tmp_path):
             # Communicator identity of the live world communicator.
             records = load_truth(tmp_path / "truth")
             uid = bytes.fromhex(lifecycle(records, op="COMM_INIT_RANK")[0]["uid"])
-            info = exporter.samples(families, contract.COMMUNICATOR_INFO)
+            info = exporter.samples(families, metrics.COMMUNICATOR_INFO)
             assert {s.labels["comm"] for s in info} == {hashing.format_hash(hashing.comm_id_hash(uid))}
             assert {s.labels["nccl_comm_hash"] for s in info} == {
                 hashing.format_hash(hashing.nccl_comm_hash(uid))}
@@ -172,11 +173,11 @@ def test_communicator_identity_and_hang_then_kill(simlib, tmp_path):
             job.kill()
 
         families = exporter.scrape()
-        assert exporter.samples(families, contract.INFLIGHT_OLDEST) == []
+        assert exporter.samples(families, metrics.INFLIGHT_OLDEST) == []
         entries = {s.labels["map"]: s.value
-                   for s in exporter.samples(families, contract.EXPORTER_MAP_ENTRIES)}
+                   for s in exporter.samples(families, metrics.EXPORTER_MAP_ENTRIES)}
         assert entries["inflight"] == 0
-        assert exporter.samples(families, contract.COMMUNICATOR_INFO) == []
+        assert exporter.samples(families, metrics.COMMUNICATOR_INFO) == []
 
 
 def test_job_started_after_exporter_is_traced_from_first_call(simlib, tmp_path):
@@ -203,13 +204,13 @@ def test_job_started_after_exporter_is_traced_from_first_call(simlib, tmp_path):
     # communicators only, whatever else runs on the machine.
     def counted(families, records):
         comms = {hashing.format_hash(h) for h in expected_comm_hashes(records).values()}
-        return sum(sum(b) for lbl, b in series_by_labels(families, contract.COLLECTIVE_DURATION)
+        return sum(sum(b) for lbl, b in series_by_labels(families, metrics.COLLECTIVE_DURATION)
                    if lbl["comm"] in comms)
 
     assert counted(first, result.truth) == len(calls(result.truth)) == 4 * 20
     assert counted(both, second.truth) == len(calls(second.truth)) == 4 * 20
     # Counting by communicator id proves the init calls were seen too.
-    life = {lbl["op"]: sum(b) for lbl, b in series_by_labels(both, contract.LIFECYCLE_DURATION)}
+    life = {lbl["op"]: sum(b) for lbl, b in series_by_labels(both, metrics.LIFECYCLE_DURATION)}
     assert life["GET_UNIQUE_ID"] >= 2 and life["COMM_INIT_RANK"] >= 8
 
 
@@ -237,12 +238,12 @@ def test_comm_init_all_counts_once_and_names_its_communicators(simlib, tmp_path)
         finally:
             proc.stdin.close()
             proc.wait(30)
-    life = {lbl["op"]: sum(b) for lbl, b in series_by_labels(families, contract.LIFECYCLE_DURATION)}
+    life = {lbl["op"]: sum(b) for lbl, b in series_by_labels(families, metrics.LIFECYCLE_DURATION)}
     # ncclCommInitAll calls ncclGetUniqueId inside the library: one call, not two.
     assert life == {"COMM_INIT_ALL": 1}
     (record,) = load_truth(truth)
     want = hashing.format_hash(hashing.comm_id_hash(bytes.fromhex(record["uid"])))
-    info = exporter.samples(families, contract.COMMUNICATOR_INFO)
+    info = exporter.samples(families, metrics.COMMUNICATOR_INFO)
     assert sorted((s.labels["comm"], s.labels["rank"], s.labels["nranks"]) for s in info) == [
         (want, "0", "3"), (want, "1", "3"), (want, "2", "3")]
 
@@ -274,7 +275,7 @@ def test_run_with_db_records_every_call_beside_the_metrics(simlib, tmp_path):
     assert got == want
     # The two sinks agree: the histogram's count per (op, comm, rank) is the number of rows.
     hist = Counter()
-    for lbl, buckets in series_by_labels(families, contract.COLLECTIVE_DURATION):
+    for lbl, buckets in series_by_labels(families, metrics.COLLECTIVE_DURATION):
         hist[(lbl["op"], lbl["comm"], lbl["rank"])] += sum(buckets)
     assert hist == per_series
     assert "end_ns" in meta and meta["lost_total"] == meta.get("lost_kernel_skipped_retransmits", "0"), meta

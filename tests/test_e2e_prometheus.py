@@ -25,9 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from exporter import contract
-from tests.exporter_harness import ExporterProcess, free_port
-from tests.test_dashboards import dashboard_queries, metric_names
+from exporter.records import metrics
+from conftest import ExporterProcess, free_port
+from conftest import check_promql
+from tests.test_dashboards import dashboard_queries
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS = "/usr/bin/prometheus"
@@ -44,22 +45,17 @@ ALERT_TIMEOUT_S = 120   # from the job's start
 
 # Dashboard expressions allowed to return no series in this run: the metric
 # legitimately has none (nothing fails, nothing is reset while the job runs).
-EMPTY_OK = {
-    contract.CALL_ERRORS,              # no NCCL call fails in this job
-    contract.TCP_RESETS,               # connections are reset, if at all, when the job ends
-    contract.TCP_RETRANSMIT_FAILURES,  # 3 % loss never makes a retransmission fail to send
-}
+EMPTY_OK = {metrics.spec(n).name for n in (
+    metrics.CALL_ERRORS,              # no NCCL call fails in this job
+    metrics.TCP_RESETS,               # connections are reset, if at all, when the job ends
+    metrics.TCP_RETRANSMIT_FAILURES,  # 3 % loss never makes a retransmission fail to send
+)}
 # Targets allowed to be empty: ops this workload does not call ("train" runs
 # only ALL_REDUCE).
 EMPTY_OK_TARGETS = {
     ("nccl-fleet-overview.json", "Bus bandwidth estimate (busbw)", "B"),  # ALL_GATHER|REDUCE_SCATTER
     ("nccl-fleet-overview.json", "Bus bandwidth estimate (busbw)", "C"),  # the other ops
 }
-# Kernel-side metrics that may not be exported yet (being built): their
-# assertions skip, naming the metric, when /metrics has no such family.
-KERNEL_SIDE = {contract.TCP_RETRANSMITS, contract.TCP_RETRANSMIT_FAILURES, contract.TCP_RESETS,
-               contract.TCP_SRTT, contract.RUNQUEUE_DELAY, contract.OFFCPU}
-
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and network namespaces"),
@@ -213,15 +209,14 @@ def run():
                     pytest.fail("the simulated job failed:\n" + job.result().summary())
                 fams = exporter.scrape()
                 families |= {smp.name for f in fams for smp in f.samples}
-                info = ExporterProcess.samples(fams, contract.COMMUNICATOR_INFO)
+                info = ExporterProcess.samples(fams, metrics.COMMUNICATOR_INFO)
                 if info:
                     comm_info = [s.labels for s in info]
                 world = {c["comm"] for c in comm_info if c["nranks"] == str(NRANKS)}
                 got_p99 = any(a["comm"] in world for a in hook.firing("NcclAllReduceP99High"))
                 got_straggler = bool(hook.firing("NcclStragglerRank"))
-                want_tcp = contract.TCP_RETRANSMITS in families
                 got_tcp = bool(hook.firing("NcclTcpRetransmits"))
-                if got_p99 and got_straggler and (got_tcp or not want_tcp):
+                if got_p99 and got_straggler and got_tcp:
                     break
                 time.sleep(1)
             seen["alerts_after_s"] = time.monotonic() - job_t0
@@ -291,8 +286,7 @@ def test_straggler_alert_names_the_delayed_rank_only(run):
 
 
 def test_retransmit_alert_names_the_lossy_link_and_rank_only(run):
-    if contract.TCP_RETRANSMITS not in run["families"]:
-        pytest.skip(f"{contract.TCP_RETRANSMITS} is not in the exporter's /metrics yet (kernel-side TCP probes)")
+    assert metrics.TCP_RETRANSMITS in run["families"], "the exporter exports no retransmits"
     lossy_addr = f"198.18.0.{LOSSY_RANK + 1}"
     alerts = firing(run, "NcclTcpRetransmits")
     print(f"NcclTcpRetransmits: {sorted(uniq(alerts, ('saddr', 'daddr', 'rank', 'node')))}")
@@ -324,24 +318,22 @@ def test_no_false_alerts(run):
 
 
 def test_every_dashboard_expression_evaluates_and_returns_data(run):
-    errors, empty, missing = [], [], []
+    errors, empty = [], []
     for dash, title, ref, expr, status, result, err in run["queries"]:
         if status != "success":
             errors.append(f"{dash} / {title} / {ref}: {err}")
             continue
         if result:
             continue
-        names = metric_names(expr)
-        absent = {n for n in names & KERNEL_SIDE if n not in run["families"]}
-        if absent:
-            missing.append(f"{dash} / {title}: {', '.join(sorted(absent))}")
-        elif not names & EMPTY_OK and (dash, title, ref) not in EMPTY_OK_TARGETS:
+        names = check_promql(expr, f"{dash} / {title}")
+        if not names & EMPTY_OK and (dash, title, ref) not in EMPTY_OK_TARGETS:
             empty.append(f"{dash} / {title} / {ref}: {expr}")
     assert not errors, "\n".join(errors)
     assert not empty, "no data:\n" + "\n".join(empty)
-    if missing:
-        pytest.skip("evaluated without error, but these panels have no data because the exporter does not "
-                    "export their kernel-side metric yet:\n" + "\n".join(missing))
+    # The kernel-side families are all there (the panels above read them).
+    for m in (metrics.TCP_RETRANSMITS, metrics.RUNQUEUE_DELAY + "_bucket", metrics.TCP_SRTT + "_bucket",
+              metrics.OFFCPU):
+        assert m in run["families"], f"{m} is not exported"
 
 
 def test_runtime(run):

@@ -3,7 +3,7 @@ import subprocess
 
 import pytest
 
-from exporter import elf
+from exporter.sources.nccl import elf
 
 
 def _libc_path() -> str:
@@ -120,7 +120,7 @@ def _wheel_nccl():
 
 def test_real_nccl_library_exports_contract_functions():
     import time
-    from exporter.contract import NCCL_FUNCTIONS
+    from exporter.records.contract import NCCL_FUNCTIONS
 
     path = _wheel_nccl()
     t = time.perf_counter()

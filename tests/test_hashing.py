@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from exporter import hashing
+from exporter.sources.nccl import hashing
 
 HASH_C = r"""
 #include <stdint.h>

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from exporter import histogram as h
+from exporter.records import histogram as h
 
 B = h.UPPER_BOUNDS_NS
 

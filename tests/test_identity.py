@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from exporter import identity
+from exporter.sources import identity
 
 
 def _fake_proc(tmp_path, env: dict, pid=42, cmdline=None):

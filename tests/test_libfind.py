@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from exporter import libfind
+from exporter.sources.nccl import libfind
 
 LOADER = r"""
 import ctypes, sys
@@ -137,7 +137,10 @@ def test_watcher_reports_each_file_once(fake_nccl_lib, static_nccl_lib, load_lib
 
     w = libfind.LibraryWatcher(cb, interval=0.05, extra_paths=[str(static_nccl_lib)])
     with w:
-        time.sleep(0.2)
+        deadline = time.monotonic() + 5  # a /proc scan takes longer on a loaded machine
+        while time.monotonic() < deadline and not any(l.path == str(static_nccl_lib) for l in seen):
+            time.sleep(0.05)
+        time.sleep(0.2)  # a few more scans: still reported once
         assert [l.path for l in seen if l.path == str(static_nccl_lib)] == [str(static_nccl_lib)]
         before = len(seen)
         p = load_libs(fake_nccl_lib)

@@ -10,12 +10,13 @@ from collections import defaultdict
 
 import pytest
 
-from exporter import contract, hashing
+from exporter.records import metrics
+from exporter.sources.nccl import hashing
 from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, run_job
 from exporter.simulator.truth import calls
-from exporter.spans import trace_id_for
-from tests.exporter_harness import ExporterProcess, series_by_labels
+from exporter.sinks.spans import trace_id_for
+from conftest import ExporterProcess, series_by_labels
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver, attributes
 from tests.test_e2e_nccl import expected_comm_hashes
 from tests.test_tcp import Observer
@@ -167,7 +168,7 @@ def test_grpc_spans_match_ground_truth(simlib, tmp_path):
     # rank is alone on its host address).
     # Only hits the kernel skipped (another BPF program running on that CPU,
     # counted as recursion misses) may be missing.
-    missed = sum(s.value for s in ExporterProcess.samples(families, contract.EXPORTER_BPF_MISSES)
+    missed = sum(s.value for s in ExporterProcess.samples(families, metrics.EXPORTER_BPF_MISSES)
                  if s.labels["program"] == "tracepoint__tcp__tcp_retransmit_skb")
     with_events = short = 0
     for _, span, a, _ in matched:
@@ -193,7 +194,7 @@ def test_grpc_spans_match_ground_truth(simlib, tmp_path):
         assert float(m.group(3)) <= float(le)
 
     spans_total = {s.labels["outcome"]: s.value
-                   for s in ExporterProcess.samples(families, contract.EXPORTER_SPANS)}
+                   for s in ExporterProcess.samples(families, metrics.EXPORTER_SPANS)}
     assert spans_total.get("dropped", 0) == 0
 
 
@@ -220,14 +221,14 @@ def test_backend_down_never_blocks_the_probes(simlib, tmp_path):
         # The agent keeps counting every call exactly, and keeps answering scrapes.
         families = exporter.scrape()
         mine = {hashing.format_hash(h) for h in expected_comm_hashes(result.truth).values()}
-        counted = sum(sum(b) for lbl, b in series_by_labels(families, contract.COLLECTIVE_DURATION)
+        counted = sum(sum(b) for lbl, b in series_by_labels(families, metrics.COLLECTIVE_DURATION)
                       if lbl["comm"] in mine)
         assert counted == len(calls(result.truth))
         deadline = time.monotonic() + 40
         lost = 0
         while time.monotonic() < deadline:
             outcomes = {s.labels["outcome"]: s.value
-                        for s in exporter.samples(exporter.scrape(), contract.EXPORTER_SPANS)}
+                        for s in exporter.samples(exporter.scrape(), metrics.EXPORTER_SPANS)}
             lost = outcomes.get("export_failed", 0) + outcomes.get("dropped", 0)
             if lost > 0:
                 break

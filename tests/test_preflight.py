@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from exporter import preflight
+from exporter.tools import preflight
 
 
 def _by_name(checks):

@@ -230,7 +230,7 @@ def test_every_call_recorded_exactly_once(rec):
 def test_every_call_carries_both_communicator_hashes(rec):
     """comm_id_hash and NCCL's own commHash of every recorded call, root and split
     communicators alike, equal what the ground truth's unique ids give."""
-    from exporter.hashing import format_hash
+    from exporter.sources.nccl.hashing import format_hash
     from tests.test_e2e_nccl import expected_comm_hashes
 
     ours = expected_comm_hashes(rec["truth"])
@@ -312,7 +312,7 @@ def test_retransmit_rows_equal_an_independent_observer(rec):
     own = rows(rec["dbs"]["lossy"], "SELECT COUNT(*) FROM tcp_events WHERE event LIKE 'tcp_retransmit%' "
                                     "AND timestamp_ns >= ?", since_mono + offset)[0][0]
     mine = sum(1 for line in observed if " saddr=198.18.0.6 " in line)
-    # Only hits the kernel skipped (counted in meta, see exporter.cli._kernel_losses) may be missing.
+    # Only hits the kernel skipped (counted in meta, see exporter.tools.agent.Agent.kernel_losses) may be missing.
     skipped = int(rows(rec["dbs"]["lossy"], "SELECT value FROM meta WHERE key = 'lost_kernel_skipped_retransmits'")[0][0])
     assert mine > 0 and own <= mine <= own + skipped, (own, mine, skipped)
 

@@ -23,9 +23,10 @@ from ctypes import POINTER, byref, c_char, c_int, c_size_t, c_void_p
 
 import pytest
 
-from exporter import contract, hashing
-from exporter.elf import exported_functions
-from tests.helpers import parse_metrics, require_real_nccl, require_root, sample_value
+from exporter.records import contract, metrics
+from exporter.sources.nccl import hashing
+from exporter.sources.nccl.elf import exported_functions
+from conftest import parse_metrics, require_real_nccl, require_root, sample_value
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +55,8 @@ class Traced:
     """One probe set on the real library, and every call of this module made once."""
 
     def __init__(self, lib_path: str):
-        from exporter.maps import MapReader
-        from exporter.probes import NcclProbes
+        from exporter.sources.nccl.reader import NcclReader
+        from exporter.sources.nccl.probes import NcclProbes
 
         self.lib_path = lib_path
         self.pid = os.getpid()
@@ -66,7 +67,7 @@ class Traced:
             self.report = self.probes.attach(lib_path)
             self.perf_fds_added = _perf_event_fds() - fds_before
             self.probes.set_record_all(True)
-            self.reader = MapReader(self.probes.bpf)
+            self.reader = NcclReader(self.probes)
             self.events = []
             self.reader.on_event(self._on_event)
         except BaseException:
@@ -279,22 +280,22 @@ def test_series_and_errors_count_each_call_once(traced):
 def test_collector_exposes_call_errors(traced):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from exporter.collector import NcclCollector
-    from exporter.processes import ProcessTable
+    from exporter.sinks.prometheus import NcclCollector
+    from exporter.sources.processes import ProcessTable
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(NcclCollector(traced.reader, "test-node", traced.probes,
+    registry.register(NcclCollector("test-node", traced.reader,
                                     ProcessTable(traced.probes)))
     samples = parse_metrics(generate_latest(registry).decode())
-    err = contract.CALL_ERRORS
+    err = metrics.CALL_ERRORS
     assert sample_value(samples, err, node="test-node", op="ALL_REDUCE",
                         result="ncclInvalidArgument") == 1
     assert sample_value(samples, err, op="BROADCAST", result="ncclInvalidArgument") == 1
-    assert sample_value(samples, contract.COLLECTIVE_BYTES, op="ALL_REDUCE",
+    assert sample_value(samples, metrics.COLLECTIVE_BYTES, op="ALL_REDUCE",
                         comm="unknown", rank="unknown") == 4000
-    assert sample_value(samples, contract.COLLECTIVE_DURATION + "_count", op="BROADCAST",
+    assert sample_value(samples, metrics.COLLECTIVE_DURATION + "_count", op="BROADCAST",
                         comm="unknown") == 1
-    attached = [s for s in samples if s.name == contract.EXPORTER_PROBE_ATTACHED
+    attached = [s for s in samples if s.name == metrics.EXPORTER_PROBE_ATTACHED
                 and s.labels["library"] == traced.lib_path]
     assert len(attached) == len(traced.report.attached)
     assert all(s.value == 1 for s in attached)

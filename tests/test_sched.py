@@ -15,19 +15,27 @@ import time
 
 import pytest
 
-from exporter import contract
-from exporter.sched import RUNQ_BOUNDS, SchedReader, runq_bucket
+from exporter.records import metrics
+from exporter.sinks.prometheus import sched_families
+from exporter.sources.sched import RUNQ_BOUNDS, SchedSource, runq_bucket
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
 
 
 @pytest.fixture(scope="module")
 def probes():
-    from exporter.probes import NcclProbes
+    from exporter.sources.nccl.probes import NcclProbes
 
     p = NcclProbes()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="module")
+def sched(probes):
+    s = SchedSource()
+    yield s
+    s.close()
 
 
 PING_PONG = r"""
@@ -65,8 +73,8 @@ def test_bucket_edges():
     assert len(RUNQ_BOUNDS) == 23 and RUNQ_BOUNDS[-1] == pytest.approx(4.194304)
 
 
-def test_untraced_threads_never_enter_thread_sched(probes):
-    reader = SchedReader(probes.bpf)
+def test_untraced_threads_never_enter_thread_sched(probes, sched):
+    reader = sched
     # Untraced pair and traced pair, ping-ponging at the same time.
     untraced, u1, u2 = start_ping_pong(20000)
     traced, t1, t2 = start_ping_pong(20000)
@@ -103,9 +111,9 @@ def test_untraced_threads_never_enter_thread_sched(probes):
         time.sleep(0.1)
     assert not reader.tracked_threads() & {t1, t2}
 
-    fams = {f.name: f for f in reader.families("n1", lambda pid: {t1: 7, t2: 8}.get(pid))}
-    assert set(fams) == {contract.RUNQUEUE_DELAY, contract.OFFCPU.removesuffix("_total")}
-    ranks = {s.labels["rank"] for s in fams[contract.RUNQUEUE_DELAY].samples}
+    fams = {f.name: f for f in sched_families("n1", reader, lambda pid: {t1: 7, t2: 8}.get(pid))}
+    assert set(fams) == {metrics.RUNQUEUE_DELAY, metrics.OFFCPU.removesuffix("_total")}
+    ranks = {s.labels["rank"] for s in fams[metrics.RUNQUEUE_DELAY].samples}
     assert {"7", "8"} <= ranks
 
 
@@ -124,7 +132,7 @@ def _pin(pid: int, cpu: int) -> None:
             pass
 
 
-def _totals(reader: SchedReader, pids: list[int]) -> list[tuple[int, int]]:
+def _totals(reader: SchedSource, pids: list[int]) -> list[tuple[int, int]]:
     """Per rank: (sum of run-queue delay ns, samples), caller + proxy threads."""
     out = []
     for pid in pids:
@@ -138,7 +146,7 @@ def _delta(a, b):
     return [(b[i][0] - a[i][0], b[i][1] - a[i][1]) for i in range(len(a))]
 
 
-def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, tmp_path):
+def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, sched, tmp_path):
     if os.cpu_count() < 2:
         pytest.skip("needs 2 CPUs")
     from exporter.simulator.build import build_library
@@ -146,7 +154,7 @@ def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, tmp_path
 
     lib = build_library()
     probes.attach(str(lib))
-    reader = SchedReader(probes.bpf)
+    reader = sched
     cpu_of = {0: 0, 1: 1, 2: 0, 3: 0}
     phase_s = 5.0
     with Cluster(4) as cluster:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from exporter.contract import NCCL_FUNCTIONS
+from exporter.records.contract import NCCL_FUNCTIONS
 from exporter.simulator import build
 from exporter.simulator.build import build_library
 from exporter.simulator.cluster import PREFIX, Cluster, cleanup_stale, run_job, start_job

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from exporter import query, store
-from exporter.maps import CallEvent
+from exporter.records.events import CallEvent
+from exporter.sinks.recording import reader, schema, writer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,13 +36,13 @@ def cli(*argv):
 
 def test_rows_columns_and_meta(tmp_path):
     db = tmp_path / "r.db"
-    with store.Recorder(str(db), node="n1", identify_processes=False) as r:
+    with writer.Recorder(str(db), node="n1", identify_processes=False) as r:
         r(ev(1))
         r(ev(2, op="COMM_INIT_RANK", kind=2))
         r(tcp(5))
         r.set_kernel_lost(kernel_nccl_events=3)
     c = sqlite3.connect(db)
-    assert c.execute("PRAGMA user_version").fetchone()[0] == store.SCHEMA_VERSION
+    assert c.execute("PRAGMA user_version").fetchone()[0] == schema.SCHEMA_VERSION
     row = c.execute("SELECT op, rank, nranks, comm_id_hash, datatype, red_op, peer, root, result, kind, node "
                     "FROM nccl_events ORDER BY timestamp_ns").fetchall()
     assert row[0] == ("ALL_REDUCE", 3, 8, "00000000000000ab", "ncclFloat32", "ncclSum", None, None,
@@ -63,33 +63,33 @@ def test_rows_columns_and_meta(tmp_path):
 def test_migrates_an_older_database(tmp_path):
     db = tmp_path / "old.db"
     c = sqlite3.connect(db, isolation_level=None)
-    store.migrate(c, target=1)
+    schema.migrate(c, target=1)
     c.execute("INSERT INTO nccl_events (timestamp_ns, duration_ns, op, pid, tid, node, kind) "
               "VALUES (1, 2, 'ALL_REDUCE', 1, 1, 'n', 'call')")
     c.close()
-    with store.Recorder(str(db), node="n", identify_processes=False) as r:
+    with writer.Recorder(str(db), node="n", identify_processes=False) as r:
         r(ev(1))
     c = sqlite3.connect(db)
-    assert c.execute("PRAGMA user_version").fetchone()[0] == store.SCHEMA_VERSION
+    assert c.execute("PRAGMA user_version").fetchone()[0] == schema.SCHEMA_VERSION
     assert c.execute("SELECT COUNT(*), SUM(runq_wait_ns IS NULL) FROM nccl_events").fetchone() == (2, 1)
 
 
 def test_refuses_a_newer_schema(tmp_path):
     db = tmp_path / "new.db"
     c = sqlite3.connect(db)
-    c.execute(f"PRAGMA user_version = {store.SCHEMA_VERSION + 1}")
+    c.execute(f"PRAGMA user_version = {schema.SCHEMA_VERSION + 1}")
     c.close()
-    with pytest.raises(store.StoreError, match="newer"):
-        store.Recorder(str(db))
+    with pytest.raises(schema.StoreError, match="newer"):
+        writer.Recorder(str(db))
 
 
 def test_batches_commit_within_the_interval(tmp_path):
     db = tmp_path / "b.db"
-    r = store.Recorder(str(db), node="n", identify_processes=False)
+    r = writer.Recorder(str(db), node="n", identify_processes=False)
     try:
         for i in range(10):
             r(ev(i))
-        time.sleep(store.BATCH_SECONDS * 3 + 0.5)
+        time.sleep(writer.BATCH_SECONDS * 3 + 0.5)
         c = sqlite3.connect(db)
         assert c.execute("SELECT COUNT(*) FROM nccl_events").fetchone()[0] == 10  # committed, not closed
         c.close()
@@ -99,7 +99,7 @@ def test_batches_commit_within_the_interval(tmp_path):
 
 def test_full_queue_counts_drops_and_never_blocks(tmp_path):
     db = tmp_path / "d.db"
-    r = store.Recorder(str(db), node="n", queue_max=5, identify_processes=False)
+    r = writer.Recorder(str(db), node="n", queue_max=5, identify_processes=False)
     t0 = time.perf_counter()
     for i in range(20000):
         r(ev(i))
@@ -115,14 +115,14 @@ def test_full_queue_counts_drops_and_never_blocks(tmp_path):
 
 def test_scope_by_pid_and_netns(tmp_path):
     mine = os.stat("/proc/self/ns/net").st_ino
-    s = store.Scope(netns=mine)
+    s = writer.Scope(netns=mine)
     assert os.getpid() in s and 999_999_999 not in s
-    assert store.netns_inode("/proc/self/ns/net") == mine == store.netns_inode(str(mine))
-    assert store.netns_inode(f"net:[{mine}]") == mine
-    with pytest.raises(store.StoreError):
-        store.netns_inode("/nonexistent/ns")
+    assert writer.netns_inode("/proc/self/ns/net") == mine == writer.netns_inode(str(mine))
+    assert writer.netns_inode(f"net:[{mine}]") == mine
+    with pytest.raises(schema.StoreError):
+        writer.netns_inode("/nonexistent/ns")
     db = tmp_path / "s.db"
-    with store.Recorder(str(db), node="n", scope=store.Scope(pids=[7]), identify_processes=False) as r:
+    with writer.Recorder(str(db), node="n", scope=writer.Scope(pids=[7]), identify_processes=False) as r:
         r(ev(1, pid=7))
         r(ev(2, pid=8))
         r(tcp(3, pid=8))
@@ -135,7 +135,7 @@ def test_scope_by_pid_and_netns(tmp_path):
 
 def recording(tmp_path):
     db = tmp_path / "q.db"
-    with store.Recorder(str(db), node="n", identify_processes=False) as r:
+    with writer.Recorder(str(db), node="n", identify_processes=False) as r:
         for i in range(5):
             r(ev(i, dur=(i + 1) * 1_000_000))
     return db
@@ -179,7 +179,7 @@ def test_query_refuses_writes_and_reports_errors_in_one_line(tmp_path, sql, why)
 
 def test_query_reads_with_read_only_pragmas(tmp_path):
     db = recording(tmp_path)
-    names, rows = query.run(str(db), "PRAGMA table_info(tcp_events)")
+    names, rows = reader.run(str(db), "PRAGMA table_info(tcp_events)")
     assert "event" in [r[1] for r in rows]
 
 

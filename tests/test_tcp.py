@@ -21,11 +21,15 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from exporter import contract
-from exporter.probes import COUNTERS, NcclProbes, ephemeral_ports
+from exporter.records import metrics, render
+from exporter.records.contract import COUNTERS
+from exporter.sinks.prometheus import tcp_families
+from exporter.sources.bpf import ephemeral_ports
+from exporter.sources.nccl.probes import NcclProbes
 from exporter.simulator.build import build_library
 from exporter.simulator.cluster import NETNS_DIR, Cluster, start_job
-from exporter.tcp import AF_INET, AF_INET6, TcpReader
+from exporter.records.events import AF_INET, AF_INET6
+from exporter.sources.tcp import TcpSource
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
 
@@ -126,7 +130,7 @@ def retrans_segs(cluster: Cluster) -> int:
     return total
 
 
-def own_links(reader: TcpReader, keys) -> frozenset:
+def own_links(reader: TcpSource, keys) -> frozenset:
     return frozenset(l for l in reader.links() if (l.saddr, l.daddr, l.port) in keys)
 
 
@@ -137,7 +141,7 @@ def retransmits_by_key(links) -> Counter:
     return +out
 
 
-def settle(reader: TcpReader, keys, read, timeout: float = 20.0):
+def settle(reader: TcpSource, keys, read, timeout: float = 20.0):
     """The link records of `keys` and `read()`, taken while nothing lands on those links
     (read() sees the same counts as the records)."""
     deadline = time.monotonic() + timeout
@@ -169,7 +173,9 @@ def probes(simlib):
 
 @pytest.fixture(scope="module")
 def reader(probes):
-    return TcpReader(probes.bpf)
+    r = TcpSource()
+    yield r
+    r.close()
 
 
 @pytest.fixture(scope="module")
@@ -179,15 +185,15 @@ def events(probes, reader):
     return got
 
 
-def drain(probes):
+def drain(reader):
     for _ in range(3):
-        probes.bpf.ring_buffer_poll(50)
+        reader.poll(50)
 
 
 # -------------------------------------------------------------------- tests --
 @pytest.mark.parametrize("ipv6", [False, True], ids=["ipv4", "ipv6"])
 def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, simlib, tmp_path, ipv6):
-    missed_before = probes.recursion_misses().get(RETRANSMIT_PROGRAM, 0)
+    missed_before = reader.recursion_misses().get(RETRANSMIT_PROGRAM, 0)
     with Cluster(4, name=f"tcp{int(ipv6)}") as cluster, Observer() as observer:
         cluster.set_loss(LOSSY, LOSS_PCT)
         segs_before = retrans_segs(cluster)
@@ -202,8 +208,8 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
         mine = {(l.saddr, l.daddr, l.port) for l in reader.links() if l.owner in pids}
 
         def read():
-            drain(probes)
-            return observer.hits(), list(events), reader.families("n1", pids.get)
+            drain(reader)
+            return observer.hits(), list(events), tcp_families("n1", reader, pids.get)
         links, (seen, evs, fams) = settle(reader, mine, read)
         segs = retrans_segs(cluster) - segs_before
         assert observer.overruns() == 0
@@ -223,7 +229,7 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
         for (s, d, _port), v in c.items():
             out[(s, d)] += v
         return +out
-    missed = probes.recursion_misses().get(RETRANSMIT_PROGRAM, 0) - missed_before
+    missed = reader.recursion_misses().get(RETRANSMIT_PROGRAM, 0) - missed_before
     assert_matches_observer(per_pair(exporter), per_pair(seen), missed)
     assert total <= segs
 
@@ -241,8 +247,8 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
     # The exported series: rank labels by owner, summed per label set.
     fams = {f.name: f for f in fams}
     exported = Counter()
-    for s in fams[contract.TCP_RETRANSMITS.removesuffix("_total")].samples:
-        if s.name != contract.TCP_RETRANSMITS:
+    for s in fams[metrics.TCP_RETRANSMITS.removesuffix("_total")].samples:
+        if s.name != metrics.TCP_RETRANSMITS:
             continue
         key = (s.labels["saddr"], s.labels["daddr"], int(s.labels["port"]))
         if key in mine:
@@ -256,13 +262,13 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
     for e in evs:
         if e.event == "tcp_retransmit_skb" and e.pid in pids:
             ev[(e.saddr, e.daddr, link_port(e.sport, e.dport))] += 1
-            assert e.as_dict()["timestamp_ns"] > 1_600_000_000 * 10**9
+            assert render.as_dict(e)["timestamp_ns"] > 1_600_000_000 * 10**9
     traced = Counter()
     for l in links:
         if l.owner in pids and l.retransmits:
             traced[(l.saddr, l.daddr, l.port)] += l.retransmits
     assert ev == traced
-    counters = probes.bpf["counters"]
+    counters = probes["counters"]
     for name in ("TCP_EVENTS_LOST", "LINKS_FULL", "SOCKETS_FULL"):
         assert counters[counters.Key(COUNTERS[name])].value == 0, name
 
@@ -301,7 +307,7 @@ GEN_CLIENT = textwrap.dedent("""
 def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events, tmp_path):
     # Data into the lossy host: its ingress drops make the sender retransmit
     # (an egress drop fails the local send instead, which TCP just retries).
-    missed_before = probes.recursion_misses().get(RETRANSMIT_PROGRAM, 0)
+    missed_before = reader.recursion_misses().get(RETRANSMIT_PROGRAM, 0)
     with Cluster(2, name="tcpgen") as cluster, Observer() as observer:
         cluster.set_loss(LOSSY, LOSS_PCT)
         srv, cli = cluster.hosts[LOSSY], cluster.hosts[0]
@@ -319,16 +325,16 @@ def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events,
         exporter = retransmits_by_key(links)
         seen = Counter({k: v for k, v in seen.items() if k in keys})
         segs = retrans_segs(cluster) - segs_before
-        drain(probes)
+        drain(reader)
 
     total = sum(exporter.values())
     print(f"\nuntraced: exporter {total} hits, observer {sum(seen.values())}, RetransSegs +{segs}")
     assert exporter[(cli.addr, srv.addr, GEN_PORT)] > 0, "bulk send into the lossy host: no retransmits"
-    missed = probes.recursion_misses().get(RETRANSMIT_PROGRAM, 0) - missed_before
+    missed = reader.recursion_misses().get(RETRANSMIT_PROGRAM, 0) - missed_before
     assert_matches_observer(exporter, seen, missed)
     assert total <= segs
     assert links and all(l.owner == 0 for l in links)
-    samples = [s for f in reader.families("n1", lambda pid: 7) for s in f.samples
+    samples = [s for f in tcp_families("n1", reader, lambda pid: 7) for s in f.samples
                if s.labels.get("port") == str(GEN_PORT)]
     assert samples and all(s.labels["rank"] == "" for s in samples)
     assert not [e for e in events[n_events:] if GEN_PORT in (e.sport, e.dport)]
@@ -361,7 +367,7 @@ def test_socket_owner_map_stays_bounded(probes, reader):
             probes.trace_process(p.pid, 0)
             p.stdin.write("go\n"); p.stdin.flush()
             assert p.stdout.readline().strip() == "10"
-            owned = [k for k, v in probes.bpf["sock_owner"].items() if v.tgid == p.pid]
+            owned = [k for k, v in reader["sock_owner"].items() if v.tgid == p.pid]
             p.stdin.write("end\n"); p.stdin.flush()
             assert p.wait(timeout=30) == 0
         finally:
@@ -413,7 +419,7 @@ def test_resets_are_counted_and_attributed(probes, reader, events):
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-        drain(probes)
+        drain(reader)
 
     links = {(l.saddr, l.daddr, l.port, l.owner): l for l in reader.links() if l.port == port}
     sent = links[(srv.addr, cli.addr, port, server.pid)]
@@ -421,7 +427,7 @@ def test_resets_are_counted_and_attributed(probes, reader, events):
     assert (sent.resets_sent, sent.resets_received) == (1, 0)
     assert (received.resets_sent, received.resets_received) == (0, 1)
     rank_of = {server.pid: 1, client.pid: 0}.get
-    resets = [s for f in reader.families("n1", rank_of) if f.name + "_total" == contract.TCP_RESETS
+    resets = [s for f in tcp_families("n1", reader, rank_of) if f.name + "_total" == metrics.TCP_RESETS
               for s in f.samples if s.labels["port"] == str(port)]
     got = {(s.labels["direction"], s.labels["saddr"], s.labels["rank"]): s.value for s in resets}
     assert got == {("sent", srv.addr, "1"): 1, ("received", cli.addr, "0"): 1}

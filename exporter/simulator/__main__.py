@@ -13,8 +13,8 @@ import collections
 import sys
 import tempfile
 
-from .build import build_library
-from .cluster import Cluster, cleanup_stale, run_job
+from exporter.simulator.build import build_library
+from exporter.simulator.cluster import Cluster, cleanup_stale, run_job
 
 
 def _pairs(items: list[str]) -> dict[int, int]:

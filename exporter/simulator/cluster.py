@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from .truth import load_truth
+from exporter.simulator.truth import load_truth
 
 PREFIX = "ncclsim-"
 LOSS_TABLE = "ncclsim_loss"

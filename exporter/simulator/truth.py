@@ -7,7 +7,7 @@ import os
 import pathlib
 from typing import Iterable
 
-from ..contract import COLLECTIVE_OPS as _COLLECTIVE_OPS
+from exporter.records.contract import COLLECTIVE_OPS as _COLLECTIVE_OPS
 
 COLLECTIVE_OPS = frozenset(_COLLECTIVE_OPS.values())
 

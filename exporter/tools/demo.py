@@ -9,7 +9,6 @@ reads its /metrics like Prometheus would and says what a user should see.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import contract, histogram
+from exporter.records import histogram, metrics
 
 STRAGGLER_DELAY_MS = 40
 COMPUTE_MS = 5  # every rank "computes" this long between collectives
@@ -35,7 +34,7 @@ def allreduce_histograms(families) -> dict[tuple[str, str], list[int]]:
     """(comm, rank) -> per-bucket counts of ALL_REDUCE, from a scrape."""
     cumulative: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for fam in families:
-        if fam.name != contract.COLLECTIVE_DURATION:
+        if fam.name != metrics.COLLECTIVE_DURATION:
             continue
         for s in fam.samples:
             if s.name.endswith("_bucket") and s.labels.get("op") == "ALL_REDUCE":
@@ -60,7 +59,7 @@ def wait_for(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
         try:
             # /metrics answers as soon as the port is bound; the probes are
             # attached when the exporter reports them.
-            if any(f.name == contract.EXPORTER_PROBE_ATTACHED and f.samples for f in scrape(url)):
+            if any(f.name == metrics.EXPORTER_PROBE_ATTACHED and f.samples for f in scrape(url)):
                 return
         except OSError:
             pass
@@ -69,9 +68,9 @@ def wait_for(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
 
 
 def main(args) -> int:
-    from .cli import parse_listen
-    from .simulator.build import build_library
-    from .simulator.cluster import Cluster, cleanup_stale, start_job
+    from exporter.tools.cli.options import parse_listen
+    from exporter.simulator.build import build_library
+    from exporter.simulator.cluster import Cluster, cleanup_stale, start_job
 
     ranks, lossy, straggler = args.ranks, args.lossy_rank, args.straggler_rank
     if ranks < 4:
@@ -169,7 +168,7 @@ def report_links(families, lossy: int) -> None:
     links: dict[tuple[str, str, str], float] = defaultdict(float)
     for fam in families:
         for s in fam.samples:
-            if s.name == contract.TCP_RETRANSMITS:
+            if s.name == metrics.TCP_RETRANSMITS:
                 links[(s.labels["saddr"], s.labels["daddr"], s.labels["rank"])] += s.value
     if not links:
         print("\nNo TCP retransmits were seen.")

@@ -1,8 +1,10 @@
-"""The agent: probes + library discovery + sinks, driven by one loop.
+"""The agent: the sources, library discovery and the listeners, driven by one loop.
 
-Data flows one way: kernel maps and the ring buffer -> MapReader records ->
-sinks (the Prometheus collector at scrape time; event callbacks such as the
-`trace` printer).
+Data flows one way: kernel maps and ring buffers -> the sources' records ->
+sinks (the Prometheus collector at scrape time; listeners such as the span
+sink, the recorder or the `trace` printer, called from the loop). The loop
+is also the only place that writes kernel state after start-up: pruning
+dead processes' entries, relative slow thresholds.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import libfind
-from .maps import EVENT_LIFECYCLE, CallEvent, MapReader, format_comm
-from .probes import NcclProbes
-from .processes import ProcessTable
-from .sched import SchedReader
-from .tcp import TcpReader
+from exporter.records import contract
+from exporter.records.events import format_comm
+from exporter.sources.bpf import ClockOffset
+from exporter.sources.nccl import libfind
+from exporter.sources.nccl.probes import NcclProbes
+from exporter.sources.nccl.reader import NcclReader
+from exporter.sources.processes import ProcessTable
+from exporter.sources.sched import SchedSource
+from exporter.sources.tcp import TcpSource
 
 log = logging.getLogger("nccl_exporter")
 
@@ -34,32 +39,37 @@ class AgentConfig:
     record_all: bool = False  # a ring-buffer event for every NCCL call, not only slow ones
     runq_event_min_ns: int = 0  # run-queue waits at least this long become events; 0: none
     rescan_interval: float = 0.5
+    prune_interval: float = 2.0  # forget dead processes' map entries this often
 
 
 class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
-        self.lock = threading.Lock()  # BCC objects: attach vs. scrape
+        self.lock = threading.Lock()  # BCC objects: attach and prune vs. scrape
+        self.clock = ClockOffset()
+        # The NCCL source first: it owns the maps the others share (bpf/traced.h).
         self.probes = NcclProbes()
-        self.reader = MapReader(self.probes.bpf)
+        self.reader = NcclReader(self.probes, self.clock)
+        self.tcp = TcpSource(self.clock)
+        self.sched = SchedSource(self.clock)
         self.processes = ProcessTable(self.probes)
         self.listeners: list = []  # callables taking a CallEvent, TcpEvent or SchedEvent
-        self.slow = None  # exporter.slow.SlowCallPolicy, set by whoever wants slow-call events
+        self.slow = None  # exporter.sinks.slow.SlowCallPolicy, set by whoever wants slow-call events
         self._found: queue.Queue = queue.Queue()
         self._watcher = None
+        self._next_prune = 0.0
         self.events_seen = 0
         self.reader.on_event(self._dispatch)
-        # The kernel side: TCP links and the scheduler, read at scrape time,
-        # and TCP events (retransmits, resets of traced sockets) as they come.
-        self.tcp = TcpReader(self.probes.bpf, self.reader.clock)
         self.tcp.on_event(self._dispatch_kernel)
-        self.sched = SchedReader(self.probes.bpf, self.reader.clock)
         self.sched.on_event(self._dispatch_kernel)
-        self.sections: list = [self.tcp.families, self.sched.families]
         if config.record_all:
             self.probes.set_record_all(True)
         if config.runq_event_min_ns:
-            self.probes.set_runq_event_min(config.runq_event_min_ns)
+            self.sched.set_runq_event_min(config.runq_event_min_ns)
+
+    @property
+    def sources(self) -> list:
+        return [self.probes, self.tcp, self.sched]
 
     # --- libraries ---------------------------------------------------------
 
@@ -95,9 +105,9 @@ class Agent:
 
     # --- events ------------------------------------------------------------
 
-    def _dispatch(self, event: CallEvent) -> None:
+    def _dispatch(self, event) -> None:
         self.events_seen += 1
-        if event.kind == EVENT_LIFECYCLE:
+        if event.kind == contract.EVENT_LIFECYCLE:
             self.processes.identity(event.pid)  # learns (and traces) a new process once
             log.info(
                 "%s pid=%d comm=%s nccl_comm_hash=%016x rank=%d nranks=%d result=%d %.1f ms",
@@ -114,9 +124,15 @@ class Agent:
 
     # --- the loop ----------------------------------------------------------
 
-    def step(self, timeout_ms: int = 200) -> None:
-        """One turn: deliver events, attach newly found libraries."""
+    def poll(self, timeout_ms: int = 100) -> None:
+        """Deliver what the ring buffers hold (waiting up to timeout_ms on the NCCL one)."""
         self.reader.poll(timeout_ms)
+        self.tcp.poll(0)
+        self.sched.poll(0)
+
+    def step(self, timeout_ms: int = 100) -> None:
+        """One turn: deliver events, attach newly found libraries, prune when due."""
+        self.poll(timeout_ms)
         if self.slow is not None:
             with self.lock:
                 self.slow.refresh()
@@ -126,16 +142,40 @@ class Agent:
             except queue.Empty:
                 break
             self._attach(lib)
+        now = time.monotonic()
+        if now >= self._next_prune:
+            self._next_prune = now + self.config.prune_interval
+            self.prune()
+
+    def prune(self) -> None:
+        """Forget the map entries and Python state of processes that are gone."""
+        with self.lock:
+            self.reader.forget_dead_processes()
+            self.sched.forget_dead_processes()
+        self.processes.forget_dead()
 
     def run_until(self, stop: threading.Event, deadline: float | None = None) -> None:
         while not stop.is_set():
             if deadline is not None and time.monotonic() >= deadline:
                 break
             self.step()
-        self.reader.poll(0)  # what is already in the ring buffer is not lost
+        self.poll(0)  # what is already in the ring buffers is not lost
+
+    def kernel_losses(self) -> dict:
+        """Events the kernel could not hand over, by source (for recordings' meta)."""
+        counters = self.reader.counters()
+        misses = self.tcp.recursion_misses()
+        return {"kernel_nccl_events": counters.get("EVENTS_LOST", 0),
+                "kernel_tcp_events": counters.get("TCP_EVENTS_LOST", 0),
+                "kernel_sched_events": counters.get("SCHED_EVENTS_LOST", 0),
+                # retransmits the kernel skipped: another BPF program was running on that CPU
+                "kernel_skipped_retransmits": misses.get("tracepoint__tcp__tcp_retransmit_skb", 0)}
 
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
         with self.lock:
+            # Dependents first: they hold references to the NCCL program's maps.
+            self.sched.close()
+            self.tcp.close()
             self.probes.close()

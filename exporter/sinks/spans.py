@@ -1,7 +1,7 @@
 """Span builder: one OpenTelemetry span per slow NCCL call.
 
 Slow calls arrive as CallEvents (bpf/nccl.c decides what is slow, see
-exporter/slow.py); TCP events arrive from the kernel-side probes. A call is
+exporter/sinks/slow.py); TCP events arrive from the kernel-side probes. A call is
 turned into a span a short while after it returned (`settle_s`), so the TCP
 events of its window, which travel on another ring buffer, are in by then.
 
@@ -33,9 +33,9 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from . import __version__, contract
-from .maps import EVENT_CALL, CallEvent, format_comm
-from .tcp import TcpEvent
+from exporter import __version__
+from exporter.records import contract, render
+from exporter.records.events import CallEvent, TcpEvent, format_comm
 
 log = logging.getLogger("nccl_exporter")
 
@@ -155,7 +155,7 @@ class SpanSink:
 
     def __call__(self, event) -> None:
         if isinstance(event, CallEvent):
-            if event.kind != EVENT_CALL:
+            if event.kind != contract.EVENT_CALL:
                 return
             with self.lock:
                 if len(self.pending) >= self.max_pending:
@@ -216,34 +216,14 @@ class SpanSink:
         tracer = self._provider(e.pid).get_tracer("nccl-exporter", __version__)
         if e.comm_hash and e.seq:
             self.ids.local.trace_id = trace_id_for(e.comm_hash, e.op, e.seq)
-        d = e.as_dict()
-        attributes = {
-            "nccl.op": e.op,
-            "nccl.comm_id_hash": format_comm(e.comm_hash),
-            "nccl.comm_hash": f"{e.nccl_hash:016x}" if e.nccl_hash else "",
-            "nccl.seq": e.seq,
-            "nccl.rank": e.rank,
-            "nccl.nranks": e.nranks,
-            "nccl.count": e.count,
-            "nccl.bytes": e.bytes,
-            "nccl.datatype": d["datatype"],
-            "nccl.red_op": d["red_op"],
-            "nccl.root": e.root,
-            "nccl.peer": e.peer,
-            "nccl.stream": d["stream"],
-            "nccl.result": d["result"],
-            "nccl.runq_wait_ns": e.runq_wait_ns,
-            "nccl.proxy_runq_wait_ns": e.proxy_wait_ns,
-            "process.pid": e.pid,
-            "thread.id": e.tid,
-        }
+        attributes = render.span_attributes(e)
         span = tracer.start_span(f"nccl.{e.op}", kind=SpanKind.INTERNAL, start_time=start,
                                  attributes=attributes)
         mine = elsewhere = 0
         for t in self.window.between(start, end):
             if t.pid == e.pid:
                 mine += 1
-                d = t.as_dict()
+                d = render.as_dict(t)
                 span.add_event(
                     "tcp.retransmit" if t.event == "tcp_retransmit_skb" else f"tcp.{t.event.removeprefix('tcp_')}",
                     attributes={"net.peer.addr": t.daddr, "net.host.addr": t.saddr,
@@ -256,7 +236,7 @@ class SpanSink:
         span.set_attribute("nccl.tcp_events", mine)
         span.set_attribute("nccl.host_retransmits_elsewhere", elsewhere)
         if e.result != 0:
-            span.set_status(Status(StatusCode.ERROR, d["result"]))
+            span.set_status(Status(StatusCode.ERROR, attributes["nccl.result"]))
         span.end(end_time=end)
         key = (e.op, format_comm(e.comm_hash), e.rank, e.nranks)
         trace_hex = f"{span.get_span_context().trace_id:032x}"

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from . import elf
+from exporter.sources.nccl import elf
 
 __all__ = [
     "Library",

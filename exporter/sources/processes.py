@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 
-from .identity import launcher_identity, process_command
+from exporter.sources.identity import launcher_identity, process_command
 
 
 class ProcessTable:

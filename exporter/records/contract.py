@@ -130,31 +130,79 @@ NCCL_FUNCTIONS = {
 }
 
 
-# --- Metric names (a contract with dashboards, alerts and users) -------------
+# --- The kernel side: map sizes, counter slots, record kinds ------------------
+# Map sizes are the bounds on what the kernel side can hold (and so on the
+# cardinality of what is exported). A full map is counted, never fatal.
 
-COLLECTIVE_DURATION = "nccl_collective_duration_seconds"
-COLLECTIVE_BYTES = "nccl_collective_bytes_total"
-CALL_ERRORS = "nccl_call_errors_total"
-LIFECYCLE_DURATION = "nccl_lifecycle_duration_seconds"
-INFLIGHT_OLDEST = "nccl_inflight_oldest_seconds"
-COMMUNICATOR_INFO = "nccl_communicator_info"
+MAX_SERIES = 2048      # (op, comm, rank, nranks) series: series_index / series_stats
+MAX_COMMS = 4096       # live communicators, all processes
+MAX_THREADS = 16384    # threads that have called NCCL (inflight slots)
+MAX_ERRORS = 512       # (op, result) pairs
+MAX_PROCESSES = 4096   # traced processes
+EVENT_PAGES = 256      # events ring buffer (bpf/nccl.c): 1 MiB
+MAX_SOCKETS = 65536    # sock_owner: sockets of traced processes (bpf/tcp.c)
+MAX_LINKS = 4096       # tcp_links: (family, saddr, daddr, port, owner) series
+TCP_EVENT_PAGES = 64   # tcp_events ring buffer: 256 KiB
+MAX_SCHED_THREADS = 65536  # thread_sched: scheduler state of traced threads (bpf/sched.c)
+SCHED_EVENT_PAGES = 256  # sched_events ring buffer (run-queue waits, recordings only): 1 MiB
 
-# Kernel side: TCP (bpf/tcp.c) and scheduler (bpf/sched.c).
-TCP_RETRANSMITS = "nccl_tcp_retransmits_total"
-TCP_RETRANSMIT_FAILURES = "nccl_tcp_retransmit_failures_total"
-TCP_RESETS = "nccl_tcp_resets_total"
-TCP_SRTT = "nccl_tcp_srtt_seconds"
-RUNQUEUE_DELAY = "nccl_runqueue_delay_seconds"
-OFFCPU = "nccl_offcpu_seconds_total"
+OP_COUNT = 32  # op codes are < 32; event_config[OP_COUNT] = record every call
 
-EXPORTER_BUILD_INFO = "nccl_exporter_build_info"
-EXPORTER_PROBE_ATTACHED = "nccl_exporter_probe_attached"
-EXPORTER_MAP_ENTRIES = "nccl_exporter_map_entries"
-EXPORTER_MAP_CAPACITY = "nccl_exporter_map_capacity"
-EXPORTER_MAP_FULL = "nccl_exporter_map_full_total"
-EXPORTER_EVENTS_LOST = "nccl_exporter_events_lost_total"
-EXPORTER_SCRAPE_DURATION = "nccl_exporter_scrape_duration_seconds"
-EXPORTER_SPANS = "nccl_exporter_spans_total"
-EXPORTER_BPF_MISSES = "nccl_exporter_bpf_recursion_misses_total"
+# Slots of the shared `counters` array (bpf/traced.h), as CNT_<name>.
+COUNTERS = {
+    "STATS_FULL": 0,
+    "COMMS_FULL": 1,
+    "INFLIGHT_FULL": 2,
+    "ERRORS_FULL": 3,
+    "EVENTS_LOST": 4,
+    "SOCKETS_FULL": 5,
+    "LINKS_FULL": 6,
+    "TCP_EVENTS_LOST": 7,
+    "SCHED_FULL": 8,
+    "SCHED_EVENTS_LOST": 9,
+}
+COUNTER_SLOTS = 16
+
+# Which counter says a map was full: (counter, map) as exported by
+# nccl_exporter_map_full_total{map=...}.
+MAP_FULL_COUNTERS = (
+    ("STATS_FULL", "series_index"),
+    ("COMMS_FULL", "communicators"),
+    ("INFLIGHT_FULL", "inflight"),
+    ("ERRORS_FULL", "call_errors"),
+    ("SOCKETS_FULL", "sock_owner"),
+    ("LINKS_FULL", "tcp_links"),
+    ("SCHED_FULL", "thread_sched"),
+)
+# Ring buffer losses by source: (counter, source).
+EVENTS_LOST_COUNTERS = (
+    ("EVENTS_LOST", "nccl"),
+    ("TCP_EVENTS_LOST", "tcp"),
+    ("SCHED_EVENTS_LOST", "sched"),
+)
+
+# Kinds of the NCCL call records on the `events` ring buffer (EVENT_*).
+EVENT_CALL = 1       # a slow call, or any call while recording
+EVENT_LIFECYCLE = 2  # a rare lifecycle call (init, split, destroy, ...)
+
+# Event kinds of bpf/tcp.c (TCP_EV_*) -> event names (tcp_events.event).
+TCP_EVENTS = {
+    1: "tcp_retransmit_skb",
+    2: "tcp_retransmit_failed",
+    3: "tcp_send_reset",
+    4: "tcp_receive_reset",
+}
+TCP_EVENT_MACROS = {1: "RETRANSMIT", 2: "RETRANSMIT_FAILED", 3: "SEND_RESET", 4: "RECEIVE_RESET"}
+
+# srtt histogram of bpf/tcp.c: bucket i holds srtt <= 2^i us (i < SRTT_FINITE),
+# the last one everything above.
+SRTT_FINITE = 24
+
+# Thread kinds of bpf/sched.c (SCHED_KIND_*): the thread label.
+THREAD_KINDS = {0: "other", 1: "caller", 2: "proxy"}
+
+# Run-queue delay histogram of bpf/sched.c, in us: bucket 0: d <= 1 us;
+# bucket k (1..RUNQ_MAX_LOG2): 2^(k-1) < d <= 2^k us; the last: above.
+RUNQ_MAX_LOG2 = 22
 
 DEFAULT_PORT = 9862

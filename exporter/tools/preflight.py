@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, TextIO
 
-from . import libfind
+from exporter.sources.nccl import libfind
 
 __all__ = ["Check", "run_checks", "main", "bpf_map_create_works"]
 

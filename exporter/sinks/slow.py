@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from . import contract, histogram
+from exporter.records import contract, histogram
 
 DEFAULT_THRESHOLD_NS = 50_000_000
 
@@ -45,7 +45,7 @@ class SlowCallPolicy:
         if now < self._next_refresh:
             return
         self._next_refresh = now + self.interval
-        table = self.probes.bpf["series_threshold"]
+        table = self.probes["series_threshold"]
         for s in self.reader.series():
             if s.op not in contract.COLLECTIVE_OPS.values() or s.slot < 0:
                 continue

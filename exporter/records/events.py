@@ -1,0 +1,181 @@
+"""The typed records every stage shares: what the sources decode from the
+kernel's maps and ring buffers, and what the sinks publish.
+
+Sources (exporter/sources/) build these; sinks (exporter/sinks/) and tools
+read them and never touch BCC. Their text form (trace output, recording
+rows, span attributes) is made in one place: exporter/records/render.py
+(render.as_dict(record)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def format_comm(h: int) -> str:
+    """Label value of a communicator hash; 'unknown' when the agent never saw it made."""
+    return f"{h:016x}" if h else "unknown"
+
+
+# --- NCCL calls (bpf/nccl.c) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Series:
+    """Calls of one op on one communicator by one rank, as counted in the kernel."""
+
+    op: str
+    comm_hash: int
+    rank: int
+    nranks: int
+    calls: int
+    bytes: int
+    sum_ns: int
+    buckets: tuple[int, ...]
+    slot: int = -1  # index in the kernel's series_stats array
+
+
+@dataclass(frozen=True)
+class Communicator:
+    pid: int
+    handle: int
+    comm_hash: int
+    nccl_hash: int
+    rank: int
+    nranks: int
+
+
+@dataclass(frozen=True)
+class InflightCall:
+    tid: int
+    op: str
+    comm_hash: int
+    rank: int
+    nranks: int
+    start_ns: int  # CLOCK_MONOTONIC
+
+
+@dataclass(frozen=True)
+class CallEvent:
+    """One NCCL call that crossed to user space (slow, lifecycle, or recorded)."""
+
+    kind: int  # contract.EVENT_CALL | EVENT_LIFECYCLE
+    op: str
+    pid: int
+    tid: int
+    start_ns: int  # CLOCK_MONOTONIC, as the kernel saw it
+    end_ns: int
+    start_real_ns: int  # wall clock, converted with the agent's clock offset
+    comm: int
+    comm_hash: int
+    nccl_hash: int
+    seq: int
+    rank: int
+    nranks: int
+    count: int
+    bytes: int
+    datatype: int
+    red_op: int
+    root: int
+    peer: int
+    stream: int
+    result: int
+    color: int
+    runq_wait_ns: int = 0  # the calling thread's run-queue wait during the call
+    proxy_wait_ns: int = 0  # the process's NCCL proxy threads' run-queue wait during it
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+# --- TCP (bpf/tcp.c) ---------------------------------------------------------------
+
+AF_INET = 2
+AF_INET6 = 10
+
+TCP_STATES = {
+    1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2",
+    6: "TIME_WAIT", 7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN",
+    11: "CLOSING", 12: "NEW_SYN_RECV",
+}
+
+
+@dataclass(frozen=True)
+class TcpLink:
+    """Counts of one (local, remote, port, owner) link, as kept in the kernel."""
+
+    family: int
+    saddr: str
+    daddr: str
+    port: int
+    owner: int  # tgid of the socket's owner; 0 = untraced or unknown
+    retransmits: int      # tcp_retransmit_skb hits (skbs, not segments) that sent
+    failures: int         # tcp_retransmit_skb hits with err != 0 (kernel >= 6.17)
+    resets_sent: int
+    resets_received: int
+
+
+@dataclass(frozen=True)
+class TcpSrtt:
+    """Smoothed-RTT samples (one per tcp_probe hit) of a traced process's link."""
+
+    family: int
+    saddr: str
+    daddr: str
+    port: int
+    owner: int
+    count: int
+    sum_us: int
+    buckets: tuple[int, ...]  # per bucket, not cumulative; last = overflow
+
+
+@dataclass(frozen=True)
+class TcpEvent:
+    """A retransmit or reset on a traced process's socket."""
+
+    kind: int
+    event: str
+    timestamp_ns: int       # CLOCK_MONOTONIC, as the kernel saw it
+    timestamp_real_ns: int  # wall clock, via the agent's clock offset
+    family: int
+    saddr: str
+    daddr: str
+    sport: int
+    dport: int
+    state: int
+    pid: int
+    tid: int
+    seq: int  # 0: not a tracepoint argument on this kernel
+
+
+# --- Scheduler (bpf/sched.c) ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class SchedStats:
+    """Run-queue delay and off-CPU time of one (process, thread kind)."""
+
+    pid: int
+    thread: str  # caller | proxy | other
+    count: int  # run-queue delay samples (switch-ins after waiting runnable)
+    sum_ns: int
+    offcpu_ns: int
+    buckets: tuple[int, ...]
+
+    @property
+    def sum_seconds(self) -> float:
+        return self.sum_ns / 1e9
+
+
+@dataclass(frozen=True)
+class SchedEvent:
+    """One run-queue wait of a traced thread: runnable from timestamp for duration."""
+
+    timestamp_ns: int       # CLOCK_MONOTONIC: when it became runnable
+    timestamp_real_ns: int  # the same, wall clock
+    duration_ns: int        # until it was switched in
+    pid: int
+    tid: int
+    thread: str             # caller | proxy | other
+    comm: str               # the thread's name
+    cpu: int
+    op: str                 # the NCCL call it was inside ("" for none)

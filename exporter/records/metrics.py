@@ -1,0 +1,143 @@
+"""Metric names, types, label sets and help texts: a contract with
+dashboards, alerts and users, defined once.
+
+The Prometheus sink builds every family from these specs; the dashboard and
+alert tests check every expression against them (names and labels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str    # without the _total suffix prometheus_client adds to counters
+    kind: str    # counter | gauge | histogram
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def exposed(self) -> tuple[str, ...]:
+        """The sample names Prometheus stores for this family."""
+        if self.kind == "counter":
+            return (self.name + "_total",)
+        if self.kind == "histogram":
+            return (self.name + "_bucket", self.name + "_sum", self.name + "_count")
+        return (self.name,)
+
+
+LINK = ("node", "saddr", "daddr", "port", "rank")
+_ALL: list[Metric] = []
+
+
+def _m(name: str, kind: str, labels: tuple[str, ...], help_text: str) -> str:
+    """Register a metric; returns its name as exposed (counters with _total),
+    the form dashboards and alerts use."""
+    base = name.removesuffix("_total") if kind == "counter" else name
+    _ALL.append(Metric(base, kind, labels, help_text))
+    return name
+
+
+# --- The NCCL call surface (bpf/nccl.c) -------------------------------------------
+
+COLLECTIVE_DURATION = _m(
+    "nccl_collective_duration_seconds", "histogram", ("node", "op", "comm", "rank", "nranks"),
+    "Duration of NCCL collective and point-to-point API calls, from entry to return of the "
+    "library function (on a GPU this is host-side time: enqueue, or the wait when the call blocks).")
+COLLECTIVE_BYTES = _m(
+    "nccl_collective_bytes_total", "counter", ("node", "op", "comm", "rank"),
+    "Bytes named by NCCL calls: the count argument times the datatype size (per-rank send count "
+    "for ALL_GATHER/GATHER, per-rank receive count for REDUCE_SCATTER/SCATTER, per-peer count "
+    "for ALL_TO_ALL).")
+CALL_ERRORS = _m(
+    "nccl_call_errors_total", "counter", ("node", "op", "result"),
+    "NCCL API calls that returned something other than ncclSuccess, by op and ncclResult_t.")
+LIFECYCLE_DURATION = _m(
+    "nccl_lifecycle_duration_seconds", "histogram", ("node", "op"),
+    "Duration of NCCL lifecycle calls (communicator init/split/destroy, group end, ...).")
+INFLIGHT_OLDEST = _m(
+    "nccl_inflight_oldest_seconds", "gauge", ("node", "op", "comm", "rank"),
+    "Age of the oldest NCCL call still inside the library, per op, communicator and rank. "
+    "A value that keeps growing is a hang.")
+COMMUNICATOR_INFO = _m(
+    "nccl_communicator_info", "gauge",
+    ("node", "comm", "nccl_comm_hash", "rank", "nranks", "pid", "launcher", "launcher_rank", "world_size"),
+    "One per live communicator of a traced process (value 1).")
+
+# --- Kernel side: TCP (bpf/tcp.c) and scheduler (bpf/sched.c) --------------------------
+
+TCP_RETRANSMITS = _m(
+    "nccl_tcp_retransmits_total", "counter", LINK,
+    "TCP retransmissions on a link, counted as tcp_retransmit_skb tracepoint hits, i.e. "
+    "retransmitted skbs that were sent. One skb can carry many segments under GSO/TSO, so this "
+    "is not comparable to the kernel's RetransSegs (node_exporter's "
+    "node_netstat_Tcp_RetransSegs), which counts segments. port: the link's service port; "
+    "rank: the owning process's rank, empty when the socket's owner is untraced or unknown.")
+TCP_RETRANSMIT_FAILURES = _m(
+    "nccl_tcp_retransmit_failures_total", "counter", LINK,
+    "TCP retransmission attempts that failed (tcp_retransmit_skb hits with err != 0: nothing "
+    "was sent, e.g. the qdisc or a local queue refused it). Counted on kernels >= 6.17 only; "
+    "0 before.")
+TCP_RESETS = _m(
+    "nccl_tcp_resets_total", "counter", ("node", "direction", "saddr", "daddr", "port", "rank"),
+    "TCP resets (RST segments) sent or received on a link, one per tcp_send_reset / "
+    "tcp_receive_reset tracepoint hit.")
+TCP_SRTT = _m(
+    "nccl_tcp_srtt_seconds", "histogram", LINK,
+    "Smoothed round-trip time of traced processes' TCP sockets (the kernel's srtt, in seconds), "
+    "one sample per tcp_probe tracepoint hit (an incoming segment on an established socket).")
+RUNQUEUE_DELAY = _m(
+    "nccl_runqueue_delay_seconds", "histogram", ("node", "rank", "thread"),
+    "Time threads of NCCL processes waited runnable on a CPU run queue before they ran (woken "
+    "or preempted, until switched in), by thread kind: caller (threads that call NCCL), proxy "
+    "(NCCL's own 'NCCL ...' threads), other.")
+OFFCPU = _m(
+    "nccl_offcpu_seconds_total", "counter", ("node", "rank", "thread"),
+    "Time threads of NCCL processes spent asleep (switched out while not runnable, until "
+    "woken), by thread kind.")
+
+# --- The exporter itself ------------------------------------------------------------------
+
+EXPORTER_BUILD_INFO = _m(
+    "nccl_exporter_build_info", "gauge", ("node", "version"), "nccl-exporter version (value 1).")
+EXPORTER_PROBE_ATTACHED = _m(
+    "nccl_exporter_probe_attached", "gauge", ("node", "library", "function"),
+    "1 when the function of that library is probed, 0 when it is missing from the library or "
+    "could not be attached. Aliases probed through their twin at the same address are not listed.")
+EXPORTER_MAP_ENTRIES = _m(
+    "nccl_exporter_map_entries", "gauge", ("node", "map"), "Entries in each BPF map.")
+EXPORTER_MAP_CAPACITY = _m(
+    "nccl_exporter_map_capacity", "gauge", ("node", "map"), "Capacity of each BPF map.")
+EXPORTER_MAP_FULL = _m(
+    "nccl_exporter_map_full_total", "counter", ("node", "map"),
+    "Updates dropped because a BPF map was full (those calls are not counted).")
+EXPORTER_EVENTS_LOST = _m(
+    "nccl_exporter_events_lost_total", "counter", ("node", "source"),
+    "Events dropped because a ring buffer to user space was full, by source (nccl, tcp, sched).")
+EXPORTER_SCRAPE_DURATION = _m(
+    "nccl_exporter_scrape_duration_seconds", "gauge", ("node",),
+    "Time this scrape spent reading the BPF maps.")
+EXPORTER_SPANS = _m(
+    "nccl_exporter_spans_total", "counter", ("node", "outcome"),
+    "Spans of slow calls by outcome: exported to the OTLP backend, failed to export (backend "
+    "down or refusing), or dropped before export because the backend was behind (the probe "
+    "path never waits for it).")
+EXPORTER_BPF_MISSES = _m(
+    "nccl_exporter_bpf_recursion_misses_total", "counter", ("node", "program"),
+    "Tracepoint/uprobe hits the kernel did not run a program for, because another BPF program "
+    "was already running on that CPU (e.g. a retransmit in a softirq that interrupted a "
+    "scheduler probe). Those hits are missing from every count.")
+
+ALL: tuple[Metric, ...] = tuple(_ALL)
+BY_NAME: dict[str, Metric] = {m.name: m for m in ALL}
+
+
+def spec(name: str) -> Metric:
+    """The Metric of a name as exposed or as declared (with or without _total)."""
+    return BY_NAME[name.removesuffix("_total") if name.endswith("_total") else name]
+
+
+def exposed_names() -> dict[str, Metric]:
+    """Every sample name Prometheus stores -> its Metric."""
+    return {sample: m for m in ALL for sample in m.exposed}

@@ -1,0 +1,176 @@
+"""The one renderer of records as fields: the recording's rows, `trace`'s
+JSON and text lines, and span attributes all come from here, so a field has
+one name and one format everywhere (the column names of docs/schema.md).
+
+A `Renderer` memoizes the formatting of repeated values (communicator
+hashes, stream pointers): the recorder renders 200k events a second.
+"""
+
+from __future__ import annotations
+
+import time
+
+from exporter.records import contract
+from exporter.records.events import (
+    AF_INET6,
+    TCP_STATES,
+    CallEvent,
+    SchedEvent,
+    TcpEvent,
+    format_comm,
+)
+
+# Field order of each table; the recording's INSERTs use these (schema.py).
+NCCL_FIELDS = ("timestamp_ns", "duration_ns", "op", "rank", "nranks", "comm_id_hash",
+               "nccl_comm_hash", "seq", "count", "bytes", "datatype", "red_op", "peer", "root",
+               "stream", "result", "pid", "tid", "node", "kind", "runq_wait_ns", "proxy_runq_wait_ns")
+TCP_FIELDS = ("timestamp_ns", "event", "family", "saddr", "daddr", "sport", "dport", "state",
+              "seq", "pid", "tid", "rank", "node")
+SCHED_FIELDS = ("timestamp_ns", "pid", "tid", "event", "duration_ns", "node", "rank", "thread",
+                "comm", "cpu", "op")
+FIELDS = {"nccl": NCCL_FIELDS, "tcp": TCP_FIELDS, "sched": SCHED_FIELDS}
+
+_LIFECYCLE_NAMES = frozenset(contract.LIFECYCLE_OPS.values())
+_DATATYPES = {code: name for code, (name, _size) in contract.NCCL_DATATYPES.items()}
+
+
+def _opt_text(v):
+    return None if v is None else str(v)
+
+
+class Renderer:
+    """Records -> field tuples in FIELDS order (None: not applicable)."""
+
+    def __init__(self, node: str = ""):
+        self.node = node
+        self._hash: dict[int, str] = {}
+        self._hex: dict[int, str] = {}
+
+    def comm(self, h: int) -> str:
+        s = self._hash.get(h)
+        if s is None:
+            if len(self._hash) > 65536:
+                self._hash.clear()
+            s = self._hash[h] = format_comm(h)
+        return s
+
+    def hexa(self, v: int) -> str:
+        s = self._hex.get(v)
+        if s is None:
+            if len(self._hex) > 4096:
+                self._hex.clear()
+            s = self._hex[v] = hex(v)
+        return s
+
+    def call(self, e: CallEvent) -> tuple:
+        dt, rop = e.datatype, e.red_op
+        return (
+            e.start_real_ns, e.end_ns - e.start_ns, e.op, e.rank, e.nranks,
+            self.comm(e.comm_hash), self.comm(e.nccl_hash), e.seq, e.count, e.bytes,
+            (_DATATYPES.get(dt) or contract.datatype_name(dt)) if dt >= 0 else None,
+            contract.redop_name(rop) if rop >= 0 else None,
+            e.peer if e.peer >= 0 else None, e.root if e.root >= 0 else None,
+            self.hexa(e.stream), contract.NCCL_RESULTS.get(e.result) or contract.result_name(e.result),
+            e.pid, e.tid, self.node,
+            "lifecycle" if e.kind == contract.EVENT_LIFECYCLE or e.op in _LIFECYCLE_NAMES else "call",
+            e.runq_wait_ns, e.proxy_wait_ns,
+        )
+
+    def tcp(self, e, rank=None) -> tuple:
+        """A TcpEvent, or a dict with TCP_FIELDS keys (pre-rendered rows, tests, benches)."""
+        if isinstance(e, dict):
+            family = e.get("family")
+            if family in (2, 10):
+                family = "ipv6" if family == 10 else "ipv4"
+            return (
+                e["timestamp_ns"], e["event"], family, _opt_text(e.get("saddr")), _opt_text(e.get("daddr")),
+                e.get("sport"), e.get("dport"), _opt_text(e.get("state")), e.get("seq") or None,
+                e.get("pid") or None, e.get("tid") or None, e.get("rank", rank), self.node,
+            )
+        return (
+            e.timestamp_real_ns, e.event, "ipv6" if e.family == AF_INET6 else "ipv4", e.saddr, e.daddr,
+            e.sport, e.dport, TCP_STATES.get(e.state, str(e.state)), e.seq or None,
+            e.pid or None, e.tid or None, rank, self.node,
+        )
+
+    def sched(self, e, rank=None) -> tuple:
+        if isinstance(e, dict):
+            return (e["timestamp_ns"], e["pid"], e.get("tid"), e["event"], e["duration_ns"], self.node,
+                    rank, e.get("thread"), e.get("comm"), e.get("cpu"), e.get("op"))
+        return (e.timestamp_real_ns, e.pid, e.tid, "runq_wait", e.duration_ns, self.node,
+                rank, e.thread, e.comm, e.cpu, e.op or None)
+
+    def row(self, event, rank=None) -> tuple[str, tuple | None]:
+        """('nccl' | 'tcp' | 'sched', fields) for a record; ('', None) for anything else."""
+        what = table_of(event)
+        if what == "nccl":
+            return what, self.call(event)
+        if what == "tcp":
+            return what, self.tcp(event, rank)
+        if what == "sched":
+            return what, self.sched(event, rank)
+        return "", None
+
+    def as_dict(self, event, rank=None) -> dict:
+        what, fields = self.row(event, rank)
+        return dict(zip(FIELDS[what], fields)) if what else {}
+
+
+def table_of(event) -> str:
+    """Which table a record (or a pre-rendered dict) belongs to; '' for none."""
+    if isinstance(event, CallEvent):
+        return "nccl"
+    if isinstance(event, TcpEvent):
+        return "tcp"
+    if isinstance(event, SchedEvent):
+        return "sched"
+    if isinstance(event, dict):
+        name = str(event.get("event", ""))
+        if name.startswith("tcp_"):
+            return "tcp"
+        if "duration_ns" in event and "pid" in event and name:
+            return "sched"
+    return ""
+
+
+_plain = Renderer()
+
+
+def as_dict(event, node: str = "") -> dict:
+    """A record as {field: value}, the recording's column names."""
+    r = _plain if not node else Renderer(node)
+    return r.as_dict(event)
+
+
+def text(event) -> str:
+    """One line for `trace`'s text output."""
+    d = as_dict(event)
+    ts = d.get("timestamp_ns") or 0
+    stamp = time.strftime("%H:%M:%S", time.localtime(ts / 1e9)) + f".{(ts % 1_000_000_000) // 1000:06d}"
+    if not isinstance(event, CallEvent):
+        rest = " ".join(f"{k}={v}" for k, v in d.items() if k not in ("timestamp_ns", "node") and v is not None)
+        return f"{stamp} {rest}"
+    parts = [stamp, f"pid={d['pid']}", f"tid={d['tid']}", f"{d['op']:<22}",
+             f"comm={d['comm_id_hash']}", f"rank={d['rank']}/{d['nranks']}"]
+    if d["op"] in contract.COLLECTIVE_OPS.values():
+        parts += [f"count={d['count']}", d["datatype"] or "", f"bytes={d['bytes']}"]
+        if d["red_op"]:
+            parts.append(d["red_op"])
+        if d["root"] is not None:
+            parts.append(f"root={d['root']}")
+        if d["peer"] is not None:
+            parts.append(f"peer={d['peer']}")
+        parts.append(f"seq={d['seq']}")
+    parts += [f"{d['duration_ns'] / 1e6:.3f}ms", d["result"]]
+    return " ".join(parts)
+
+
+def span_attributes(event: CallEvent) -> dict:
+    """OTLP span attributes of a call: its fields under 'nccl.' (None omitted),
+    and the process/thread under the OpenTelemetry conventions' names."""
+    d = as_dict(event)
+    out = {f"nccl.{k}": v for k, v in d.items()
+           if v is not None and k not in ("pid", "tid", "node", "timestamp_ns", "duration_ns")}
+    out["process.pid"] = d["pid"]
+    out["thread.id"] = d["tid"]
+    return out

@@ -1,0 +1,280 @@
+"""The Prometheus sink: reads the sources at scrape time and builds the
+metric families of exporter/records/metrics.py.
+
+Nothing is cached between scrapes except the per-process launcher identity;
+every number comes from the kernel's maps when Prometheus asks. A scrape
+only reads: pruning dead processes' entries is the agent loop's job.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    Exemplar,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.utils import floatToGoString
+
+from exporter import __version__
+from exporter.records import contract, histogram, metrics
+from exporter.records.events import format_comm
+from exporter.sources import sched as sched_source
+from exporter.sources import tcp as tcp_source
+from exporter.sources.nccl import probes as nccl_probes
+
+COLLECTIVE_BOUNDS_S = [b / 1e9 for b in histogram.UPPER_BOUNDS_NS]
+SRTT_BOUNDS_S = [(1 << i) * 1e-6 for i in range(contract.SRTT_FINITE)]
+
+
+def label(value: int) -> str:
+    """rank / nranks label: the number, or 'unknown' (-1)."""
+    return str(value) if value >= 0 else "unknown"
+
+
+def family(name: str):
+    """An empty family of a metric of the contract (exporter/records/metrics.py)."""
+    m = metrics.spec(name)
+    make = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}[m.kind]
+    return make(m.name, m.help, labels=list(m.labels))
+
+
+def filled(name: str, values: dict[tuple, float]):
+    """A counter or gauge family with one sample per label tuple, in sorted order."""
+    f = family(name)
+    for label_values, v in sorted(values.items()):
+        f.add_metric(list(label_values), v)
+    return f
+
+
+class Histograms:
+    """The one histogram builder: sums per-bucket counts that land on the
+    same label set, then exposes them cumulatively with `le` formatted as
+    prometheus_client does. `bounds`: finite upper bounds in seconds; each
+    count list has one more slot (the overflow)."""
+
+    def __init__(self, name: str, bounds: list[float]):
+        self.spec = metrics.spec(name)
+        self.bounds = bounds
+        self.le = [floatToGoString(b) for b in bounds]
+        self.buckets: dict[tuple, list[int]] = {}
+        self.sums: dict[tuple, float] = defaultdict(float)
+
+    def add(self, labels: tuple, counts, sum_seconds: float) -> None:
+        acc = self.buckets.setdefault(labels, [0] * (len(self.bounds) + 1))
+        for i, n in enumerate(counts[: len(acc)]):
+            acc[i] += n
+        acc[-1] += sum(counts[len(acc):])  # anything past the layout is overflow
+        self.sums[labels] += sum_seconds
+
+    def family(self, exemplars: dict | None = None) -> HistogramMetricFamily:
+        """exemplars: labels -> (trace id, duration ns, unix time): the latest slow
+        call's trace, shown on its bucket (OpenMetrics exposition only)."""
+        f = HistogramMetricFamily(self.spec.name, self.spec.help, labels=list(self.spec.labels))
+        for labels in sorted(self.buckets):
+            counts = self.buckets[labels]
+            cumulative, total = [], 0
+            for le, n in zip(self.le, counts):
+                total += n
+                cumulative.append((le, total))
+            cumulative.append(("+Inf", total + counts[-1]))
+            ex = (exemplars or {}).get(labels)
+            if ex:
+                trace_id, duration_ns, ts = ex
+                i = min(histogram.bucket_of(duration_ns), len(cumulative) - 1)
+                le, count = cumulative[i]
+                cumulative[i] = (le, count, Exemplar({"trace_id": trace_id}, duration_ns / 1e9, ts))
+            f.add_metric(list(labels), cumulative, self.sums[labels])
+        return f
+
+
+class NcclCollector:
+    """Every family, read from the sources when Prometheus scrapes.
+
+    nccl: an NcclReader; tcp, sched: the kernel-side sources (None when off);
+    processes: the ProcessTable (ranks and launcher identity); spans: the span
+    sink, when traces are exported (exemplars, span counts).
+    """
+
+    def __init__(self, node: str, nccl, processes, tcp=None, sched=None, spans=None, lock=None):
+        self.lock = lock or threading.Lock()  # held while reading: BCC objects are shared
+        self.node = node
+        self.nccl = nccl
+        self.processes = processes
+        self.tcp = tcp
+        self.sched = sched
+        self.spans = spans
+
+    def collect(self):
+        started = time.perf_counter()
+        with self.lock:
+            # Communicators of processes that are gone are not shown; the
+            # agent's loop deletes their entries (a scrape only reads).
+            alive: dict[int, bool] = {}
+            comms = [c for c in self.nccl.communicators()
+                     if alive.setdefault(c.pid, os.path.exists(f"/proc/{c.pid}"))]
+            families = [
+                *self._collectives(),
+                *self._errors(),
+                *self._inflight(),
+                *self._communicators(comms),
+                *self._tcp(comms),
+                *self._sched(comms),
+                *self._self_metrics(),
+            ]
+        yield from families
+        yield filled(metrics.EXPORTER_SCRAPE_DURATION, {(self.node,): time.perf_counter() - started})
+
+    # --- the NCCL call surface ------------------------------------------------------
+
+    def _collectives(self):
+        node = self.node
+        durations = Histograms(metrics.COLLECTIVE_DURATION, COLLECTIVE_BOUNDS_S)
+        lifecycle = Histograms(metrics.LIFECYCLE_DURATION, COLLECTIVE_BOUNDS_S)
+        nbytes: dict[tuple, int] = defaultdict(int)
+        for s in self.nccl.series():
+            if s.op in contract.COLLECTIVE_OPS.values():
+                comm = format_comm(s.comm_hash)
+                durations.add((node, s.op, comm, label(s.rank), label(s.nranks)), s.buckets, s.sum_ns / 1e9)
+                nbytes[(node, s.op, comm, label(s.rank))] += s.bytes
+            else:
+                lifecycle.add((node, s.op), s.buckets, s.sum_ns / 1e9)
+        exemplars = {}
+        if self.spans is not None:
+            for (op, comm, rank, nranks), ex in list(self.spans.exemplars.items()):
+                exemplars[(node, op, comm, label(rank), label(nranks))] = ex
+        yield durations.family(exemplars)
+        yield filled(metrics.COLLECTIVE_BYTES, nbytes)
+        yield lifecycle.family()
+
+    def _errors(self):
+        yield filled(metrics.CALL_ERRORS, {(self.node, op, result): n
+                                           for (op, result), n in self.nccl.errors().items()})
+
+    def _inflight(self):
+        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        oldest: dict[tuple, float] = {}
+        for call in self.nccl.inflight():
+            key = (self.node, call.op, format_comm(call.comm_hash), label(call.rank))
+            oldest[key] = max(oldest.get(key, 0), max(0, now - call.start_ns) / 1e9)
+        yield filled(metrics.INFLIGHT_OLDEST, oldest)
+
+    def _communicators(self, comms):
+        f = family(metrics.COMMUNICATOR_INFO)
+        for c in sorted(comms, key=lambda c: (c.pid, c.comm_hash)):
+            who = self.processes.identity(c.pid)
+            f.add_metric(
+                [
+                    self.node,
+                    format_comm(c.comm_hash),
+                    f"{c.nccl_hash:016x}" if c.nccl_hash else "",
+                    label(c.rank),
+                    label(c.nranks),
+                    str(c.pid),
+                    who.get("launcher") or "",
+                    _opt(who.get("rank")),
+                    _opt(who.get("world_size")),
+                ],
+                1,
+            )
+        yield f
+
+    # --- the kernel side ---------------------------------------------------------------
+
+    def _tcp(self, comms):
+        if self.tcp is not None:
+            yield from tcp_families(self.node, self.tcp, lambda pid: self.processes.rank_of(pid, comms))
+
+    def _sched(self, comms):
+        if self.sched is not None:
+            yield from sched_families(self.node, self.sched, lambda pid: self.processes.rank_of(pid, comms))
+
+    # --- the exporter itself -------------------------------------------------------------
+
+    def _sources(self):
+        """(program, capacities) of every loaded source."""
+        yield self.nccl.probes, nccl_probes.MAP_CAPACITY
+        if self.tcp is not None:
+            yield self.tcp, tcp_source.MAP_CAPACITY
+        if self.sched is not None:
+            yield self.sched, sched_source.MAP_CAPACITY
+
+    def _self_metrics(self):
+        node = self.node
+        yield filled(metrics.EXPORTER_BUILD_INFO, {(node, __version__): 1})
+        attached = family(metrics.EXPORTER_PROBE_ATTACHED)
+        for report in self.nccl.probes.reports:
+            for fn in report.attached:
+                attached.add_metric([node, report.path, fn], 1)
+            for fn in [*report.missing, *report.failed]:
+                attached.add_metric([node, report.path, fn], 0)
+        yield attached
+        entries, capacity, misses = {}, {}, {}
+        for program, caps in self._sources():
+            for name, cap in caps.items():
+                entries[(node, name)] = program.entries(name)
+                capacity[(node, name)] = cap
+            for fn, n in program.recursion_misses().items():
+                misses[(node, fn)] = n
+        yield filled(metrics.EXPORTER_MAP_ENTRIES, entries)
+        yield filled(metrics.EXPORTER_MAP_CAPACITY, capacity)
+        counters = self.nccl.counters()
+        yield filled(metrics.EXPORTER_MAP_FULL, {(node, m): counters[c] for c, m in contract.MAP_FULL_COUNTERS})
+        yield filled(metrics.EXPORTER_EVENTS_LOST,
+                     {(node, source): counters[c] for c, source in contract.EVENTS_LOST_COUNTERS})
+        yield filled(metrics.EXPORTER_BPF_MISSES, misses)
+        if self.spans is not None:
+            yield filled(metrics.EXPORTER_SPANS, {(node, o): n for o, n in self.spans.counts().items()})
+
+
+def _rank_label(rank_of, pid: int) -> str:
+    """A kernel-side series' rank label: the owner's rank, '' when unknown."""
+    if not pid:
+        return ""
+    r = rank_of(pid)
+    return "" if r is None or r == -1 else str(r)
+
+
+def tcp_families(node: str, tcp, rank_of) -> list:
+    """The TCP families of a TcpSource; rank_of(pid) -> rank or None labels each owner.
+    Links of owners with the same rank are summed."""
+    retrans: dict[tuple, int] = defaultdict(int)
+    failures: dict[tuple, int] = defaultdict(int)
+    resets: dict[tuple, int] = defaultdict(int)
+    for link in tcp.links():
+        labels = (node, link.saddr, link.daddr, str(link.port), _rank_label(rank_of, link.owner))
+        if link.retransmits:
+            retrans[labels] += link.retransmits
+        if link.failures:
+            failures[labels] += link.failures
+        if link.resets_sent:
+            resets[(node, "sent", *labels[1:])] += link.resets_sent
+        if link.resets_received:
+            resets[(node, "received", *labels[1:])] += link.resets_received
+    srtt = Histograms(metrics.TCP_SRTT, SRTT_BOUNDS_S)
+    for s in tcp.srtt():
+        labels = (node, s.saddr, s.daddr, str(s.port), _rank_label(rank_of, s.owner))
+        srtt.add(labels, s.buckets, s.sum_us * 1e-6)
+    return [filled(metrics.TCP_RETRANSMITS, retrans), filled(metrics.TCP_RETRANSMIT_FAILURES, failures),
+            filled(metrics.TCP_RESETS, resets), srtt.family()]
+
+
+def sched_families(node: str, sched, rank_of) -> list:
+    """nccl_runqueue_delay_seconds and nccl_offcpu_seconds_total of a SchedSource,
+    labelled {node, rank, thread}; processes with the same rank and kind are summed."""
+    runq = Histograms(metrics.RUNQUEUE_DELAY, list(sched_source.RUNQ_BOUNDS))
+    offcpu: dict[tuple, float] = defaultdict(float)
+    for s in sched.stats():
+        labels = (node, _rank_label(rank_of, s.pid), s.thread)
+        runq.add(labels, s.buckets, s.sum_ns / 1e9)
+        offcpu[labels] += s.offcpu_ns / 1e9
+    return [runq.family(), filled(metrics.OFFCPU, offcpu)]
+
+
+def _opt(v) -> str:
+    return "" if v is None else str(v)

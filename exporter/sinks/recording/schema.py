@@ -1,0 +1,162 @@
+"""The recording's schema: tables, migrations and opening a file for writing.
+
+The schema (docs/schema.md) is versioned with PRAGMA user_version;
+MIGRATIONS[i] takes a database from version i to i + 1. Column order of the
+event tables is the renderer's (exporter/records/render.py), so a field has
+one name everywhere.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS
+
+# --- schema ---------------------------------------------------------------------
+
+# MIGRATIONS[i]: the SQL steps from user_version i to i + 1. Append only:
+# a released step is never edited (databases in the field have run it).
+MIGRATIONS: list[list[str]] = [
+    # 0 -> 1: the tables
+    [
+        """CREATE TABLE nccl_events (
+            timestamp_ns   INTEGER NOT NULL,  -- call start, wall clock ns since the epoch
+            duration_ns    INTEGER NOT NULL,
+            op             TEXT    NOT NULL,  -- contract.OPS: ALL_REDUCE, SEND, COMM_INIT_RANK, ...
+            rank           INTEGER,           -- rank in the communicator (-1: unknown)
+            nranks         INTEGER,
+            comm_id_hash   TEXT,              -- 16 hex digits, or 'unknown'
+            nccl_comm_hash TEXT,
+            seq            INTEGER,           -- this rank's n-th call of op on the communicator
+            count          INTEGER,
+            bytes          INTEGER,
+            datatype       TEXT,              -- ncclFloat32, ... (NULL: not applicable)
+            red_op         TEXT,              -- ncclSum, ... (NULL: not applicable)
+            peer           INTEGER,           -- SEND/RECV (NULL: not applicable)
+            root           INTEGER,           -- rooted collectives (NULL: not applicable)
+            stream         TEXT,
+            result         TEXT,              -- ncclSuccess, ...
+            pid            INTEGER NOT NULL,
+            tid            INTEGER NOT NULL,
+            node           TEXT    NOT NULL,
+            kind           TEXT    NOT NULL   -- 'call' | 'lifecycle'
+        )""",
+        """CREATE TABLE tcp_events (
+            timestamp_ns INTEGER NOT NULL,
+            event        TEXT    NOT NULL,    -- tcp_retransmit_skb | tcp_retransmit_failed |
+                                              -- tcp_send_reset | tcp_receive_reset
+            family       TEXT,                -- ipv4 | ipv6
+            saddr        TEXT,
+            daddr        TEXT,
+            sport        INTEGER,
+            dport        INTEGER,
+            state        TEXT,
+            seq          INTEGER,             -- NULL when the tracepoint does not give it
+            pid          INTEGER,             -- owner: the traced process of the socket
+            tid          INTEGER,
+            rank         INTEGER,             -- the owner's rank (launcher rank, else its rank in
+                                              -- its largest communicator; NULL: unknown)
+            node         TEXT    NOT NULL
+        )""",
+        """CREATE TABLE processes (
+            pid          INTEGER NOT NULL,
+            node         TEXT    NOT NULL,
+            launcher     TEXT,                -- torchrun | slurm | mpi | ''
+            launcher_rank INTEGER,
+            world_size   INTEGER,
+            command      TEXT,
+            netns        INTEGER,             -- inode of /proc/<pid>/ns/net
+            first_seen_ns INTEGER,
+            PRIMARY KEY (node, pid)
+        )""",
+        """CREATE TABLE communicators (
+            node           TEXT    NOT NULL,
+            pid            INTEGER NOT NULL,
+            comm_id_hash   TEXT    NOT NULL,
+            nccl_comm_hash TEXT,
+            rank           INTEGER,
+            nranks         INTEGER,
+            first_seen_ns  INTEGER,
+            PRIMARY KEY (node, pid, comm_id_hash)
+        )""",
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)",
+    ],
+    # 1 -> 2: scheduler view, and the indexes of the documented queries
+    [
+        "ALTER TABLE nccl_events ADD COLUMN runq_wait_ns INTEGER",  # NULL: not measured
+        """CREATE TABLE sched_events (
+            timestamp_ns INTEGER NOT NULL,
+            pid          INTEGER NOT NULL,
+            tid          INTEGER,
+            event        TEXT    NOT NULL,    -- runq_wait | offcpu
+            duration_ns  INTEGER NOT NULL,
+            node         TEXT    NOT NULL
+        )""",
+        "CREATE INDEX nccl_events_time ON nccl_events (timestamp_ns)",
+        "CREATE INDEX tcp_events_event_time ON tcp_events (event, timestamp_ns)",
+        "CREATE INDEX sched_events_time ON sched_events (timestamp_ns)",
+    ],
+    # 2 -> 3: sched_events filled (which thread, inside which call), proxy waits per call
+    [
+        "ALTER TABLE nccl_events ADD COLUMN proxy_runq_wait_ns INTEGER",  # NULL: not measured
+        "ALTER TABLE sched_events ADD COLUMN rank INTEGER",
+        "ALTER TABLE sched_events ADD COLUMN thread TEXT",   # caller | proxy | other
+        "ALTER TABLE sched_events ADD COLUMN comm TEXT",     # the thread's name
+        "ALTER TABLE sched_events ADD COLUMN cpu INTEGER",
+        "ALTER TABLE sched_events ADD COLUMN op TEXT",       # the NCCL call it waited in; NULL: none
+    ],
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+# Indexes built when a recording ends, not kept up while recording: their
+# keys arrive in random order, and keeping them up costs most of the
+# writer's throughput (docs/schema.md, Performance). A recording that was
+# killed lacks them; every query still answers, by scanning.
+DEFERRED_INDEXES = [
+    "CREATE INDEX IF NOT EXISTS nccl_events_op_duration ON nccl_events (op, duration_ns)",
+    "CREATE INDEX IF NOT EXISTS nccl_events_comm_seq ON nccl_events (comm_id_hash, op, seq)",
+]
+
+def _insert(table: str, fields: tuple[str, ...]) -> str:
+    return f"INSERT INTO {table} ({', '.join(fields)}) VALUES ({', '.join('?' * len(fields))})"
+
+
+INSERT = {
+    "nccl": _insert("nccl_events", NCCL_FIELDS),
+    "tcp": _insert("tcp_events", TCP_FIELDS),
+    "sched": _insert("sched_events", SCHED_FIELDS),
+}
+
+
+class StoreError(RuntimeError):
+    """The database cannot be created or written (one line)."""
+
+
+def migrate(conn: sqlite3.Connection, target: int = SCHEMA_VERSION) -> int:
+    """Bring a database to `target`; returns the version it had."""
+    have = conn.execute("PRAGMA user_version").fetchone()[0]
+    if have > SCHEMA_VERSION:
+        raise StoreError(f"database schema version {have} is newer than this nccl-exporter "
+                         f"({SCHEMA_VERSION}): upgrade nccl-exporter")
+    for version in range(have, target):
+        with conn:  # one transaction per step: a crash leaves the previous version
+            for sql in MIGRATIONS[version]:
+                conn.execute(sql)
+            conn.execute(f"PRAGMA user_version = {version + 1}")
+    return have
+
+
+def open_db(path: str) -> sqlite3.Connection:
+    """Open (creating) a recording for writing, migrated to SCHEMA_VERSION."""
+    try:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode = WAL")
+        # A killed process loses nothing the OS has: OFF skips only the fsyncs
+        # that protect against power loss (the tail of the recording).
+        conn.execute("PRAGMA synchronous = OFF")
+        conn.execute("PRAGMA cache_size = -65536")  # KiB: 64 MiB at most
+        conn.execute("PRAGMA wal_autocheckpoint = 8192")
+        migrate(conn)
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"cannot record to {path}: {e}") from None
+    return conn

@@ -1,0 +1,342 @@
+"""Record what the agent sees to SQLite: one file per recording, queried with SQL.
+
+    recorder = Recorder("nccl.db", node="gpu-017", scope=Scope(pids={1234}))
+    agent.listeners.append(recorder)     # called from the ring-buffer poll
+    ...
+    recorder.close()                     # flushes everything, writes the summary to meta
+
+The listener never blocks: it filters by scope and appends the event object
+to a bounded queue (a counted drop when full). One writer thread turns the
+events into rows (exporter/records/render.py) and commits them in batches
+(every BATCH_ROWS rows or BATCH_SECONDS, whichever comes first) to a WAL
+database, so a killed recorder leaves a valid file holding every committed
+batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import sqlite3
+import threading
+import time
+
+from exporter import __version__
+from exporter.records.events import CallEvent
+from exporter.records.render import Renderer, table_of
+from exporter.sinks.recording.schema import DEFERRED_INDEXES, INSERT, SCHEMA_VERSION, StoreError, open_db
+
+# Batching and bounds (env overrides are for tests and benchmarks).
+BATCH_ROWS = 5000
+BATCH_SECONDS = 0.2
+QUEUE_MAX = int(os.environ.get("NCCL_EXPORTER_STORE_QUEUE") or 65536)
+META_EVERY_S = 1.0
+
+
+# --- scope ----------------------------------------------------------------------
+
+def netns_inode(spec: str | int) -> int:
+    """--netns PATH|INODE -> the namespace inode ('net:[4026532]' also accepted)."""
+    text = str(spec).strip()
+    if text.startswith("net:[") and text.endswith("]"):
+        text = text[5:-1]
+    if text.isdigit():
+        return int(text)
+    try:
+        return os.stat(text).st_ino
+    except OSError as e:
+        raise StoreError(f"--netns {spec}: {e.strerror or e}") from None
+
+
+def pid_netns(pid: int, proc: str = "/proc") -> int | None:
+    try:
+        return os.stat(f"{proc}/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+class Scope:
+    """Which processes a recording keeps: given pids and/or one network namespace.
+
+    Empty scope: everything. A process's namespace is read once, on its
+    first event, and remembered (an event arrives while its process lives).
+    """
+
+    def __init__(self, pids=(), netns: int | None = None, proc: str = "/proc"):
+        self.pids = set(int(p) for p in pids)
+        self.netns = netns
+        self.proc = proc
+        self._verdict: dict[int, bool] = {}
+
+    @property
+    def everything(self) -> bool:
+        return not self.pids and self.netns is None
+
+    def __contains__(self, pid) -> bool:
+        if self.everything:
+            return True
+        v = self._verdict.get(pid)
+        if v is None:
+            v = pid in self.pids or (self.netns is not None and pid_netns(pid, self.proc) == self.netns)
+            self._verdict[pid] = v
+        return v
+
+    def describe(self) -> str:
+        parts = []
+        if self.pids:
+            parts.append("pid " + ",".join(str(p) for p in sorted(self.pids)))
+        if self.netns is not None:
+            parts.append(f"netns {self.netns}")
+        return " or ".join(parts) or "all processes"
+
+
+# --- the recorder -----------------------------------------------------------------
+
+class Recorder:
+    """A listener that records events to SQLite from a writer thread."""
+
+    def __init__(self, path: str, node: str | None = None, scope: Scope | None = None,
+                 queue_max: int | None = None, batch_rows: int = BATCH_ROWS,
+                 batch_seconds: float = BATCH_SECONDS, clock_offset_ns: int | None = None,
+                 identify_processes: bool = True):
+        self.path = path
+        self.node = node or socket.gethostname()
+        self.scope = scope or Scope()
+        self.queue_max = int(queue_max or QUEUE_MAX)
+        self.batch_rows = batch_rows
+        self.batch_seconds = batch_seconds
+        self.identify_processes = identify_processes
+        self._q: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        # Counters: the producer (poll thread) writes offered/dropped/out_of_scope,
+        # the writer thread writes the recorded ones.
+        self.offered = 0
+        self.dropped = 0
+        self.out_of_scope = 0
+        self.recorded = {"nccl": 0, "tcp": 0, "sched": 0}
+        self.kernel_lost: dict[str, int] = {}
+        self.started_ns = time.time_ns()
+        self.ended_ns: int | None = None
+        self._rows = Renderer(self.node)
+        self._seen_pids: set[int] = set()
+        self._seen_comms: set[tuple[int, int]] = set()
+        self._comm_rows: list = []
+        self._world: dict[int, tuple[int, int]] = {}  # pid -> (nranks, rank) of its largest comm
+        self._launcher_rank: dict[int, int] = {}
+        self._extra_meta: dict[str, str] = {}
+        self.conn = open_db(path)
+        meta = {
+            "node": self.node,
+            "agent_version": __version__,
+            "schema_version": str(SCHEMA_VERSION),
+            "hostname": socket.gethostname(),
+            "start_ns": str(self.started_ns),
+            "scope": self.scope.describe(),
+            "clock_offset_ns": "" if clock_offset_ns is None else str(clock_offset_ns),
+            "queue_max": str(self.queue_max),
+        }
+        with self.conn:
+            self.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
+        self._write_meta(final=False)
+        self._thread = threading.Thread(target=self._writer, name="nccl-store", daemon=True)
+        self._thread.start()
+
+    # --- producer side (the ring-buffer poll): never blocks ----------------------
+
+    def __call__(self, event) -> None:
+        self.offered += 1
+        pid = getattr(event, "pid", None)
+        if pid is None and isinstance(event, dict):
+            pid = event.get("pid")
+        if not self.scope.everything and (pid is None or pid not in self.scope):
+            self.out_of_scope += 1
+            return
+        q = self._q
+        n = len(q)
+        if n >= self.queue_max:
+            self.dropped += 1
+            return
+        q.append(event)
+        if n + 1 == self.batch_rows:
+            self._wake.set()
+
+    def note(self, **meta) -> None:
+        """Extra meta keys (e.g. clock_offset_ns), written with the next meta update."""
+        self._extra_meta.update({k: str(v) for k, v in meta.items()})
+
+    def set_kernel_lost(self, **counts: int) -> None:
+        """Losses before the recorder (ring buffers full): written to meta."""
+        self.kernel_lost.update({k: int(v) for k, v in counts.items()})
+
+    @property
+    def queued(self) -> int:
+        return len(self._q)
+
+    @property
+    def total_recorded(self) -> int:
+        return sum(self.recorded.values())
+
+    @property
+    def total_lost(self) -> int:
+        return self.dropped + sum(self.kernel_lost.values())
+
+    # --- writer thread ---------------------------------------------------------------
+
+    def _writer(self) -> None:
+        last_meta = time.monotonic()
+        try:
+            while True:
+                stopping = self._stop.is_set()
+                batch = self._drain()
+                if batch:
+                    self._write(batch)
+                now = time.monotonic()
+                if now - last_meta >= META_EVERY_S:
+                    self._write_meta(final=False)
+                    last_meta = now
+                if stopping and not self._q:
+                    break
+                if len(batch) < self.batch_rows:
+                    self._wake.wait(self.batch_seconds)
+                    self._wake.clear()
+        except BaseException as e:  # reported by close(); the producer keeps counting drops
+            self._error = e
+            self.queue_max = 0
+
+    def _drain(self) -> list:
+        q = self._q
+        n = min(len(q), self.batch_rows)
+        pop = q.popleft
+        return [pop() for _ in range(n)]
+
+    def _write(self, batch: list) -> None:
+        rows = self._rows
+        nccl, tcp, sched = [], [], []
+        procs = []
+        seen = self._seen_pids
+        for event in batch:
+            if type(event) is CallEvent:
+                what, pid = "nccl", event.pid
+                if event.comm_hash and (pid, event.comm_hash) not in self._seen_comms:
+                    self._learn_comm(event)
+            else:
+                what = table_of(event)
+                if not what:
+                    continue
+                pid = event.get("pid") if isinstance(event, dict) else event.pid
+            if pid and pid not in seen:  # first: its launcher rank labels this very row
+                seen.add(pid)
+                if self.identify_processes:
+                    procs.append(self._process_row(pid))
+            if what == "nccl":
+                nccl.append(rows.call(event))
+            elif what == "tcp":
+                tcp.append(rows.tcp(event, self._rank_of(pid)))
+            else:
+                sched.append(rows.sched(event, self._rank_of(pid)))
+        comms, self._comm_rows = self._comm_rows, []
+        c = self.conn
+        c.execute("BEGIN")
+        try:
+            if nccl:
+                c.executemany(INSERT["nccl"], nccl)
+            if tcp:
+                c.executemany(INSERT["tcp"], tcp)
+            if sched:
+                c.executemany(INSERT["sched"], sched)
+            if procs:
+                c.executemany("INSERT OR IGNORE INTO processes VALUES (?, ?, ?, ?, ?, ?, ?, ?)", procs)
+            if comms:
+                c.executemany("INSERT OR IGNORE INTO communicators VALUES (?, ?, ?, ?, ?, ?, ?)", comms)
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        self.recorded["nccl"] += len(nccl)
+        self.recorded["tcp"] += len(tcp)
+        self.recorded["sched"] += len(sched)
+
+    def _learn_comm(self, e) -> None:
+        self._seen_comms.add((e.pid, e.comm_hash))
+        self._comm_rows.append((self.node, e.pid, self._rows.comm(e.comm_hash),
+                                self._rows.comm(e.nccl_hash), e.rank, e.nranks, e.start_real_ns))
+        # A process's rank, for its TCP events: its rank in its largest communicator,
+        # unless the launcher said (processes table).
+        best = self._world.get(e.pid)
+        if e.rank >= 0 and (best is None or e.nranks > best[0]):
+            self._world[e.pid] = (e.nranks, e.rank)
+
+    def _rank_of(self, pid):
+        r = self._launcher_rank.get(pid)
+        if r is not None:
+            return r
+        best = self._world.get(pid)
+        return best[1] if best else None
+
+    def _process_row(self, pid: int) -> tuple:
+        from exporter.sources.identity import launcher_identity, process_command
+
+        who = launcher_identity(pid)
+        if who["rank"] is not None:
+            self._launcher_rank[pid] = who["rank"]
+        return (pid, self.node, who["launcher"], who["rank"], who["world_size"], process_command(pid),
+                pid_netns(pid), time.time_ns())
+
+    def _write_meta(self, final: bool) -> None:
+        meta = {
+            "last_commit_ns": str(time.time_ns()),
+            "events_offered": str(self.offered),
+            "events_recorded": str(self.total_recorded),
+            "nccl_events_recorded": str(self.recorded["nccl"]),
+            "tcp_events_recorded": str(self.recorded["tcp"]),
+            "sched_events_recorded": str(self.recorded["sched"]),
+            "lost_queue_full": str(self.dropped),
+            "out_of_scope": str(self.out_of_scope),
+            **{f"lost_{k}": str(v) for k, v in self.kernel_lost.items()},
+            "lost_total": str(self.total_lost),
+            **self._extra_meta,
+        }
+        if final:
+            meta["end_ns"] = str(self.ended_ns)
+        with self.conn:
+            self.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
+
+    # --- shutdown ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Write everything queued, the final meta, and leave a single-file database."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+        self.ended_ns = time.time_ns()
+        try:
+            if self._error is None:
+                self._write_meta(final=True)
+            for sql in DEFERRED_INDEXES:
+                self.conn.execute(sql)
+            # Fold the WAL into the main file so the recording is one portable file.
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self.conn.execute("PRAGMA journal_mode = DELETE")
+        except sqlite3.DatabaseError:
+            pass
+        finally:
+            self.conn.close()
+        if self._error is not None:
+            raise StoreError(f"recording to {self.path} failed: {self._error}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def summary(self) -> str:
+        kernel = sum(self.kernel_lost.values())
+        return (f"{self.recorded['nccl']} NCCL calls, {self.recorded['tcp']} TCP events, "
+                f"{self.recorded['sched']} scheduler events recorded to {self.path}; "
+                f"lost {self.total_lost} (kernel ring buffer {kernel}, recorder queue full {self.dropped})")

@@ -1,0 +1,132 @@
+"""The NCCL call surface: bpf/nccl.c compiled with BCC and attached to libraries.
+
+One `NcclProbes` per agent. `attach(path)` puts a uprobe and a uretprobe on
+every public NCCL function the library exports, once per address: `ncclX` is
+a weak alias of `pncclX`, and two probes on one address would count every
+call twice.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from exporter.records import contract
+from exporter.sources.bpf import Program
+from exporter.sources.nccl.elf import exported_functions
+
+
+def entry_stub(op: str, layout: str) -> str:
+    return f"enter_{op.lower()}_{layout}"
+
+
+def generated_stubs() -> str:
+    """One uprobe entry function per (op, argument layout) of the contract."""
+    stubs = sorted({(op, layout) for op, layout in contract.NCCL_FUNCTIONS.values()})
+    return "".join(
+        f"int {entry_stub(op, layout)}(struct pt_regs *ctx) "
+        f"{{ return enter_{layout}(ctx, OP_{op}); }}\n"
+        for op, layout in stubs
+    )
+
+
+# Capacity of each map this program owns, for nccl_exporter_map_capacity.
+MAP_CAPACITY = {
+    "series_index": contract.MAX_SERIES,
+    "communicators": contract.MAX_COMMS,
+    "inflight": contract.MAX_THREADS,
+    "call_errors": contract.MAX_ERRORS,
+    "traced_processes": contract.MAX_PROCESSES,
+}
+
+
+@dataclass
+class AttachReport:
+    """What happened when one library was attached."""
+
+    path: str
+    attached: dict[str, str] = field(default_factory=dict)  # function -> op
+    aliases: dict[str, str] = field(default_factory=dict)   # function -> the one probed at its address
+    missing: list[str] = field(default_factory=list)        # not exported by this library
+    failed: dict[str, str] = field(default_factory=dict)    # function -> error
+
+
+class NcclProbes(Program):
+    """bpf/nccl.c compiled, and the libraries it is attached to. It owns the
+    maps shared with the other programs (bpf/traced.h): load it first."""
+
+    def __init__(self, extra_cflags: tuple[str, ...] = ()):
+        super().__init__("nccl", extra_source=generated_stubs(), extra_cflags=extra_cflags)
+        self.reports: list[AttachReport] = []
+        self._attached_files: set[tuple[int, int]] = set()
+
+    def attach(self, path: str) -> AttachReport | None:
+        """Probe every public NCCL function of `path`; None if already done."""
+        st = os.stat(path)
+        file_id = (st.st_dev, st.st_ino)
+        if file_id in self._attached_files:
+            return None
+        exported = exported_functions(path)
+        report = AttachReport(path=path)
+        by_address: dict[int, str] = {}
+        for function, (op, layout) in contract.NCCL_FUNCTIONS.items():
+            address = exported.get(function, exported.get("p" + function))
+            if address is None:
+                report.missing.append(function)
+                continue
+            if address in by_address:
+                report.aliases[function] = by_address[address]
+                continue
+            by_address[address] = function
+            try:
+                self.bpf.attach_uprobe(name=path, addr=address, fn_name=entry_stub(op, layout))
+                self.bpf.attach_uretprobe(name=path, addr=address, fn_name="on_return")
+            except Exception as e:
+                report.failed[function] = str(e)
+                continue
+            report.attached[function] = op
+        self._attached_files.add(file_id)
+        self.reports.append(report)
+        return report
+
+    # --- settings written into the kernel ---------------------------------
+
+    def set_record_all(self, on: bool) -> None:
+        cfg = self["event_config"]
+        cfg[cfg.Key(contract.OP_COUNT)] = cfg.Leaf(1 if on else 0)
+
+    def set_slow_threshold(self, op: str, threshold_ns: int) -> None:
+        cfg = self["event_config"]
+        cfg[cfg.Key(contract.OP_CODES[op])] = cfg.Leaf(int(threshold_ns))
+
+    def trace_process(self, pid: int, rank: int | None, proc: str = "/proc") -> None:
+        """Trace a process (it uses NCCL) and its existing threads; rank None: unknown."""
+        table = self["traced_processes"]
+        table[table.Key(pid)] = table.Leaf(-1 if rank is None else int(rank))
+        bits = self["traced_threads"]
+        try:
+            tids = [int(t) for t in os.listdir(f"{proc}/{pid}/task")]
+        except OSError:
+            tids = [pid]
+        for tid in tids:
+            key = bits.Key(tid // 64)
+            bits[key] = bits.Leaf(bits[key].value | (1 << (tid % 64)))
+        gen = self["comm_generation"]  # threads re-read their cached identity
+        gen[gen.Key(0)] = gen.Leaf(gen[gen.Key(0)].value + 1)
+
+    def close(self) -> None:
+        """Detach everything. Removing a uprobe waits for an RCU grace period
+        (~0.2 s on 6.x kernels); done one by one, 64 probes take ~15 s, so
+        they are closed in parallel and the grace periods overlap."""
+        names = list(self.bpf.uprobe_fds)
+        if names:
+            with ThreadPoolExecutor(max_workers=min(32, len(names))) as pool:
+                list(pool.map(self._detach_quietly, names))
+        super().close()
+
+    def _detach_quietly(self, name) -> None:
+        try:
+            self.bpf.detach_uprobe_event(name)
+        except Exception:  # already gone; cleanup() retries what is left
+            pass

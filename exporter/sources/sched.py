@@ -1,0 +1,119 @@
+"""The scheduler source: bpf/sched.c loaded, and its maps and ring buffer as records.
+
+Run-queue delay and off-CPU time per (process, thread kind) of traced
+processes (`stats()`), and run-queue waits as SchedEvent records once
+`set_runq_event_min()` asks for them (recordings do: the sched_events
+table). Needs bpf/nccl.c loaded first (it owns the traced processes and
+threads): without it nothing is traced and this source reports nothing.
+"""
+
+from __future__ import annotations
+
+from exporter.records import contract
+from exporter.records.events import SchedEvent, SchedStats
+from exporter.sources.bpf import ClockOffset, Program, forget_dead
+
+KINDS = contract.THREAD_KINDS
+KIND_CODES = {name: code for code, name in KINDS.items()}
+RUNQ_MAX_LOG2 = contract.RUNQ_MAX_LOG2
+RUNQ_SLOTS = RUNQ_MAX_LOG2 + 2
+# Upper bounds in seconds of the finite buckets: 1 us, 2 us, ... 2^22 us (~4.19 s).
+RUNQ_BOUNDS = tuple((1 << k) * 1e-6 for k in range(RUNQ_MAX_LOG2 + 1))
+
+# Capacity of each map this program owns, for nccl_exporter_map_capacity.
+MAP_CAPACITY = {
+    "thread_sched": contract.MAX_SCHED_THREADS,
+    "sched_stats": contract.MAX_PROCESSES * len(KINDS),
+}
+
+
+def runq_bucket(ns: int) -> int:
+    """The bucket bpf/sched.c puts a delay of `ns` nanoseconds in (for tests)."""
+    us = (ns + 999) // 1000
+    if us <= 1:
+        return 0
+    k = (us - 1).bit_length()  # log2_floor(us - 1) + 1
+    return min(k, RUNQ_MAX_LOG2 + 1)
+
+
+def tgid_of(tid: int, proc: str = "/proc") -> int:
+    """The process of a thread, from /proc (0 when it is gone)."""
+    try:
+        with open(f"{proc}/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class SchedSource(Program):
+    """bpf/sched.c: reads `sched_stats` and `thread_sched`, and the
+    `sched_events` ring buffer."""
+
+    def __init__(self, clock: ClockOffset | None = None):
+        super().__init__("sched")
+        self.clock = clock or ClockOffset()
+
+    def set_runq_event_min(self, min_wait_ns: int) -> None:
+        """Run-queue waits of traced threads at least this long become events; 0: none."""
+        cfg = self["sched_config"]
+        cfg[cfg.Key(0)] = cfg.Leaf(int(min_wait_ns))
+
+    def decode_event(self, data) -> SchedEvent:
+        e = self["sched_events"].event(data)
+        return SchedEvent(
+            timestamp_ns=e.runnable_ns,
+            timestamp_real_ns=self.clock.to_realtime(e.runnable_ns),
+            duration_ns=e.wait_ns,
+            pid=e.pid or tgid_of(e.tid),  # a thread's first wait comes before its process is learnt
+            tid=e.tid,
+            thread=KINDS.get(e.kind, f"kind{e.kind}"),
+            comm=bytes(e.comm).split(b"\0", 1)[0].decode("utf-8", "replace"),
+            cpu=e.cpu,
+            op=contract.OPS.get(e.op, "") if e.op else "",
+        )
+
+    def on_event(self, callback) -> None:
+        """Call `callback(SchedEvent)` for each run-queue wait event, from bpf.ring_buffer_poll()."""
+        self.open_ring("sched_events", self.decode_event, callback)
+
+    # --- plain accessors ---------------------------------------------------
+
+    def stats(self) -> list[SchedStats]:
+        out = []
+        for k, v in self["sched_stats"].items():
+            out.append(
+                SchedStats(
+                    pid=k.tgid,
+                    thread=KINDS.get(k.kind, f"kind{k.kind}"),
+                    count=v.count,
+                    sum_ns=v.sum_ns,
+                    offcpu_ns=v.offcpu_ns,
+                    buckets=tuple(v.buckets),
+                )
+            )
+        return out
+
+    def by_process(self, pid: int) -> dict[str, SchedStats]:
+        """thread kind -> stats of one process."""
+        return {s.thread: s for s in self.stats() if s.pid == pid}
+
+    def runqueue_wait_ns(self, pid: int, thread: str | None = None) -> int:
+        """Cumulative run-queue delay of a process (one thread kind, or all)."""
+        return sum(s.sum_ns for s in self.stats()
+                   if s.pid == pid and (thread is None or s.thread == thread))
+
+    def proxy_wait_ns(self, pid: int) -> int:
+        """Cumulative run-queue wait of a process's NCCL proxy threads: the
+        counter a span snapshots at a call's entry and return."""
+        return self.runqueue_wait_ns(pid, "proxy")
+
+    def tracked_threads(self) -> set[int]:
+        """Thread ids that have a `thread_sched` entry."""
+        return {k.value for k in self["thread_sched"].keys()}
+
+    def forget_dead_processes(self, proc: str = "/proc") -> int:
+        """Drop sched_stats of processes that are gone; returns how many entries."""
+        return forget_dead(self["sched_stats"], proc)

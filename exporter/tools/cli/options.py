@@ -1,0 +1,189 @@
+"""What every command shares: the error type, argument parsers, options
+defined once, logging, signals, and starting the agent."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+
+from exporter.records import contract
+
+
+class CliError(Exception):
+    """Bad input or an unusable host: printed as one line, exit 2."""
+
+
+# --- argument helpers -------------------------------------------------------
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """'2m' -> 120.0 seconds; plain numbers are seconds."""
+    m = _DURATION.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30s, 2m, 1h, 500ms)")
+    value, unit = float(m.group(1)), m.group(2) or "s"
+    return value * {"us": 1e-6, "ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
+DEFAULT_RUNQ_WAIT_MIN = "100us"
+
+
+def parse_runq_wait_min(text: str) -> int:
+    """--runq-wait-min: 'off' -> 0 (no scheduler events); a duration -> ns (0 -> 1: every wait)."""
+    if str(text).strip().lower() == "off":
+        return 0
+    try:
+        return max(1, round(parse_duration(text) * 1e9))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"not a duration or 'off': {text!r} (try 100us, 1ms, 0, off)") from None
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """'HOST:PORT', ':PORT' or 'PORT' -> (host, port)."""
+    host, _, port = str(text).rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        number = int(port)
+    except ValueError:
+        raise CliError(f"--listen {text!r}: expected HOST:PORT, e.g. 0.0.0.0:{contract.DEFAULT_PORT}") from None
+    if not 0 < number < 65536:
+        raise CliError(f"--listen {text!r}: port must be 1-65535")
+    return host, number
+
+
+CONFIG_KEYS = {"node", "listen", "nccl_libs", "log_level", "otlp_endpoint", "otlp_protocol",
+               "slow_threshold", "slow_relative"}
+
+
+def load_config(path: str | None) -> dict:
+    """The TOML config file (keys: node, listen, nccl_libs, log_level)."""
+    if not path:
+        return {}
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            cfg = tomllib.load(f)
+    except FileNotFoundError:
+        raise CliError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise CliError(f"config file {path} is not valid TOML: {e}") from None
+    unknown = set(cfg) - CONFIG_KEYS
+    if unknown:
+        raise CliError(f"config file {path}: unknown key(s) {', '.join(sorted(unknown))}; "
+                       f"known: {', '.join(sorted(CONFIG_KEYS))}")
+    if "nccl_libs" in cfg and not isinstance(cfg["nccl_libs"], list):
+        raise CliError(f"config file {path}: nccl_libs must be a list of paths")
+    return cfg
+
+
+def require_privileges() -> None:
+    """Loading BPF and uprobes needs root or CAP_BPF+CAP_PERFMON (or CAP_SYS_ADMIN)."""
+    if os.geteuid() == 0:
+        return
+    caps = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    caps = int(line.split()[1], 16)
+    except OSError:
+        pass
+    cap_sys_admin, cap_perfmon, cap_bpf = 21, 38, 39
+    if caps & (1 << cap_sys_admin) or (caps & (1 << cap_bpf) and caps & (1 << cap_perfmon)):
+        return
+    raise CliError("needs root, or CAP_BPF and CAP_PERFMON: run it with sudo")
+
+
+def require_tracefs() -> None:
+    for path in ("/sys/kernel/tracing/events", "/sys/kernel/debug/tracing/events"):
+        if os.path.isdir(path):
+            return
+    raise CliError("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, str(level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGINT or SIGTERM: the loop ends, and everything is flushed."""
+    stop = threading.Event()
+
+    def handler(signum, _frame):
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
+    from exporter.tools.agent import Agent, AgentConfig, AgentError
+    from exporter.sources.identity import node_name
+    from exporter.sources.bpf import ProbeError
+
+    require_privileges()
+    require_tracefs()
+    node = node_name(getattr(args, "node", None), cfg.get("node"))
+    libs = list(args.nccl_lib or cfg.get("nccl_libs") or [])
+    try:
+        agent = Agent(AgentConfig(node=node, nccl_libs=libs, record_all=record_all,
+                                  runq_event_min_ns=runq_event_min_ns))
+    except ProbeError as e:
+        raise CliError(str(e)) from None
+    try:
+        agent.start_discovery()
+    except AgentError as e:
+        agent.close()
+        raise CliError(str(e)) from None
+    return agent, node
+
+
+def recording_scope(args):
+    """--pid / --netns of `trace` -> a recording Scope (everything when neither is given)."""
+    from exporter.sinks.recording.schema import StoreError
+    from exporter.sinks.recording.writer import Scope, netns_inode
+
+    try:
+        netns = netns_inode(args.netns) if args.netns else None
+    except StoreError as e:
+        raise CliError(str(e)) from None
+    return Scope(pids=args.pid or (), netns=netns)
+
+
+def open_recorder(path, node, scope=None):
+    from exporter.sinks.recording.schema import StoreError
+    from exporter.sinks.recording.writer import Recorder
+
+    try:
+        return Recorder(path, node=node, scope=scope)
+    except StoreError as e:
+        raise CliError(str(e)) from None
+
+
+# --- options shared by several commands -----------------------------------------
+
+def add_lib_option(sp) -> None:
+    sp.add_argument("--nccl-lib", action="append", metavar="PATH",
+                    help="probe this libnccl (repeatable); default: every libnccl "
+                         "mapped by running processes, and new ones as they appear")
+
+
+def add_runq_option(sp, when: str) -> None:
+    sp.add_argument("--runq-wait-min", type=parse_runq_wait_min, metavar="D|off",
+                    default=parse_runq_wait_min(DEFAULT_RUNQ_WAIT_MIN),
+                    help=f"{when}: record each time a thread of a traced process waited at least D "
+                         f"runnable for a CPU (sched_events; default {DEFAULT_RUNQ_WAIT_MIN}; 0: every "
+                         "wait; off: none)")

@@ -1,0 +1,26 @@
+"""`nccl-exporter query`: read-only SQL on a recording."""
+
+from __future__ import annotations
+
+from exporter.sinks.recording import reader
+from exporter.tools import output
+from exporter.tools.cli.options import CliError
+
+
+def add_parser(sub) -> None:
+    q = sub.add_parser("query", help="run read-only SQL on a recording made by 'trace --out'",
+                       description="Run one read-only SQL statement on a recording "
+                                   "(tables: docs/schema.md; examples: docs/queries.md).")
+    q.add_argument("db", metavar="DB", help="the recording (.db)")
+    q.add_argument("sql", metavar="SQL", help="one SELECT (or WITH ...) statement")
+    q.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    q.set_defaults(func=main)
+
+
+def main(args) -> int:
+    try:
+        names, rows = reader.run(args.db, args.sql)
+    except reader.QueryError as e:
+        raise CliError(str(e)) from None
+    output.write(names, rows, args.format)
+    return 0

@@ -1,0 +1,163 @@
+"""`nccl-exporter run`: the agent, serving /metrics (and spans, and a recording)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from exporter import __version__
+from exporter.records import contract
+from exporter.tools.cli.options import (
+    CliError,
+    add_lib_option,
+    add_runq_option,
+    load_config,
+    open_recorder,
+    parse_duration,
+    parse_listen,
+    setup_logging,
+    start_agent,
+    stop_on_signals,
+)
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("run", help="attach the probes and serve /metrics",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Attach uprobes to libnccl and serve Prometheus metrics "
+                                   f"(default port {contract.DEFAULT_PORT}).")
+    r.add_argument("--listen", metavar="HOST:PORT",
+                   help=f"where to serve /metrics (default 0.0.0.0:{contract.DEFAULT_PORT})")
+    r.add_argument("--config", metavar="FILE",
+                   help="TOML file with node, listen, nccl_libs, log_level (flags win)")
+    r.add_argument("--node", metavar="NAME",
+                   help="node label (default: config, $NCCL_EXPORTER_NODE, hostname)")
+    r.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    r.add_argument("--otlp-endpoint", metavar="URL",
+                   help="send a span per slow call here (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
+                        "or $OTEL_EXPORTER_OTLP_ENDPOINT; no spans without one)")
+    r.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"],
+                   help="default: $OTEL_EXPORTER_OTLP_PROTOCOL or grpc")
+    r.add_argument("--slow-threshold", action="append", metavar="[OP=]DURATION",
+                   help="a call at least this long is slow (default 50ms for every op); "
+                        "repeatable, e.g. --slow-threshold 20ms --slow-threshold ALL_REDUCE=200ms")
+    r.add_argument("--slow-relative", type=float, metavar="K",
+                   help="instead of the fixed threshold, a call is slow at K x the recent p50 of "
+                        "its op/comm/rank series (recomputed every 10 s; never below 1 ms)")
+    r.add_argument("--db", metavar="PATH",
+                   help="also record every NCCL call, TCP retransmit/reset and scheduler wait to this SQLite file "
+                        "(as 'trace --out'; read it with 'query')")
+    add_runq_option(r, "with --db")
+    add_lib_option(r)
+    r.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    cfg = load_config(args.config)
+    setup_logging(args.log_level or cfg.get("log_level") or "info")
+    host, port = parse_listen(args.listen or cfg.get("listen") or f"0.0.0.0:{contract.DEFAULT_PORT}")
+    registry = CollectorRegistry(auto_describe=False)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        # --db: every call, and run-queue waits
+        agent, node = start_agent(args, cfg, record_all=bool(args.db),
+                                   runq_event_min_ns=args.runq_wait_min if args.db else 0)
+    except Exception:
+        server.shutdown()
+        raise
+    from exporter.sinks.prometheus import NcclCollector
+
+    try:
+        spans = start_tracing(args, cfg, agent, node)
+    except CliError:
+        agent.close()
+        server.shutdown()
+        raise
+    recorder = None
+    if args.db:
+        try:
+            recorder = open_recorder(args.db, node)
+        except CliError:
+            agent.close()
+            server.shutdown()
+            raise
+        recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
+        agent.listeners.append(recorder)
+    registry.register(NcclCollector(node, agent.reader, agent.processes, tcp=agent.tcp,
+                                    sched=agent.sched, spans=spans, lock=agent.lock))
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
+    print(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics",
+          flush=True)
+    stop = stop_on_signals()
+    try:
+        agent.run_until(stop)
+    finally:
+        if recorder is not None:
+            recorder.set_kernel_lost(**agent.kernel_losses())
+        agent.close()
+        if spans is not None:
+            spans.close()
+        server.shutdown()
+        if recorder is not None:
+            recorder.close()
+            print(f"nccl-exporter: {recorder.summary()}", flush=True)
+    print("nccl-exporter: stopped", flush=True)
+    return 0
+
+
+def parse_thresholds(values) -> dict[str, int]:
+    """['50ms', 'ALL_REDUCE=200ms'] -> {op: ns}; a bare duration applies to every collective."""
+    out: dict[str, int] = {}
+    for value in values or ():
+        op, sep, text = str(value).rpartition("=")
+        try:
+            ns = int(parse_duration(text) * 1e9)
+        except argparse.ArgumentTypeError as e:
+            raise CliError(f"--slow-threshold {value!r}: {e}") from None
+        if not sep:
+            out.update({name: ns for name in contract.COLLECTIVE_OPS.values()})
+        elif op.upper() in contract.COLLECTIVE_OPS.values():
+            out[op.upper()] = ns
+        else:
+            raise CliError(f"--slow-threshold {value!r}: unknown op {op!r}; ops: "
+                           + ", ".join(contract.COLLECTIVE_OPS.values()))
+    return out
+
+
+def start_tracing(args, cfg, agent, node):
+    """Slow-call thresholds, and the span sink when an OTLP endpoint is configured."""
+    from exporter.sinks.slow import SlowCallPolicy
+
+    configured = cfg.get("slow_threshold")
+    if isinstance(configured, dict):
+        configured = [f"{op}={d}" for op, d in configured.items()]
+    elif configured is not None:
+        configured = [str(configured)]
+    thresholds = parse_thresholds([*(configured or []), *(args.slow_threshold or [])])
+    relative = args.slow_relative if args.slow_relative is not None else cfg.get("slow_relative")
+    if relative is not None and not (isinstance(relative, (int, float)) and relative > 0):
+        raise CliError(f"--slow-relative {relative!r}: a factor > 0, e.g. 3")
+    endpoint = (args.otlp_endpoint or cfg.get("otlp_endpoint")
+                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    if not endpoint:
+        return None  # nobody consumes slow-call events: the kernel sends none
+    agent.slow = SlowCallPolicy(agent.probes, agent.reader, thresholds, relative)
+    protocol = (args.otlp_protocol or cfg.get("otlp_protocol")
+                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+    from exporter.sinks.spans import SpanSink, make_otlp_exporter
+
+    try:
+        exporter = make_otlp_exporter(protocol, endpoint)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    sink = SpanSink(node, exporter, agent.processes)
+    agent.listeners.append(sink)
+    print(f"spans of slow calls -> {endpoint} (OTLP {protocol})", flush=True)
+    return sink

@@ -1,0 +1,108 @@
+"""`nccl-exporter trace`: print every NCCL call as it returns, or record to SQLite."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from exporter.records import render
+from exporter.records.events import CallEvent
+from exporter.tools.cli.options import (
+    CliError,
+    add_lib_option,
+    add_runq_option,
+    open_recorder,
+    parse_duration,
+    recording_scope,
+    setup_logging,
+    start_agent,
+    stop_on_signals,
+)
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("trace", help="print every NCCL call as it returns, or record them to SQLite")
+    t.add_argument("--duration", type=parse_duration, default=0.0, metavar="D",
+                   help="stop after D (30s, 2m, ...); default: until Ctrl-C")
+    t.add_argument("--format", choices=["text", "json"], default="text")
+    t.add_argument("--out", metavar="DB",
+                   help="record every NCCL call, TCP retransmit/reset and scheduler wait to this "
+                        "SQLite file instead of printing (docs/schema.md; read it with 'query')")
+    t.add_argument("--pid", type=int, action="append", help="only this process (repeatable)")
+    t.add_argument("--netns", metavar="PATH|INODE",
+                   help="only processes in this network namespace (/run/netns/NAME, "
+                        "/proc/PID/ns/net, or its inode number)")
+    t.add_argument("--node", metavar="NAME",
+                   help="node name stored in the recording (default: $NCCL_EXPORTER_NODE, hostname)")
+    t.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
+    add_runq_option(t, "with --out")
+    add_lib_option(t)
+    t.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from exporter.sinks.recording.schema import StoreError
+    from exporter.sources.identity import node_name
+    from exporter.tools.progress import Progress
+
+    setup_logging(args.log_level)
+    scope = recording_scope(args)
+    recorder = open_recorder(args.out, node_name(args.node), scope) if args.out else None
+    try:
+        agent, _node = start_agent(args, {}, record_all=True,
+                                    runq_event_min_ns=args.runq_wait_min if args.out else 0)
+    except BaseException:
+        if recorder is not None:
+            recorder.close()
+        raise
+    counts = {"shown": 0}
+
+    def show(event):
+        if not isinstance(event, CallEvent) or event.pid not in scope:
+            return
+        counts["shown"] += 1
+        if args.format == "json":
+            print(json.dumps(render.as_dict(event)), flush=True)
+        else:
+            print(render.text(event), flush=True)
+
+    if recorder is not None:
+        recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
+        agent.listeners.append(recorder)
+    else:
+        agent.listeners.append(show)
+    what = f"for {args.duration:g} s" if args.duration else "until Ctrl-C"
+    where = f" to {args.out} ({scope.describe()})" if recorder is not None else ""
+    print(f"tracing NCCL calls {what}{where}...", file=sys.stderr, flush=True)
+    stop = stop_on_signals()
+    started = time.monotonic()
+    deadline = started + args.duration if args.duration else None
+    progress = Progress(recorder, sys.stderr) if recorder is not None else None
+    lost = 0
+    try:
+        while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            agent.step()
+            if progress is not None:
+                recorder.set_kernel_lost(**agent.kernel_losses())
+                progress.tick()
+        agent.poll(0)  # what is already in the ring buffers is not lost
+        lost = agent.reader.counters()["EVENTS_LOST"]
+        if recorder is not None:
+            recorder.set_kernel_lost(**agent.kernel_losses())
+    finally:
+        agent.close()
+        if recorder is not None:
+            if progress is not None:
+                progress.done()
+            try:
+                recorder.close()
+            except StoreError as e:
+                raise CliError(str(e)) from None
+    if recorder is not None:
+        print(f"recorded in {time.monotonic() - started:.1f} s: {recorder.summary()}",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"{counts['shown']} calls traced in {time.monotonic() - started:.1f} s, {lost} lost",
+              file=sys.stderr, flush=True)
+    return 0
