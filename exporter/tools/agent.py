@@ -56,6 +56,9 @@ class Agent:
         self.listeners: list = []  # callables taking a CallEvent, TcpEvent or SchedEvent
         self.slow = None  # exporter.sinks.slow.SlowCallPolicy, set by whoever wants slow-call events
         self._found: queue.Queue = queue.Queue()
+        # Set once the kernel side is loaded and every library found at start
+        # is attached: counting has started (`run` answers /-/ready with 200).
+        self.ready = threading.Event()
         self._watcher = None
         self._next_prune = 0.0
         self.events_seen = 0
@@ -82,11 +85,13 @@ class Agent:
                 raise AgentError(str(e)) from None
             for lib in libraries:
                 self._attach(lib)
+            self.ready.set()
             return
         for lib in libfind.mapped_nccl_libraries():
             self._attach(lib)
         self._watcher = libfind.LibraryWatcher(self._found.put, interval=self.config.rescan_interval)
         self._watcher.start()
+        self.ready.set()
 
     def _attach(self, lib) -> None:
         with self.lock:

@@ -49,18 +49,25 @@ def add_parser(sub) -> None:
                         "(as 'trace --out'; read it with 'query')")
     add_runq_option(r, "with --db")
     add_lib_option(r)
+    from exporter.tools.cli.fleet import add_query_endpoint_options  # --query-listen ...
+    add_query_endpoint_options(r)
     r.set_defaults(func=main)
 
 
 def main(args) -> int:
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
+
+    from exporter.sinks.http import HttpServer, notify_systemd
 
     cfg = load_config(args.config)
     setup_logging(args.log_level or cfg.get("log_level") or "info")
     host, port = parse_listen(args.listen or cfg.get("listen") or f"0.0.0.0:{contract.DEFAULT_PORT}")
+    from exporter.tools.cli.fleet import open_query_endpoint, serve_queries
+    queries = open_query_endpoint(args)  # --query-listen: checked and bound before anything starts
     registry = CollectorRegistry(auto_describe=False)
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        # /metrics from the start; /-/ready answers 503 until the probes count
+        server = HttpServer(host, port, registry)
     except OSError as e:
         raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     try:
@@ -88,17 +95,22 @@ def main(args) -> int:
             raise
         recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
         agent.listeners.append(recorder)
+        serve_queries(queries, node)  # the node query endpoint, on the recording
     registry.register(NcclCollector(node, agent.reader, agent.processes, tcp=agent.tcp,
                                     sched=agent.sched, spans=spans, lock=agent.lock))
     shown = "localhost" if host in ("0.0.0.0", "::") else host
     print(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics",
           flush=True)
     stop = stop_on_signals()
+    when_ready(agent, server, node)
     try:
         agent.run_until(stop)
     finally:
+        notify_systemd("STOPPING=1")
         if recorder is not None:
             recorder.set_kernel_lost(**agent.kernel_losses())
+        if queries is not None:
+            queries.close()
         agent.close()
         if spans is not None:
             spans.close()
@@ -108,6 +120,26 @@ def main(args) -> int:
             print(f"nccl-exporter: {recorder.summary()}", flush=True)
     print("nccl-exporter: stopped", flush=True)
     return 0
+
+
+def when_ready(agent, server, node) -> None:
+    """Once the agent counts: /-/ready says 200, one log line, and sd_notify READY=1."""
+    import logging
+    import threading
+
+    from exporter.sinks.http import notify_systemd
+
+    def wait() -> None:
+        agent.ready.wait()
+        server.set_ready()
+        logging.getLogger("nccl_exporter").info(
+            "ready: probes loaded and attached on node %s, counting NCCL calls", node)
+        notify_systemd("READY=1\nSTATUS=counting NCCL calls")
+
+    if agent.ready.is_set():
+        wait()
+    else:
+        threading.Thread(target=wait, name="nccl-exporter-ready", daemon=True).start()
 
 
 def parse_thresholds(values) -> dict[str, int]:

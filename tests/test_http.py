@@ -1,0 +1,149 @@
+"""The agent's HTTP endpoints: /metrics (gzip when asked), /-/ready (503 until
+the probes count, then 200), /-/healthy, 404 elsewhere, and sd_notify READY=1
+to $NOTIFY_SOCKET. One real exporter serves the module (BPF: run under
+`flock /tmp/nccl-heavy.lock`)."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import CLI, READY_METRIC, REPO, free_port, parse_metrics, require_root
+from exporter.sinks.http import notify_systemd
+
+
+def get(url: str, headers: dict | None = None, timeout: float = 5) -> tuple[int, dict, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+# --- sd_notify, without an exporter --------------------------------------------------
+
+def _datagram_socket(address: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(address)
+    s.settimeout(5)
+    return s
+
+
+def test_notify_systemd_path_socket(tmp_path):
+    path = str(tmp_path / "notify")
+    with _datagram_socket(path) as s:
+        assert notify_systemd("READY=1", {"NOTIFY_SOCKET": path})
+        assert s.recv(4096) == b"READY=1"
+
+
+def test_notify_systemd_abstract_socket():
+    name = f"nccl-exporter-test-{os.getpid()}-{time.monotonic_ns()}"
+    with _datagram_socket("\0" + name) as s:
+        assert notify_systemd("READY=1", {"NOTIFY_SOCKET": "@" + name})
+        assert s.recv(4096) == b"READY=1"
+
+
+def test_notify_systemd_unset_or_unreachable(tmp_path):
+    assert notify_systemd("READY=1", {}) is False
+    assert notify_systemd("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "nobody")}) is False
+
+
+# --- one real exporter ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(fake_nccl_lib, tmp_path_factory):
+    """`run --nccl-lib LIB` with NOTIFY_SOCKET set; /-/ready polled from the first moment."""
+    require_root()
+    notify_path = str(tmp_path_factory.mktemp("notify") / "sock")
+    notify = _datagram_socket(notify_path)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tempfile.NamedTemporaryFile(prefix="nccl-exporter-http-", suffix=".log", delete=False)
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path)
+    proc = subprocess.Popen([*CLI, "run", "--listen", f"127.0.0.1:{port}", "--log-level", "info",
+                             "--nccl-lib", str(fake_nccl_lib)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+    statuses: list[int] = []  # /-/ready answers, in order (deduplicated)
+    metrics_before_ready: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, open(log.name).read()
+            assert time.monotonic() < deadline, open(log.name).read()
+            try:
+                code, _, _ = get(base + "/-/ready", timeout=2)
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.02)
+                continue
+            if not statuses or statuses[-1] != code:
+                statuses.append(code)
+            if code == 200:
+                break
+            if not metrics_before_ready:
+                metrics_before_ready.append(get(base + "/metrics")[2].decode())
+            time.sleep(0.02)
+        yield {"base": base, "statuses": statuses, "notify": notify, "log": log.name,
+               "metrics_before_ready": metrics_before_ready}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        notify.close()
+        os.unlink(log.name)
+
+
+def test_ready_goes_from_503_to_200(served):
+    assert served["statuses"] == [503, 200]
+    # /metrics answered before readiness too (without the agent's families yet)
+    assert served["metrics_before_ready"] and READY_METRIC not in served["metrics_before_ready"][0]
+    code, _, body = get(served["base"] + "/-/ready")
+    assert code == 200 and body == b"ready\n"
+    # once ready, the collector is registered
+    assert READY_METRIC in get(served["base"] + "/metrics")[2].decode()
+
+
+def test_ready_is_logged_once_and_notified(served):
+    served["notify"].settimeout(10)
+    message = served["notify"].recv(4096).decode()
+    assert message.splitlines()[0] == "READY=1"
+    with open(served["log"]) as f:
+        lines = [line for line in f if " ready" in line.lower() or line.lower().startswith("ready")]
+    assert len(lines) == 1, lines
+    assert "attached" in open(served["log"]).read()
+
+
+def test_healthy(served):
+    code, headers, body = get(served["base"] + "/-/healthy")
+    assert code == 200 and body == b"healthy\n"
+
+
+@pytest.mark.parametrize("path", ["/", "/metricsx", "/-/readyz", "/favicon.ico", "/metrics/x"])
+def test_other_paths_are_404(served, path):
+    code, _, body = get(served["base"] + path)
+    assert code == 404, (path, body)
+    assert READY_METRIC.encode() not in body
+
+
+def test_metrics_gzip_when_asked(served):
+    code, plain_headers, plain = get(served["base"] + "/metrics")
+    assert code == 200 and "Content-Encoding" not in plain_headers
+    code, headers, body = get(served["base"] + "/metrics", {"Accept-Encoding": "gzip"})
+    assert code == 200 and headers["Content-Encoding"] == "gzip"
+    unzipped = gzip.decompress(body).decode()
+    # the same families and samples (values such as scrape counters may move)
+    names = lambda text: sorted({(s.name, tuple(sorted(s.labels.items()))) for s in parse_metrics(text)})
+    assert names(unzipped) == names(plain.decode())
+    assert READY_METRIC in unzipped
+    assert len(body) < len(plain)
