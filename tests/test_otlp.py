@@ -16,7 +16,7 @@ from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, run_job
 from exporter.simulator.truth import calls
 from exporter.sinks.spans import trace_id_for
-from conftest import ExporterProcess, series_by_labels
+from conftest import ExporterProcess, free_port, series_by_labels
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver, attributes
 from tests.test_e2e_nccl import expected_comm_hashes
 from tests.test_tcp import Observer
@@ -205,14 +205,8 @@ def test_http_protobuf_spans_arrive(simlib, tmp_path):
     assert slow and all(id(r) in {id(b) for *_, b in matched} for r in slow)
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_backend_down_never_blocks_the_probes(simlib, tmp_path):
-    endpoint = f"http://127.0.0.1:{closed_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     args = ["--otlp-endpoint", endpoint, "--slow-threshold", "1ms"]
     with ExporterProcess(nccl_libs=[simlib], extra_args=args) as exporter, Cluster(4) as cluster:
         result = run_job(cluster, simlib, "allreduce", iterations=60, count=4096,
