@@ -105,6 +105,35 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE sched_events ADD COLUMN cpu INTEGER",
         "ALTER TABLE sched_events ADD COLUMN op TEXT",       # the NCCL call it waited in; NULL: none
     ],
+    # 3 -> 4: the wall-clock offset re-sampled while recording; merged recordings' nodes and skew
+    [
+        """CREATE TABLE clock_samples (
+            node      TEXT    NOT NULL,
+            sample_ns INTEGER NOT NULL,       -- CLOCK_REALTIME when sampled
+            offset_ns INTEGER NOT NULL,       -- CLOCK_REALTIME - CLOCK_MONOTONIC then
+            PRIMARY KEY (node, sample_ns)
+        )""",
+        """CREATE TABLE nodes (                -- filled by merge: one row per node and boot
+            node       TEXT NOT NULL,
+            machine_id TEXT NOT NULL,         -- /etc/machine-id ('' : not recorded)
+            boot_id    TEXT NOT NULL,         -- /proc/sys/kernel/random/boot_id ('' : not recorded)
+            hostname   TEXT,
+            start_ns   INTEGER,
+            end_ns     INTEGER,
+            source     TEXT,                  -- the file it was merged from
+            PRIMARY KEY (node, machine_id, boot_id)
+        )""",
+        """CREATE TABLE clock_skew (           -- filled by merge: node clock - reference clock
+            node        TEXT PRIMARY KEY,
+            offset_ns   INTEGER NOT NULL,
+            reference   TEXT,
+            collectives INTEGER,              -- collectives compared
+            residual_ns INTEGER,              -- median |difference - offset|
+            method      TEXT,                 -- 'host call ends', 'reference', 'none: ...'
+            lower_ns    INTEGER,              -- causal bounds of offset_ns (NULL: unbounded)
+            upper_ns    INTEGER
+        )""",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

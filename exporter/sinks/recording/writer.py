@@ -32,6 +32,16 @@ BATCH_ROWS = 5000
 BATCH_SECONDS = 0.2
 QUEUE_MAX = int(os.environ.get("NCCL_EXPORTER_STORE_QUEUE") or 65536)
 META_EVERY_S = 1.0
+CLOCK_SAMPLE_EVERY_S = 60.0  # clock_samples: CLOCK_REALTIME - CLOCK_MONOTONIC, re-sampled (NTP steps)
+
+
+def _read_id(path: str) -> str:
+    """/etc/machine-id, the boot id: the node's identity in meta ('' if unreadable)."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 # --- scope ----------------------------------------------------------------------
@@ -127,6 +137,7 @@ class Recorder:
         self._world: dict[int, tuple[int, int]] = {}  # pid -> (nranks, rank) of its largest comm
         self._launcher_rank: dict[int, int] = {}
         self._extra_meta: dict[str, str] = {}
+        self._clock_sampled = float("-inf")
         self.conn = open_db(path)
         meta = {
             "node": self.node,
@@ -137,6 +148,8 @@ class Recorder:
             "scope": self.scope.describe(),
             "clock_offset_ns": "" if clock_offset_ns is None else str(clock_offset_ns),
             "queue_max": str(self.queue_max),
+            "machine_id": _read_id("/etc/machine-id"),
+            "boot_id": _read_id("/proc/sys/kernel/random/boot_id"),
         }
         with self.conn:
             self.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
@@ -301,8 +314,14 @@ class Recorder:
         }
         if final:
             meta["end_ns"] = str(self.ended_ns)
+        sample = final or time.monotonic() - self._clock_sampled >= CLOCK_SAMPLE_EVERY_S
         with self.conn:
             self.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
+            if sample:
+                self._clock_sampled = time.monotonic()
+                real, mono = time.clock_gettime_ns(time.CLOCK_REALTIME), time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+                self.conn.execute("INSERT OR REPLACE INTO clock_samples VALUES (?, ?, ?)",
+                                  (self.node, real, real - mono))
 
     # --- shutdown ------------------------------------------------------------------------
 
