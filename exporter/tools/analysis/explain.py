@@ -1,0 +1,232 @@
+"""One verdict line and its evidence, from a recording (`nccl-exporter explain`).
+
+The checks, in order (docs/fleet.md; thresholds below):
+
+1. a late arriver: on the communicator with the most ranks first, a rank
+   that arrived last in at least STRAGGLER_SHARE of the collectives (and at
+   least twice what chance gives, 1/nranks), with a median lag of at least
+   MIN_LAG_NS. Its cause, from its windows when it was last: CPU (its
+   threads waited runnable, per collective, at least CPU_SHARE of the median
+   lag more than the other ranks' threads usually do), network (its own
+   sockets retransmitted, per collective, at least 0.5 times more than the
+   other ranks' usually do, and 5 times in all), or
+   else work before the call (compute, a sleep, host-side I/O: nothing the
+   agent sees was in the way);
+2. CPU starvation inside the calls: a rank whose caller and proxy threads
+   waited for a CPU at least STARVE_RATIO times the other ranks' median and
+   at least STARVE_SHARE of its time in collectives (a starved rank often
+   arrives early and stalls inside the call: everyone waits for it there);
+3. a lossy link: no rank arrives late, but one link carries at least
+   LINK_SHARE of the job's retransmits, LINK_RATIO times the next link, and
+   at least MIN_LINK_RETRANSMITS (a busy host retransmits a little on every
+   link: tail-loss probes);
+4. otherwise: no straggler.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import statistics
+from collections import defaultdict
+
+from exporter.tools.analysis import skew, stragglers
+
+STRAGGLER_SHARE = 0.5
+MIN_LAG_NS = 2_000_000
+MIN_COLLECTIVES = 10
+CPU_SHARE = 0.3
+STARVE_RATIO = 3.0
+STARVE_SHARE = 0.2
+LINK_SHARE = 0.5
+LINK_RATIO = 2.0
+MIN_LINK_RETRANSMITS = 20
+
+
+def _ms(ns) -> str:
+    ms = ns / 1e6
+    if ms >= 1000:
+        return f"{ms / 1000:.2f} s"
+    return f"{ms:.1f} ms" if ms >= 1 else f"{ms:.2f} ms"
+
+
+def _process_ranks(conn, collectives) -> dict[tuple, int]:
+    """(node, pid) -> the process's rank: the launcher's, else its rank in its largest communicator."""
+    out: dict[tuple, int] = {}
+    best: dict[tuple, tuple] = {}
+    for c in collectives:
+        for a in c.arrivals:
+            key = (a.node, a.pid)
+            if key not in best or c.nranks > best[key][0]:
+                best[key] = (c.nranks, a.rank)
+    out.update({k: v[1] for k, v in best.items()})
+    try:
+        for node, pid, rank in conn.execute(
+                "SELECT node, pid, launcher_rank FROM processes WHERE launcher_rank IS NOT NULL"):
+            out[(node, pid)] = rank
+    except sqlite3.DatabaseError:
+        pass
+    return out
+
+
+def _addr_ranks(conn) -> dict[str, str]:
+    """Local address -> 'rank R' of the processes whose sockets used it."""
+    seen: dict[str, set] = defaultdict(set)
+    for saddr, rank in conn.execute(
+            "SELECT DISTINCT saddr, rank FROM tcp_events WHERE rank IS NOT NULL AND saddr IS NOT NULL"):
+        seen[saddr].add(rank)
+    return {a: "rank " + ",".join(str(r) for r in sorted(rs)) for a, rs in seen.items()}
+
+
+def _durations(collectives, comm, op) -> str:
+    d = sorted(a.end - a.start for c in collectives if c.comm == comm and c.op == op for a in c.arrivals)
+    if not d:
+        return ""
+    p90 = d[min(len(d) - 1, int(0.9 * len(d)))]
+    n = sum(1 for c in collectives if c.comm == comm and c.op == op)
+    return f"median {op} call on comm {comm[:8]}… took {_ms(statistics.median(d))} (p90 {_ms(p90)}) over {n} collectives"
+
+
+def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
+    """[verdict, evidence...]"""
+    collectives, offsets = stragglers.load(conn, align=align)
+    if not collectives:
+        return ["no collectives: the recording holds no collective seen on two or more ranks "
+                "(merge every node's recording first)",
+                f"nccl_events rows: {conn.execute('SELECT COUNT(*) FROM nccl_events').fetchone()[0]}"]
+    stats = stragglers.per_rank(collectives)
+    prank = _process_ranks(conn, collectives)
+    addr_rank = _addr_ranks(conn)
+    nodes = sorted({a.node for c in collectives for a in c.arrivals})
+
+    def who(node, pid):
+        r = prank.get((node, pid))
+        return f"rank {r if r is not None else '?'} on {node}"
+
+    def link_text(link):
+        s, _, d = link.partition("\u2192")
+        return f"{link} ({addr_rank.get(s, '?')} \u2192 {addr_rank.get(d, '?')})"
+
+    # Per process over all its windows: run-queue waits, retransmits per link, time in windows.
+    proc_wait: dict[tuple, int] = defaultdict(int)
+    proc_time: dict[tuple, int] = defaultdict(int)
+    links: dict[str, int] = defaultdict(int)
+    link_owner: dict[str, tuple] = {}
+    for c in collectives:
+        for a in c.arrivals:
+            key = (a.node, a.pid)
+            proc_wait[key] += a.runq_wait_ns
+            proc_time[key] += a.end - a.window_start
+            for link, n in a.links.items():
+                links[(a.node, link)] += n
+                link_owner[(a.node, link)] = key
+    total_retx = sum(links.values())
+    ranked_links = sorted(links.items(), key=lambda kv: -kv[1])
+
+    if len(nodes) > 1 and align:
+        found = skew.stored(conn) or skew.estimate(conn)
+        worst = max((abs(o.offset_ns) for o in found.values()), default=0)
+        resid = max((o.residual_ns for o in found.values()), default=0)
+        clocks = (f"clocks: {len(nodes)} nodes aligned by collective ends (largest offset {_ms(worst)}, "
+                  f"residual up to {_ms(resid)}); --no-align shows raw clocks")
+    elif len(nodes) > 1:
+        clocks = f"clocks: {len(nodes)} nodes, raw clocks (--no-align)"
+    else:
+        clocks = f"clocks: one node ({nodes[0]}), one clock: no alignment needed"
+
+    # 1. a late arriver, largest communicators first
+    by_comm = defaultdict(list)
+    for s in stats:
+        by_comm[(s.comm, s.op)].append(s)
+    size = {k: max((c.nranks for c in collectives if (c.comm, c.op) == k), default=0) for k in by_comm}
+    for key in sorted(by_comm, key=lambda k: (-size[k], -by_comm[k][0].collectives, k)):
+        group = by_comm[key]
+        n = max(size[key], len(group))
+        cand = [s for s in group if s.collectives >= MIN_COLLECTIVES and s.last_share >= STRAGGLER_SHARE
+                and s.last_share >= min(0.9, 2.0 / n) and s.median_lag_ns >= MIN_LAG_NS]
+        if not cand:
+            continue
+        s = max(cand, key=lambda s: sum(s.lags_when_last))
+        name = who(s.node, s.pid)
+        arrived = (f"{name} arrived last in {100 * s.last_share:.0f} % of {s.op} on comm {s.comm[:8]}… "
+                   f"({s.last} of {s.collectives}), median lag {_ms(s.median_lag_ns)} "
+                   f"(last arrival - median arrival)")
+        top = sorted(s.links_when_last.items(), key=lambda kv: -kv[1])
+        retx = (f"its sockets retransmitted {s.retransmits_when_last} times in those windows"
+                + (f", most on {link_text(top[0][0])} ({top[0][1]})" if top else ""))
+        # What the straggler's windows had beyond the other ranks' usual (per collective window):
+        # a busy host makes every rank wait for CPUs and retransmit a little.
+        rest = [st for st in group if st is not s]
+        cpu_usual = statistics.median([st.runq_wait_ns / st.collectives for st in rest] or [0])
+        retx_usual = statistics.median([st.retransmits / st.collectives for st in rest] or [0])
+        cpu_excess = s.runq_wait_when_last_ns / s.last - cpu_usual
+        retx_excess = s.retransmits_when_last / s.last - retx_usual
+        cpu = (f"its caller and proxy threads waited {_ms(s.runq_wait_when_last_ns)} for a CPU in those windows, "
+               f"{_ms(s.runq_wait_when_last_ns / s.last)} per collective (the other ranks: {_ms(cpu_usual)})")
+        if cpu_excess >= CPU_SHARE * s.median_lag_ns:
+            verdict = (f"straggler: {name} is starved of CPU: it arrived last in {100 * s.last_share:.0f} % "
+                       f"of {s.op} (median lag {_ms(s.median_lag_ns)}) and waited for a CPU "
+                       f"{_ms(s.runq_wait_when_last_ns)} in those windows")
+            lines = [verdict, arrived, cpu, retx]
+        elif s.retransmits_when_last >= 5 and retx_excess >= 0.5:
+            verdict = (f"straggler: {name} is held up by the network: it arrived last in "
+                       f"{100 * s.last_share:.0f} % of {s.op} (median lag {_ms(s.median_lag_ns)}) with "
+                       f"{s.retransmits_when_last} retransmits on its sockets in those windows")
+            lines = [verdict, arrived, retx, cpu]
+        else:
+            verdict = (f"straggler: {name} arrives late (median lag {_ms(s.median_lag_ns)}, last in "
+                       f"{100 * s.last_share:.0f} % of {s.op} on comm {s.comm[:8]}…) with no CPU wait or "
+                       f"retransmits to explain it: it is busy before the call (compute, a sleep, host I/O)")
+            lines = [verdict, arrived, cpu, retx]
+        return lines + [_durations(collectives, s.comm, s.op), clocks]
+
+    main = max(by_comm, key=lambda k: (size[k], by_comm[k][0].collectives))
+
+    # 2. CPU starvation inside the calls
+    if len(proc_wait) >= 2:
+        for key, wait in sorted(proc_wait.items(), key=lambda kv: -kv[1])[:1]:
+            rest = [w for k, w in proc_wait.items() if k != key]
+            med = statistics.median(rest)
+            if wait >= STARVE_RATIO * max(med, 1) and wait >= STARVE_SHARE * max(proc_time[key], 1):
+                name = who(*key)
+                mine = [st for st in stats if (st.node, st.pid) == key]
+                lasts = ", ".join(f"{100 * st.last_share:.0f} % of {st.op} on comm {st.comm[:8]}…" for st in mine)
+                return [f"CPU starvation: {name} waited for a CPU {_ms(wait)} of its {_ms(proc_time[key])} "
+                        f"in collectives ({STARVE_RATIO:.0f}× or more the others): every collective waits "
+                        f"for it inside the call",
+                        f"{name}: caller and proxy threads runnable but not running {_ms(wait)}; the other "
+                        f"ranks' median {_ms(med)}",
+                        f"it arrived last in {lasts or 'none'}: it stalls inside the calls, not before them",
+                        _durations(collectives, *main),
+                        f"retransmits: {total_retx} on all links in the collectives' windows", clocks]
+
+    # 3. a lossy link
+    if ranked_links:
+        (node_link, top), second = ranked_links[0], (ranked_links[1][1] if len(ranked_links) > 1 else 0)
+        if top >= MIN_LINK_RETRANSMITS and top >= LINK_SHARE * total_retx and top >= LINK_RATIO * max(second, 1):
+            node, link = node_link
+            owner = link_owner[node_link]
+            with_retx = sum(1 for c in collectives if any(a.retransmits for a in c.arrivals))
+            return [f"network: no rank arrives late, collectives are slow alike; link {link_text(link)} "
+                    f"on {node} retransmitted {top} times ({100 * top / total_retx:.0f} % of all), "
+                    f"its socket owned by {who(*owner)}",
+                    f"link {link_text(link)}: {top} retransmits; the next link {second}; all links {total_retx}",
+                    f"{with_retx} of {len(collectives)} collectives had retransmits in their windows",
+                    _durations(collectives, *main),
+                    _no_late(stats), clocks]
+
+    # 4. healthy
+    return [f"no straggler: no rank arrived last in more than chance would give with a lag over "
+            f"{_ms(MIN_LAG_NS)}, no rank starved of CPU, no link stands out",
+            _no_late(stats),
+            f"retransmits: {total_retx} in the collectives' windows"
+            + (f", spread over {len(ranked_links)} links (most: {ranked_links[0][1]})" if ranked_links else ""),
+            f"run-queue waits per rank (caller and proxy threads): "
+            + ", ".join(f"{who(*k).split(' on ')[0]} {_ms(w)}" for k, w in sorted(proc_wait.items(),
+                                                                               key=lambda kv: prank.get(kv[0], 0))),
+            _durations(collectives, *main), clocks]
+
+
+def _no_late(stats) -> str:
+    s = max(stats, key=lambda s: (s.last_share, s.median_lag_ns))
+    return (f"most often last: rank {s.rank} of comm {s.comm[:8]}… in {100 * s.last_share:.0f} % of "
+            f"{s.op} ({s.collectives} collectives), median lag {_ms(s.median_lag_ns)}")

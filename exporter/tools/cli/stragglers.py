@@ -1,0 +1,52 @@
+"""`nccl-exporter stragglers`: who arrives last at each collective, and what was in its way."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from exporter.sinks.recording import reader
+from exporter.tools import output
+from exporter.tools.cli.options import CliError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("stragglers", help="per rank: how often it arrived last at a collective, its lag, "
+                                          "retransmits and CPU waits",
+                       description="Per collective (comm, op, seq) each rank's arrival (call start, "
+                                   "skew-aligned); per rank how often it was last, its median lag (last "
+                                   "arrival - median arrival) and the retransmits and run-queue waits in "
+                                   "its windows (docs/fleet.md).")
+    p.add_argument("db", metavar="DB", help="a recording, or a merged one ('merge')")
+    p.add_argument("--comm", metavar="C", help="only this communicator (comm_id_hash or a prefix)")
+    p.add_argument("--op", metavar="OP", help="only this op, e.g. ALL_REDUCE")
+    p.add_argument("--collectives", action="store_true",
+                   help="one row per collective (arrivals, last rank, lag) instead of per rank")
+    p.add_argument("--no-align", action="store_true", help="raw node clocks: no skew correction")
+    p.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    p.set_defaults(func=main)
+
+
+def open_recording(path: str) -> sqlite3.Connection:
+    try:
+        return reader.open_readonly(path)
+    except reader.QueryError as e:
+        raise CliError(str(e)) from None
+
+
+def main(args) -> int:
+    from exporter.tools.analysis import stragglers
+
+    conn = open_recording(args.db)
+    try:
+        collectives, _ = stragglers.load(conn, align=not args.no_align, comm=args.comm,
+                                         op=args.op.upper() if args.op else None)
+    except sqlite3.DatabaseError as e:
+        raise CliError(f"{args.db}: {e}") from None
+    finally:
+        conn.close()
+    if args.collectives:
+        output.write(stragglers.COLLECTIVE_COLUMNS, stragglers.collective_rows(collectives), args.format)
+    else:
+        output.write(stragglers.RANK_COLUMNS, stragglers.rank_rows(stragglers.per_rank(collectives)),
+                     args.format)
+    return 0
