@@ -1,0 +1,431 @@
+"""The node query endpoint: read-only SQL on this node's recording over HTTP.
+
+`nccl-exporter run --db PATH --query-listen HOST:PORT --query-token-file F`
+starts it on its own listener, apart from /metrics (docs/fleet-live.md):
+
+    POST /api/v1/query       body: the SQL, or JSON {"sql": "...", "max_rows": N}
+                             200: NDJSON, streamed: the column names (a JSON
+                             array), one JSON array per row, then one JSON
+                             object, the trailer: {"rows": N, "complete": true}
+                             or {"rows": N, "complete": false, "truncated": why}
+                             400: {"node": ..., "error": ...} (bad or refused SQL)
+    GET  /api/v1/recording   ?since=NS&until=NS (ns since the epoch, or ISO 8601):
+                             a SQLite file of the same schema holding the rows
+                             whose timestamp_ns lies in the window (every row
+                             without a window), for `fleet fetch`
+    GET  /api/v1/time        {"node": ..., "time_ns": wall clock} (clock estimate)
+
+Every request needs `Authorization: Bearer <token>` (401 otherwise). The
+recording is opened read-only (reader.open_readonly) with the reader's
+authorizer, which refuses writes, ATTACH, PRAGMA writes and extension loading
+before a statement runs; a progress handler ends a query past its time limit;
+rows and bytes are capped. Every answer names the node (X-Nccl-Node header).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hmac
+import ipaddress
+import json
+import os
+import shutil
+import sqlite3
+import ssl
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+from exporter.sinks.recording import reader
+
+QUERY_PATH = "/api/v1/query"
+RECORDING_PATH = "/api/v1/recording"
+TIME_PATH = "/api/v1/time"
+
+DEFAULT_MAX_ROWS = 100_000
+DEFAULT_MAX_BYTES = 64 << 20
+DEFAULT_TIME_LIMIT_S = 10.0
+MAX_BODY = 64 << 10          # the SQL text
+FLUSH_BYTES = 64 << 10       # rows are written in pieces of about this size
+RECORDING_CHUNK = 1 << 20
+PROGRESS_STEPS = 10_000      # SQLite VM steps between time-limit checks
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot start (one line)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(path: str) -> str:
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise EndpointError(f"--query-token-file {path}: {e.strerror or e}") from None
+    if not token:
+        raise EndpointError(f"--query-token-file {path}: empty")
+    if any(c.isspace() for c in token):
+        raise EndpointError(f"--query-token-file {path}: the token must be one word")
+    return token
+
+
+def parse_time_ns(text: str | None) -> int | None:
+    """'1700000000000000000' (ns since the epoch) or ISO 8601 -> ns; None/'' -> None."""
+    if text is None or str(text).strip() == "":
+        return None
+    text = str(text).strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        t = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"not a time: {text!r} (ns since the epoch, or ISO 8601 such as "
+                         "2026-01-02T03:04:05Z)") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_dt.timezone.utc)
+    return int(t.timestamp()) * 1_000_000_000 + t.microsecond * 1000
+
+
+class _Cut(Exception):
+    """A cap was reached while streaming."""
+
+
+def window_copy(db: str, dest: str, since_ns: int | None, until_ns: int | None) -> None:
+    """Copy the recording `db` to `dest`, keeping only rows of [since, until] in every table
+    with a timestamp_ns column (the others, e.g. processes and meta, whole)."""
+    src = reader.open_readonly(db)
+    try:
+        out = sqlite3.connect(dest)
+        try:
+            src.backup(out)
+        finally:
+            out.close()
+    finally:
+        src.close()
+    if since_ns is None and until_ns is None:
+        return
+    conn = sqlite3.connect(dest)
+    try:
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        with conn:
+            for t in tables:
+                cols = {r[1] for r in conn.execute(f'PRAGMA table_info("{t}")')}
+                if "timestamp_ns" not in cols:
+                    continue
+                if since_ns is not None:
+                    conn.execute(f'DELETE FROM "{t}" WHERE timestamp_ns < ?', (since_ns,))
+                if until_ns is not None:
+                    conn.execute(f'DELETE FROM "{t}" WHERE timestamp_ns > ?', (until_ns,))
+            if "meta" in tables:
+                conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                                 [("window_since_ns", "" if since_ns is None else str(since_ns)),
+                                  ("window_until_ns", "" if until_ns is None else str(until_ns))])
+        conn.execute("VACUUM")
+    finally:
+        conn.close()
+
+
+class Handler(BaseHTTPRequestHandler):
+    """The endpoint's requests; `self.server.endpoint` is the QueryEndpoint."""
+
+    protocol_version = "HTTP/1.0"  # answers end with the connection: rows stream without a length
+    server_version = "nccl-exporter-query"
+
+    def log_message(self, *args):  # no line per request on stderr
+        pass
+
+    @property
+    def ep(self) -> "QueryEndpoint":
+        return self.server.endpoint
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _json(self, code: int, obj: dict, headers: dict | None = None) -> None:
+        body = (json.dumps(obj) + "\n").encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Nccl-Node", self.ep.node)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, code: int, message: str, headers: dict | None = None) -> None:
+        self._json(code, {"node": self.ep.node, "error": message}, headers)
+
+    def _authorized(self) -> bool:
+        got = self.headers.get("Authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.ep.token.encode()):
+            return True
+        self._error(401, "missing or wrong bearer token" if got else "a bearer token is required",
+                    {"WWW-Authenticate": 'Bearer realm="nccl-exporter"'})
+        return False
+
+    # --- routes ----------------------------------------------------------------------
+
+    def do_GET(self):
+        url = urlsplit(self.path)
+        if url.path not in (TIME_PATH, RECORDING_PATH):
+            self._error(404, f"no such endpoint {url.path}; try POST {QUERY_PATH}")
+            return
+        if not self._authorized():
+            return
+        if url.path == TIME_PATH:
+            self._json(200, {"node": self.ep.node, "time_ns": self.ep.clock()})
+            return
+        self._recording(parse_qs(url.query))
+
+    def do_POST(self):
+        url = urlsplit(self.path)
+        if url.path != QUERY_PATH:
+            self._error(404, f"no such endpoint {url.path}; try POST {QUERY_PATH}")
+            return
+        if not self._authorized():
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length <= 0:
+            self._error(400, "the request body must hold the SQL (Content-Length required)")
+            return
+        if length > MAX_BODY:
+            self._error(413, f"the SQL is {length} bytes; at most {MAX_BODY}")
+            return
+        body = self.rfile.read(length).decode("utf-8", "replace")
+        max_rows = self.ep.max_rows
+        sql = body
+        if body.lstrip().startswith("{"):
+            try:
+                obj = json.loads(body)
+                sql = obj["sql"]
+                if not isinstance(sql, str):
+                    raise TypeError("sql must be a string")
+                if obj.get("max_rows") is not None:
+                    max_rows = min(max_rows, max(0, int(obj["max_rows"])))
+            except (ValueError, KeyError, TypeError) as e:
+                self._error(400, f'a JSON body must be {{"sql": "...", "max_rows": N}}: {e}')
+                return
+        self._query(sql, max_rows)
+
+    # --- the query -------------------------------------------------------------------
+
+    def _query(self, sql: str, max_rows: int) -> None:
+        ep = self.ep
+        if not sql.strip():
+            self._error(400, "empty SQL")
+            return
+        if reader._first_word(sql) == "VACUUM":
+            self._error(400, "refused: VACUUM writes a database; queries are read-only")
+            return
+        try:
+            conn = reader.open_readonly(ep.db)
+        except reader.QueryError as e:
+            self._error(503, str(e))
+            return
+        guard = reader._Guard()
+        conn.set_authorizer(guard)
+        deadline = time.monotonic() + ep.time_limit
+        conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, PROGRESS_STEPS)
+        try:
+            try:
+                cur = conn.execute(sql)
+                names = [d[0] for d in cur.description or ()]
+                first = cur.fetchmany(256)
+            except sqlite3.OperationalError as e:
+                if guard.refused:
+                    self._error(400, f"refused: {guard.refused} (queries are read-only)")
+                elif "interrupt" in str(e) and time.monotonic() > deadline:
+                    self._error(400, f"time limit of {ep.time_limit:g} s reached before the first row")
+                elif "not authorized" in str(e):
+                    self._error(400, "refused: not authorized (extension loading is off; queries are read-only)")
+                else:
+                    self._error(400, f"SQL error: {e}")
+                return
+            except sqlite3.DatabaseError as e:
+                self._error(400, (f"refused: {guard.refused} (queries are read-only)" if guard.refused
+                                  else f"SQL error: {e}"))
+                return
+            except (sqlite3.Warning, sqlite3.ProgrammingError) as e:
+                self._error(400, f"SQL error: {e}")
+                return
+            if not names:
+                self._error(400, "the statement returns no rows (queries are read-only SELECTs)")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-ndjson")
+            self.send_header("X-Nccl-Node", ep.node)
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self._stream(cur, names, first, max_rows, deadline)
+        finally:
+            conn.close()
+
+    def _stream(self, cur, names, first, max_rows, deadline) -> None:
+        ep = self.ep
+        buf = [json.dumps(names)]
+        size = len(buf[0]) + 1
+        sent = size
+        n = 0
+        why = None
+        rows = first
+        try:
+            while rows:
+                for row in rows:
+                    if n >= max_rows:
+                        raise _Cut(f"row cap {max_rows}")
+                    line = json.dumps([v.hex() if isinstance(v, bytes) else v for v in row])
+                    if sent + len(line) + 1 > ep.max_bytes:
+                        raise _Cut(f"byte cap {ep.max_bytes}")
+                    buf.append(line)
+                    n += 1
+                    size += len(line) + 1
+                    sent += len(line) + 1
+                    if size >= FLUSH_BYTES:
+                        self.wfile.write(("\n".join(buf) + "\n").encode())
+                        buf, size = [], 0
+                rows = cur.fetchmany(256)
+        except _Cut as cut:
+            why = str(cut)
+        except sqlite3.OperationalError as e:
+            why = (f"time limit of {ep.time_limit:g} s" if time.monotonic() > deadline
+                   else f"SQL error: {e}")
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the client went away
+        trailer = {"node": ep.node, "rows": n, "complete": why is None}
+        if why:
+            trailer["truncated"] = why
+        buf.append(json.dumps(trailer))
+        try:
+            self.wfile.write(("\n".join(buf) + "\n").encode())
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    # --- the recording ---------------------------------------------------------------
+
+    def _recording(self, params: dict) -> None:
+        ep = self.ep
+        try:
+            since = parse_time_ns((params.get("since") or [None])[0])
+            until = parse_time_ns((params.get("until") or [None])[0])
+        except ValueError as e:
+            self._error(400, str(e))
+            return
+        if since is not None and until is not None and until < since:
+            self._error(400, "until is before since")
+            return
+        if not ep.copies.acquire(blocking=False):
+            self._error(503, "another recording download is being prepared; retry shortly",
+                        {"Retry-After": "5"})
+            return
+        tmp = tempfile.mkdtemp(prefix="nccl-fetch-")
+        try:
+            path = os.path.join(tmp, "window.db")
+            try:
+                window_copy(ep.db, path, since, until)
+            except reader.QueryError as e:
+                self._error(503, str(e))
+                return
+            except sqlite3.DatabaseError as e:
+                self._error(500, f"cannot copy the recording: {e}")
+                return
+            size = os.path.getsize(path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/vnd.sqlite3")
+            self.send_header("Content-Length", str(size))
+            self.send_header("X-Nccl-Node", ep.node)
+            self.end_headers()
+            with open(path, "rb") as f:
+                while chunk := f.read(RECORDING_CHUNK):
+                    self.wfile.write(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            ep.copies.release()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def handle_error(self, request, client_address):
+        # a client that fails the TLS handshake or goes away: no traceback on stderr
+        import sys
+
+        if isinstance(sys.exc_info()[1], (ssl.SSLError, ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
+
+class QueryEndpoint:
+    """The node query endpoint on its own listener (a thread); close() stops it."""
+
+    def __init__(self, db: str, node: str, token: str, host: str = "127.0.0.1", port: int = 0,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 max_rows: int = DEFAULT_MAX_ROWS, max_bytes: int = DEFAULT_MAX_BYTES,
+                 time_limit: float = DEFAULT_TIME_LIMIT_S, handler=Handler, clock=time.time_ns):
+        if not token:
+            raise EndpointError("the query endpoint needs a bearer token (--query-token-file)")
+        if bool(tls_cert) != bool(tls_key):
+            raise EndpointError("--query-tls-cert and --query-tls-key go together")
+        if not tls_cert and not is_loopback(host):
+            raise EndpointError(f"--query-listen {host}:{port} is not loopback-only: "
+                                "it needs --query-tls-cert and --query-tls-key")
+        self.db, self.node, self.token = db, node, token
+        self.max_rows, self.max_bytes, self.time_limit = int(max_rows), int(max_bytes), float(time_limit)
+        self.clock = clock  # the wall clock /api/v1/time reports (tests give a skewed one)
+        self.copies = threading.Semaphore(2)  # recording copies prepared at once
+        try:
+            self.server = _Server((host, port), handler)
+        except OSError as e:
+            raise EndpointError(f"cannot listen on {host}:{port} for queries: {e.strerror or e}") from None
+        self.server.endpoint = self
+        self.tls = bool(tls_cert)
+        if tls_cert:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            try:
+                ctx.load_cert_chain(tls_cert, tls_key)
+            except (OSError, ssl.SSLError) as e:
+                self.server.server_close()
+                raise EndpointError(f"--query-tls-cert/--query-tls-key: {e}") from None
+            # the handshake happens in the request's thread, not in the accept loop
+            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True,
+                                                 do_handshake_on_connect=False)
+        self.host = host
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name=f"nccl-query-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
+    def start(self) -> "QueryEndpoint":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
