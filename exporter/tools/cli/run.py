@@ -64,8 +64,6 @@ def main(args) -> int:
     host, port = parse_listen(args.listen or cfg.get("listen") or f"0.0.0.0:{contract.DEFAULT_PORT}")
     from exporter.tools.cli.fleet import open_query_endpoint, serve_queries
     queries = open_query_endpoint(args)  # --query-listen: checked and bound before anything starts
-    from exporter.tools.cli.fleet import open_query_endpoint, serve_queries
-    queries = open_query_endpoint(args)  # --query-listen: checked and bound before anything starts
     registry = CollectorRegistry(auto_describe=False)
     try:
         # /metrics from the start; /-/ready answers 503 until the probes count
@@ -98,7 +96,6 @@ def main(args) -> int:
         recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
         agent.listeners.append(recorder)
         serve_queries(queries, node)  # the node query endpoint, on the recording
-        serve_queries(queries, node)  # the node query endpoint, on the recording
     registry.register(NcclCollector(node, agent.reader, agent.processes, tcp=agent.tcp,
                                     sched=agent.sched, spans=spans, lock=agent.lock))
     shown = "localhost" if host in ("0.0.0.0", "::") else host
@@ -112,8 +109,6 @@ def main(args) -> int:
         notify_systemd("STOPPING=1")
         if recorder is not None:
             recorder.set_kernel_lost(**agent.kernel_losses())
-        if queries is not None:
-            queries.close()
         if queries is not None:
             queries.close()
         agent.close()
