@@ -68,10 +68,15 @@ def template(path: pathlib.Path, nodes: int, events: int) -> None:
     conn.close()
 
 
+def shift_of(index: int) -> int:
+    """Node `index`'s clock shift (node 0, the template: none)."""
+    return (index * 7919 * 1009) % 100_000_001 - 50_000_000 if index else 0
+
+
 def derive(tpl: pathlib.Path, path: pathlib.Path, index: int) -> None:
     """Node `index`: the template with its node name, ranks, pids and clock (shift up to +-50 ms) changed."""
     node = f"node{index:03d}"
-    shift = (index * 7919) % 100_000_001 - 50_000_000
+    shift = shift_of(index)
     conn = sqlite3.connect(path)
     schema.migrate(conn)
     conn.execute("ATTACH DATABASE ? AS t", (str(tpl),))
@@ -121,7 +126,8 @@ def main() -> int:
     t = time.monotonic()
     rep = merge.merge(str(out), [str(f) for f in files])
     merge_s = time.monotonic() - t
-    worst = max(abs(o.offset_ns - (((int(o.node[4:]) * 7919) % 100_000_001 - 50_000_000))) for o in rep.skew)
+    ref = shift_of(int(rep.skew[0].reference[4:]))
+    worst = max(abs(o.offset_ns - (shift_of(int(o.node[4:])) - ref)) for o in rep.skew)
     print(f"merge: {a.nodes} nodes x {a.events} events -> {sum(rep.added.values())} rows in {merge_s:.1f} s "
           f"({sum(rep.added.values()) / merge_s:,.0f} rows/s; goal < 60 s); skew: worst error "
           f"{worst / 1e6:.3f} ms; {os.path.getsize(out) / 1e6:.0f} MB", flush=True)

@@ -290,6 +290,44 @@ def test_skew_with_a_straggler_and_the_order_right_after_alignment(sleeping, tmp
     assert _explain(tmp_path / "merged.db")["verdict"].startswith(f"straggler: rank {SLEEPER} on node{SLEEPER}")
 
 
+@needs_root
+def test_perfetto_timeline_of_a_real_recording(sleeping, tmp_path):
+    """The sleeping job split into shifted nodes, merged, exported: a process per node, the
+    world collectives' flows end on the sleeper, and the caller's run-queue waits nest in
+    or between its calls (a thread cannot wait across its own call's start or end)."""
+    split_by_rank(sleeping, tmp_path, SHIFT)
+    merged = tmp_path / "merged.db"
+    assert _cli("merge", "-o", merged, *sorted(tmp_path.glob("node*.db"))).returncode == 0
+    p = _cli("export", "perfetto", merged, "-o", tmp_path / "t.json")
+    assert p.returncode == 0, p.stderr
+    ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(procs.values()) == [f"node{r}" for r in range(NRANKS)]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    sleeper = next(k for k, v in threads.items() if v.startswith(f"rank {SLEEPER} (pid"))
+    conn = sqlite3.connect(merged)
+    n_calls = conn.execute("SELECT COUNT(*) FROM nccl_events").fetchone()[0]
+    conn.close()
+    calls = [e for e in ev if e["ph"] == "X" and e["cat"] in ("call", "lifecycle")]
+    assert len(calls) == n_calls
+    chains: dict = {}
+    for e in ev:
+        if e.get("cat") == "collective":
+            chains.setdefault(e["id"], []).append(e)
+    world = [c for c in chains.values() if len(c) == NRANKS]
+    assert len(world) >= 50
+    assert all([e["ts"] for e in c] == sorted(e["ts"] for e in c) for c in world)
+    assert sum((c[-1]["pid"], c[-1]["tid"]) == sleeper for c in world) >= 0.9 * len(world)
+    per_track: dict = {}
+    for e in calls:
+        per_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    waits = [e for e in ev if e["ph"] == "X" and e["cat"] == "sched" and e["args"]["thread"] == "caller"]
+    assert waits
+    for w in waits:
+        a, b = w["ts"], w["ts"] + w["dur"]
+        assert not any(a < s < b or a < t < b for s, t in per_track.get((w["pid"], w["tid"]), ())), w
+
+
 def test_bad_input_is_one_line(tmp_path):
     for cmd in ("explain", "stragglers"):
         p = _cli(cmd, tmp_path / "missing.db")

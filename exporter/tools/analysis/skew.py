@@ -74,11 +74,16 @@ def _ends(conn: sqlite3.Connection) -> dict[tuple, dict[str, tuple]]:
     per: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     # Per communicator and op, at most MAX_COLLECTIVES sequence numbers (every k-th): served by the
     # (comm_id_hash, op, seq) index where there is one.
-    groups = conn.execute(f"SELECT comm_id_hash, op, MIN(seq), MAX(seq) FROM nccl_events "
-                          f"WHERE op IN ({marks}) GROUP BY comm_id_hash, op", SYNC_OPS).fetchall()
-    for comm, op, lo, hi in groups:
-        if not comm or comm == "unknown" or lo is None:
+    for comm, op in _comm_ops(conn):
+        if not comm or comm == "unknown" or op not in SYNC_OPS:
             continue
+        lo = conn.execute("SELECT seq FROM nccl_events WHERE comm_id_hash = ? AND op = ? AND seq IS NOT NULL "
+                          "ORDER BY seq LIMIT 1", (comm, op)).fetchone()
+        hi = conn.execute("SELECT seq FROM nccl_events WHERE comm_id_hash = ? AND op = ? AND seq IS NOT NULL "
+                          "ORDER BY seq DESC LIMIT 1", (comm, op)).fetchone()
+        if lo is None:
+            continue
+        lo, hi = lo[0], hi[0]
         stride = max(1, -(-(hi - lo + 1) // MAX_COLLECTIVES))
         seqs = list(range(lo, hi + 1, stride))
         for i in range(0, len(seqs), 500):
@@ -93,6 +98,18 @@ def _ends(conn: sqlite3.Connection) -> dict[tuple, dict[str, tuple]]:
         if len(nodes) >= 2:
             out[key] = {n: (int(statistics.median(e for _, e in v)), min(e for _, e in v), max(s for s, _ in v))
                         for n, v in nodes.items()}
+    return out
+
+
+def _comm_ops(conn):
+    """The distinct (comm_id_hash, op): one seek each on the (comm_id_hash, op, seq) index."""
+    out = []
+    row = conn.execute("SELECT comm_id_hash, op FROM nccl_events WHERE comm_id_hash IS NOT NULL "
+                       "ORDER BY comm_id_hash, op LIMIT 1").fetchone()
+    while row is not None:
+        out.append(row)
+        row = conn.execute("SELECT comm_id_hash, op FROM nccl_events WHERE (comm_id_hash, op) > (?, ?) "
+                           "ORDER BY comm_id_hash, op LIMIT 1", row).fetchone()
     return out
 
 
