@@ -1,0 +1,67 @@
+"""`nccl-exporter mcp`: an MCP server (stdio, or streamable HTTP) over recordings and the fleet."""
+
+from __future__ import annotations
+
+import os
+
+from exporter.tools.cli.options import CliError, parse_listen
+
+
+def add_parser(sub) -> None:
+    m = sub.add_parser("mcp", help="serve recordings and the fleet to AI assistants (Model Context Protocol)",
+                       description="An MCP server: tools fleet_query, slowest_collectives, "
+                                   "retransmits_by_link, hang_status, explain, stragglers; the schema "
+                                   "and documented queries as resources (docs/fleet-live.md). "
+                                   "stdio by default.")
+    m.add_argument("--db", action="append", default=[], metavar="PATH",
+                   help="a local recording to answer from (repeatable)")
+    m.add_argument("--nodes", action="append", metavar="URL[,URL...]",
+                   help="nodes' query endpoints to fan out to (as 'fleet query')")
+    m.add_argument("--nodes-file", metavar="FILE")
+    m.add_argument("--token-file", metavar="F", help="bearer token for the nodes")
+    m.add_argument("--ca-file", metavar="F")
+    m.add_argument("--concurrency", type=int, default=64, metavar="N")
+    m.add_argument("--timeout", default="10s", metavar="D")
+    m.add_argument("--http", metavar="HOST:PORT",
+                   help="streamable HTTP on this loopback address (path /mcp) instead of stdio")
+    m.set_defaults(func=main)
+
+
+def main(args) -> int:
+    try:
+        from exporter.tools import mcp_server
+    except ImportError as e:
+        raise CliError(f"the MCP server needs the 'mcp' package (pip install 'mcp>=2.3,<3'): {e}") from None
+    from exporter.tools.cli.options import parse_duration
+    from exporter.tools.fleet import client
+
+    for db in args.db:
+        if not os.path.isfile(db):
+            raise CliError(f"--db {db}: no such file")
+    nodes = []
+    try:
+        if args.nodes or args.nodes_file:
+            nodes = client.parse_nodes(args.nodes, args.nodes_file)
+        token = client.read_token(args.token_file)
+    except client.FleetError as e:
+        raise CliError(str(e)) from None
+    try:
+        timeout = parse_duration(args.timeout)
+    except Exception as e:  # argparse.ArgumentTypeError
+        raise CliError(f"--timeout: {e}") from None
+    if args.concurrency < 1:
+        raise CliError("--concurrency: at least 1")
+    http = None
+    if args.http:
+        host, port = parse_listen(args.http)
+        from exporter.tools.fleet.endpoint import is_loopback
+
+        if not is_loopback(host):
+            raise CliError(f"--http {args.http}: the MCP server has no authentication; listen on "
+                           "loopback (127.0.0.1) and put an authenticating proxy in front")
+        http = (host, port)
+    src = mcp_server.Sources(dbs=list(args.db), nodes=nodes,
+                             options=client.FleetOptions(token=token, ca_file=args.ca_file,
+                                                         concurrency=args.concurrency, timeout=timeout))
+    mcp_server.serve(src, http)
+    return 0

@@ -1,0 +1,364 @@
+"""An MCP server (Model Context Protocol, the official `mcp` SDK) over recordings and the fleet.
+
+    nccl-exporter mcp --db job.db [--db other.db] [--nodes URL,... --token-file F]
+    nccl-exporter mcp ... --http 127.0.0.1:8765       # streamable HTTP instead of stdio
+
+Tools (every input checked; a bad one is a tool error saying what is wrong):
+    fleet_query(sql, max_rows, source)   read-only SQL on the local recordings and/or the
+                                         nodes' query endpoints; a `node` column first
+    slowest_collectives(limit, op)       the longest NCCL calls, everywhere
+    retransmits_by_link(limit)           TCP retransmits per link, everywhere
+    hang_status(metrics_url, threshold_s) an agent's nccl_inflight_oldest_seconds: stuck calls
+    explain(db, align)                   one-line verdict + evidence (tools/analysis/explain.py)
+    stragglers(db, comm, op, limit)      per rank: how often last, median lag (tools/analysis)
+Resources: nccl://schema (docs/schema.md), nccl://queries (docs/queries.md) and
+nccl://queries/<name>, one per documented query.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sqlite3
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from exporter.records import contract
+from exporter.sinks.recording import reader
+from exporter.tools.fleet import client
+
+try:  # mcp 2.x
+    from mcp.server.mcpserver import MCPServer as _Server
+    from mcp.server.mcpserver.exceptions import ToolError
+except ImportError:  # mcp 1.x
+    from mcp.server.fastmcp import FastMCP as _Server  # type: ignore[no-redef]
+    from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef]
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+MAX_ROWS = 1000          # rows a tool answers at most (an assistant's context is small)
+MAX_SQL = 64 << 10
+HANG_METRIC = "nccl_inflight_oldest_seconds"
+
+
+@dataclass
+class Sources:
+    dbs: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    options: client.FleetOptions = field(default_factory=client.FleetOptions)
+
+
+# --- helpers ---------------------------------------------------------------------
+
+def _node_of(path: str) -> str:
+    try:
+        conn = reader.open_readonly(path)
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'node'").fetchone()
+        finally:
+            conn.close()
+        return row[0] if row and row[0] else Path(path).stem
+    except (reader.QueryError, sqlite3.DatabaseError):
+        return Path(path).stem
+
+
+def _local_query(path: str, sql: str, max_rows: int) -> tuple[list[str], list[tuple], bool]:
+    """Read-only, like the endpoint: the reader's authorizer, a row cap and a time limit."""
+    import time
+
+    if reader._first_word(sql) == "VACUUM":
+        raise reader.QueryError("refused: VACUUM writes a database; queries are read-only")
+    conn = reader.open_readonly(path)
+    guard = reader._Guard()
+    conn.set_authorizer(guard)
+    deadline = time.monotonic() + 30
+    conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, 10_000)
+    try:
+        cur = conn.execute(sql)
+        names = [d[0] for d in cur.description or ()]
+        rows = cur.fetchmany(max_rows + 1)
+    except sqlite3.DatabaseError as e:
+        if guard.refused:
+            raise reader.QueryError(f"refused: {guard.refused} (queries are read-only)") from None
+        raise reader.QueryError(f"SQL error: {e}") from None
+    except (sqlite3.Warning, sqlite3.ProgrammingError) as e:
+        raise reader.QueryError(f"SQL error: {e}") from None
+    finally:
+        conn.close()
+    return names, rows[:max_rows], len(rows) > max_rows
+
+
+def _check_sql(sql: str) -> str:
+    if not isinstance(sql, str) or not sql.strip():
+        raise ToolError("sql: one read-only SELECT (or WITH ...) statement is required")
+    if len(sql) > MAX_SQL:
+        raise ToolError(f"sql: {len(sql)} characters; at most {MAX_SQL}")
+    return sql
+
+
+def _check_limit(name: str, value: int, top: int = MAX_ROWS) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+        raise ToolError(f"{name}: an integer from 1 to {top}, not {value!r}")
+    return value
+
+
+def documented_queries() -> dict[str, str]:
+    """docs/queries.md: '### name' followed by a ```sql block."""
+    try:
+        text = (DOCS / "queries.md").read_text()
+    except OSError:
+        return {}
+    return {m.group(1): m.group(2).strip()
+            for m in re.finditer(r"^### ([\w-]+)\s*\n+```sql\n(.*?)```", text, re.M | re.S)}
+
+
+def run_everywhere(src: Sources, sql: str, max_rows: int, source: str = "all") -> dict:
+    """{"columns": [node, ...], "rows": [...], "truncated": bool, "warnings": [...]}"""
+    names: list[str] | None = None
+    rows: list[list] = []
+    warnings: list[str] = []
+    truncated = False
+    asked = 0
+    if source in ("all", "local"):
+        for path in src.dbs:
+            asked += 1
+            try:
+                cols, got, cut = _local_query(path, sql, max_rows)
+            except reader.QueryError as e:
+                warnings.append(f"{path}: {e}")
+                continue
+            if names is None:
+                names = cols
+            elif cols != names:
+                warnings.append(f"{path}: columns {cols} differ from {names}; left out")
+                continue
+            node = _node_of(path)
+            rows += [[node, *r] for r in got]
+            truncated |= cut
+    if source in ("all", "nodes") and src.nodes:
+        opts = client.FleetOptions(**{**src.options.__dict__, "max_rows": max_rows, "clock": False})
+        asked += len(src.nodes)
+        for ev in client.stream_query(src.nodes, sql, opts):
+            if ev.kind == "columns":
+                if names is None:
+                    names = list(ev.names)
+            elif ev.kind == "rows":
+                rows += [[ev.node, *r] for r in ev.rows]
+            else:
+                res = ev.result
+                if not res.ok:
+                    warnings.append(f"node {res.node} ({res.url}): {res.error}")
+                elif res.truncated:
+                    truncated = True
+    if asked == 0:
+        raise ToolError("no recordings and no nodes to ask: start the server with --db and/or --nodes"
+                        if source == "all" else f"source={source!r}: none configured")
+    if names is None:
+        raise ToolError("no source answered: " + "; ".join(warnings))
+    bytes_values = [[v.hex() if isinstance(v, bytes) else v for v in r] for r in rows]
+    return {"columns": ["node", *names], "rows": bytes_values, "truncated": truncated, "warnings": warnings}
+
+
+def hang_status(metrics_url: str, threshold_s: float = 60.0, timeout: float = 10.0) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    u = urllib.parse.urlsplit(metrics_url or "")
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ToolError(f"metrics_url: an http(s) URL of an agent's /metrics, e.g. "
+                        f"http://gpu-017:{contract.DEFAULT_PORT}/metrics, not {metrics_url!r}")
+    if not (isinstance(threshold_s, (int, float)) and math.isfinite(threshold_s) and threshold_s >= 0):
+        raise ToolError(f"threshold_s: seconds >= 0, not {threshold_s!r}")
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout) as r:
+            text = r.read(64 << 20).decode("utf-8", "replace")
+    except (OSError, ValueError) as e:
+        raise ToolError(f"cannot read {metrics_url}: {getattr(e, 'reason', None) or e}") from None
+    calls = []
+    try:
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == HANG_METRIC:
+                    calls.append({**s.labels, "oldest_s": s.value})
+    except ValueError as e:
+        raise ToolError(f"{metrics_url}: not a Prometheus exposition ({e})") from None
+    calls.sort(key=lambda c: -c["oldest_s"])
+    stuck = [c for c in calls if c["oldest_s"] >= threshold_s]
+    oldest = calls[0]["oldest_s"] if calls else 0.0
+    if stuck:
+        c = stuck[0]
+        verdict = (f"HUNG: {len(stuck)} call(s) in flight for at least {threshold_s:g} s; the oldest: "
+                   f"{c.get('op')} on comm {c.get('comm')} rank {c.get('rank')} node {c.get('node')}, "
+                   f"{c['oldest_s']:.1f} s")
+    elif calls:
+        verdict = f"not hung: the oldest call in flight is {oldest:.3f} s old (threshold {threshold_s:g} s)"
+    else:
+        verdict = f"not hung: no NCCL call in flight ({HANG_METRIC} absent)"
+    return {"verdict": verdict, "hung": bool(stuck), "oldest_s": oldest, "in_flight": calls[:MAX_ROWS]}
+
+
+# --- the server ---------------------------------------------------------------------
+
+def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
+    kwargs = {}
+    if _Server.__module__.startswith("mcp.server.fastmcp"):  # 1.x: HTTP settings in the constructor
+        kwargs = {"host": host, "port": port}
+    mcp = _Server("nccl-exporter", instructions=(
+        "NCCL collective latency, TCP retransmits and scheduler waits recorded by nccl-exporter "
+        "agents. Read nccl://schema first; nccl://queries has tested SQL. Queries are read-only."),
+        **kwargs)
+    ops = sorted(contract.OPS.values())
+
+    @mcp.tool()
+    def fleet_query(sql: str, max_rows: int = 200, source: str = "all") -> dict:
+        """Run one read-only SQL statement (SQLite; tables in nccl://schema) on every local
+        recording and/or every node's query endpoint. Answers columns (node first), rows,
+        truncated and warnings (nodes that did not answer). source: all | local | nodes."""
+        _check_sql(sql)
+        _check_limit("max_rows", max_rows)
+        if source not in ("all", "local", "nodes"):
+            raise ToolError(f"source: one of all, local, nodes; not {source!r}")
+        return run_everywhere(src, sql, max_rows, source)
+
+    @mcp.tool()
+    def slowest_collectives(limit: int = 20, op: str | None = None) -> dict:
+        """The longest NCCL calls across every recording and node, slowest first
+        (op, rank, comm, seq, ms). op: e.g. ALL_REDUCE (default: every op)."""
+        _check_limit("limit", limit)
+        if op is not None and op.upper() not in ops:
+            raise ToolError(f"op: one of {', '.join(ops)}; not {op!r}")
+        where = "kind = 'call'" + (f" AND op = '{op.upper()}'" if op else "")
+        out = run_everywhere(src, (
+            "SELECT op, rank, nranks, comm_id_hash, seq, duration_ns / 1e6 AS ms, timestamp_ns "
+            f"FROM nccl_events WHERE {where} ORDER BY duration_ns DESC LIMIT {limit}"), limit)
+        ms = out["columns"].index("ms")
+        out["rows"] = sorted(out["rows"], key=lambda r: -(r[ms] or 0))[:limit]
+        return out
+
+    @mcp.tool()
+    def retransmits_by_link(limit: int = 20) -> dict:
+        """TCP retransmits per link (owner rank, local and remote address) across every recording
+        and node, most first: a lossy link stands out."""
+        _check_limit("limit", limit)
+        out = run_everywhere(src, (
+            "SELECT rank, pid, saddr || ':' || sport AS local, daddr || ':' || dport AS remote, "
+            "COUNT(*) AS retransmits, (MAX(timestamp_ns) - MIN(timestamp_ns)) / 1e9 AS over_s "
+            "FROM tcp_events WHERE event = 'tcp_retransmit_skb' "
+            f"GROUP BY rank, pid, saddr, sport, daddr, dport ORDER BY retransmits DESC LIMIT {limit}"), limit)
+        n = out["columns"].index("retransmits")
+        out["rows"] = sorted(out["rows"], key=lambda r: -(r[n] or 0))[:limit]
+        return out
+
+    @mcp.tool(name="hang_status")
+    def hang_status_tool(metrics_url: str, threshold_s: float = 60.0) -> dict:
+        """Is a job hung? Reads an agent's /metrics (e.g. http://gpu-017:9401/metrics): every
+        NCCL call in flight and its age (nccl_inflight_oldest_seconds); hung when one is at
+        least threshold_s old."""
+        return hang_status(metrics_url, threshold_s)
+
+    analysis = _analysis()
+    if analysis:
+        explain_mod, stragglers_mod = analysis
+
+        def open_db(db: str | None):
+            if db is None:
+                if len(src.dbs) != 1:
+                    raise ToolError("db: which recording? one of " + ", ".join(src.dbs) if src.dbs
+                                    else "db: no local recording (start the server with --db)")
+                db = src.dbs[0]
+            if db not in src.dbs:
+                raise ToolError(f"db: one of the server's recordings ({', '.join(src.dbs) or 'none'}), "
+                                f"not {db!r}")
+            try:
+                return reader.open_readonly(db)
+            except reader.QueryError as e:
+                raise ToolError(str(e)) from None
+
+        @mcp.tool()
+        def explain(db: str | None = None, align: bool = True) -> dict:
+            """One line of verdict on a (merged) recording — who is the straggler and why — then
+            the evidence. db: one of the server's --db recordings (default: the only one)."""
+            conn = open_db(db)
+            try:
+                lines = explain_mod.explain(conn, align=align)
+            finally:
+                conn.close()
+            return {"verdict": lines[0] if lines else "", "evidence": lines[1:]}
+
+        @mcp.tool()
+        def stragglers(db: str | None = None, comm: str | None = None, op: str | None = None,
+                       limit: int = 50) -> dict:
+            """Per rank of each synchronous collective: how often it arrived last, its median lag,
+            and the retransmits and run-queue waits in its windows; the worst first."""
+            _check_limit("limit", limit)
+            if op is not None and op.upper() not in ops:
+                raise ToolError(f"op: one of {', '.join(ops)}; not {op!r}")
+            if comm is not None and not re.fullmatch(r"[0-9a-f]{1,16}|unknown", comm):
+                raise ToolError(f"comm: a communicator hash (16 hex digits), not {comm!r}")
+            conn = open_db(db)
+            try:
+                collectives, _ = stragglers_mod.load(conn, align=True, comm=comm,
+                                                     op=op.upper() if op else None)
+                stats = stragglers_mod.per_rank(collectives)
+            finally:
+                conn.close()
+            rows = stragglers_mod.rank_rows(stats)
+            cols = list(stragglers_mod.RANK_COLUMNS)
+            k = cols.index("last")
+            rows.sort(key=lambda r: -r[k])
+            return {"columns": cols, "rows": [list(r) for r in rows[:limit]],
+                    "collectives": len(collectives)}
+
+    @mcp.resource("nccl://schema", name="schema", mime_type="text/markdown",
+                  description="The recording's tables and columns (docs/schema.md)")
+    def schema() -> str:
+        return _doc("schema.md")
+
+    @mcp.resource("nccl://queries", name="queries", mime_type="text/markdown",
+                  description="Tested SQL for common questions (docs/queries.md)")
+    def queries() -> str:
+        return _doc("queries.md")
+
+    for qname, qsql in documented_queries().items():
+        mcp.resource(f"nccl://queries/{qname}", name=f"query-{qname}", mime_type="application/sql",
+                     description=f"The documented query '{qname}' (docs/queries.md)")(
+            _constant(qsql))
+    return mcp
+
+
+def _constant(text: str):
+    def read() -> str:
+        return text
+    return read
+
+
+def _doc(name: str) -> str:
+    try:
+        return (DOCS / name).read_text()
+    except OSError:
+        return f"({name} is not installed with this copy of nccl-exporter; see the project's docs/)"
+
+
+def _analysis():
+    """The straggler analysis modules (exporter/tools/analysis/), when present."""
+    try:
+        from exporter.tools.analysis import explain, stragglers
+
+        explain.explain, stragglers.load, stragglers.per_rank, stragglers.rank_rows  # noqa: B018
+        stragglers.RANK_COLUMNS  # noqa: B018
+        return explain, stragglers
+    except (ImportError, AttributeError):
+        return None
+
+
+def serve(src: Sources, http: tuple[str, int] | None = None) -> None:
+    if http is None:
+        build_server(src).run("stdio")
+        return
+    host, port = http
+    server = build_server(src, host, port)
+    if _Server.__module__.startswith("mcp.server.fastmcp"):
+        server.run("streamable-http")
+    else:
+        server.run("streamable-http", host=host, port=port)
