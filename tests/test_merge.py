@@ -196,3 +196,13 @@ def test_skew_stored_and_recovered_within_1ms_and_stragglers_aligned(tmp_path, n
     conn = sqlite3.connect(out2)
     assert conn.execute("SELECT COUNT(*) FROM clock_skew").fetchone()[0] == 0
     conn.close()
+
+
+def test_failed_merge_leaves_out_as_it_was(tmp_path, nodes):
+    out = tmp_path / "m.db"
+    assert cli("merge", "-o", out, nodes[0]).returncode == 0
+    before = out.read_bytes()
+    clash = synth(tmp_path / "clash.db", 1, node="node0", machine="someone-else")
+    p = cli("merge", "-o", out, nodes[1], clash)  # node1 goes in first, then the clash stops it
+    assert p.returncode == 2 and "node0" in p.stderr, p.stderr
+    assert out.read_bytes() == before and not (tmp_path / "m.db.partial").exists()

@@ -116,7 +116,7 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
             key = (a.node, a.pid)
             proc_wait[key] += a.runq_wait_ns
             proc_time[key] += a.end - a.window_start
-            for link, n in a.links.items():
+            for link, n in (a.links or {}).items():
                 links[(a.node, link)] += n
                 link_owner[(a.node, link)] = key
     total_retx = sum(links.values())

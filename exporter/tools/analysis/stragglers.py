@@ -39,7 +39,7 @@ from exporter.tools.analysis import skew
 from exporter.tools.analysis.skew import SYNC_OPS
 
 
-@dataclass
+@dataclass(slots=True)
 class Arrival:
     rank: int
     node: str
@@ -54,7 +54,7 @@ class Arrival:
     runq_in_call: int | None
     retransmits: int = 0
     runq_wait_ns: int = 0
-    links: dict = field(default_factory=dict)
+    links: dict | None = None  # link -> retransmits in the window
 
 
 @dataclass
@@ -210,6 +210,7 @@ def _evidence(conn, collectives: list[Collective]) -> None:
             n, i, j = tcp.window(key, lo, hi)
             a.retransmits = n
             if n:
+                a.links = {}
                 for link in tcp.tags(key, i, j):
                     a.links[link] = a.links.get(link, 0) + 1
             if have_sched:
@@ -241,7 +242,7 @@ def per_rank(collectives: list[Collective]) -> list[RankStats]:
                 s.lags_when_last.append(lag)
                 s.retransmits_when_last += a.retransmits
                 s.runq_wait_when_last_ns += a.runq_wait_ns
-                for link, n in a.links.items():
+                for link, n in (a.links or {}).items():
                     s.links_when_last[link] += n
     return sorted(stats.values(), key=lambda s: (s.comm, s.op, s.rank))
 
