@@ -459,3 +459,18 @@ def test_real_agent_answers_queries_on_its_recording(tmp_path, token_file, capsy
                              "-o", tmp_path / "fetched")
         assert code == 0, err
         assert "read-only queries at" in exporter.output()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--query-listen", "127.0.0.1:1"], "needs --db"),
+    (["--db", "x.db", "--query-listen", "127.0.0.1:1"], "needs --query-token-file"),
+    (["--db", "x.db", "--query-listen", "0.0.0.0:9402", "--query-token-file", "TOKEN"], "not loopback-only"),
+    (["--db", "x.db", "--query-token-file", "TOKEN"], "need --query-listen"),
+    (["--db", "x.db", "--query-listen", "127.0.0.1:1", "--query-token-file", "/nonexistent"],
+     "--query-token-file /nonexistent"),
+])
+def test_run_checks_the_query_options_before_starting(capsys, token_file, argv, message):
+    """Refused before the agent starts (no root needed): one line, exit 2."""
+    argv = [str(token_file) if a == "TOKEN" else a for a in argv]
+    code, out, err = cli(capsys, "run", "--listen", "127.0.0.1:1", *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
