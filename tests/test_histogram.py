@@ -1,4 +1,5 @@
-"""exporter/histogram.py: bucket edges, layout, and the stated quantile error."""
+"""exporter/records/histogram.py: bucket edges, layout, and the stated quantile
+error, for every layout (coarse: the default; fine: --histogram-resolution fine)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,33 @@ import pytest
 
 from exporter.records import histogram as h
 
-B = h.UPPER_BOUNDS_NS
+B: list[int] = []
+
+
+@pytest.fixture(autouse=True, params=sorted(h.LAYOUTS))
+def layout(request):
+    global B
+    with h.selected(request.param) as layout:
+        B = h.UPPER_BOUNDS_NS
+        yield layout
+    B = h.UPPER_BOUNDS_NS
+
+
+def test_default_layout_is_bounded():
+    """The default exposition: at most ~30 buckets per series, 1 us .. 2 min."""
+    assert h.DEFAULT == "coarse"
+    d = h.LAYOUTS[h.DEFAULT]
+    assert d.slots <= 30
+    assert d.upper_bounds_ns()[0] <= 1_100 and d.upper_bounds_ns()[-1] >= 120e9
+    assert h.LAYOUTS["fine"].slots == 106  # the old layout, opt-in
+
+
+def test_generated_header_follows_selection():
+    from exporter.sources.bpf import generated_header
+
+    text = generated_header()
+    assert f"#define HIST_SUB_BITS {h.SUB_BITS}\n" in text
+    assert f"#define HIST_MAX_LOG2 {h.MAX_LOG2}\n" in text
 
 
 def _bucket_by_search(d: int) -> int:
@@ -29,12 +56,15 @@ def test_layout():
     for k in range(h.MIN_LOG2, h.MAX_LOG2):
         for s in range(h.SUB):
             assert (1 << k) + (s + 1) * (1 << k) // h.SUB in B
-    # The widest bucket, relatively, is at most 1.25x its lower bound.
+    # The widest bucket, relatively, is at most (1 + MAX_RELATIVE_ERROR)x its lower bound.
     assert max(hi / lo for lo, hi in zip(B, B[1:])) == pytest.approx(1 + h.MAX_RELATIVE_ERROR)
     assert all(hi <= lo * (1 + h.MAX_RELATIVE_ERROR) for lo, hi in zip(B, B[1:]))
 
 
-def test_first_buckets():
+def test_first_buckets(layout):
+    if layout.name == "coarse":
+        assert [h.bucket_of(d) for d in (0, 1024, 1025, 2048, 2049, 4096, 4097)] == [0, 0, 1, 1, 2, 2, 3]
+        return
     assert h.bucket_of(0) == 0
     assert h.bucket_of(1) == 0
     assert h.bucket_of(1023) == 0
@@ -103,7 +133,7 @@ def test_quantile_error_on_log_uniform_durations(seed):
 
 def test_quantile_error_worst_case():
     """All samples at the low edge of the relatively widest bucket."""
-    for lower in (B[4], B[20], B[60]):  # 2^k: the next bucket is (2^k, 1.25 * 2^k]
+    for lower in (B[4], B[20], B[len(B) * 3 // 5 // h.SUB * h.SUB]):  # 2^k: the next bucket is (2^k, (1 + 1/SUB) 2^k]
         d = lower + 1
         counts = [0] * h.SLOTS
         counts[h.bucket_of(d)] = 100

@@ -1,37 +1,110 @@
 """The latency histogram layout shared by bpf/nccl.c and the exposition.
 
-Bucket 0 holds durations up to 2^10 ns (1.02 us). Above that, every power of
-two is cut into four equal sub-buckets up to 2^36 ns (68.7 s); one more
-bucket takes everything longer. Upper bounds are exact integers of
-nanoseconds, so the kernel and Prometheus agree on every edge.
+Two layouts, chosen when the agent loads bpf/nccl.c (`run
+--histogram-resolution coarse|fine`); the selected one's constants are
+generated into the C header, so the kernel and Prometheus agree on every edge.
+Upper bounds are exact integers of nanoseconds.
 
-Quantile error: a bucket's upper bound is at most 1.25x its lower bound
-(2^k .. 1.25*2^k is the widest, relatively), so any quantile read from these
-buckets -- by histogram_quantile's interpolation or by taking the bucket's
-upper bound -- is within 25 % of the true value, and within 12.5 % on
-average over a power of two. Durations below 1 us share one bucket.
+- **coarse** (the default): bucket 0 holds durations up to 2^10 ns (1.02 us);
+  then one bucket per power of two up to 2^37 ns (137 s); one more takes
+  everything longer: 28 finite buckets + Inf = 29 per series. A bucket's
+  upper bound is 2x its lower bound, so a quantile read from these buckets
+  (histogram_quantile's linear interpolation, or the bucket's upper bound)
+  lies in the same factor-2 bucket as the true value: at most +100 % / -50 %
+  off (MAX_RELATIVE_ERROR = 1.0); for log-uniformly spread durations the
+  interpolated estimate is typically within ~20 %.
+- **fine**: every power of two from 2^10 to 2^36 ns (68.7 s) cut into four
+  equal sub-buckets: 105 finite buckets + Inf = 106 per series; any quantile
+  within 25 % (MAX_RELATIVE_ERROR = 0.25), 12.5 % on average over an octave.
+
+The module-level names (MIN_LOG2, MAX_LOG2, SUB_BITS, SUB, FINITE, SLOTS,
+UPPER_BOUNDS_NS, MAX_RELATIVE_ERROR) always describe the selected layout;
+`select(name)` switches it (the agent does, from its config, before it loads
+bpf/nccl.c). Durations below 1 us share one bucket in both.
 """
 
-MIN_LOG2 = 10
-MAX_LOG2 = 36
-SUB_BITS = 2
-SUB = 1 << SUB_BITS
-FINITE = 1 + (MAX_LOG2 - MIN_LOG2) * SUB
-SLOTS = FINITE + 1  # + overflow (+Inf)
-MAX_RELATIVE_ERROR = 0.25
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    min_log2: int
+    max_log2: int
+    sub_bits: int
+
+    @property
+    def sub(self) -> int:
+        return 1 << self.sub_bits
+
+    @property
+    def finite(self) -> int:
+        return 1 + (self.max_log2 - self.min_log2) * self.sub
+
+    @property
+    def slots(self) -> int:
+        return self.finite + 1  # + overflow (+Inf)
+
+    @property
+    def max_relative_error(self) -> float:
+        return 1.0 / self.sub  # the widest bucket, relatively: 2^k .. (1 + 1/SUB) 2^k
+
+    def upper_bounds_ns(self) -> list[int]:
+        """Upper bound (inclusive) of each finite bucket, in nanoseconds."""
+        bounds = [1 << self.min_log2]
+        for k in range(self.min_log2, self.max_log2):
+            step = 1 << (k - self.sub_bits)
+            bounds.extend((1 << k) + (s + 1) * step for s in range(self.sub))
+        return bounds
+
+
+LAYOUTS = {
+    "coarse": Layout("coarse", 10, 37, 0),
+    "fine": Layout("fine", 10, 36, 2),
+}
+DEFAULT = "coarse"
+
+
+def select(name: str = DEFAULT) -> Layout:
+    """Make `name` the layout of this process (module-level names, bucket_of, ...)."""
+    global LAYOUT, MIN_LOG2, MAX_LOG2, SUB_BITS, SUB, FINITE, SLOTS, UPPER_BOUNDS_NS, MAX_RELATIVE_ERROR
+    try:
+        layout = LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown histogram resolution {name!r}; one of: {', '.join(LAYOUTS)}") from None
+    LAYOUT = layout
+    MIN_LOG2, MAX_LOG2, SUB_BITS = layout.min_log2, layout.max_log2, layout.sub_bits
+    SUB, FINITE, SLOTS = layout.sub, layout.finite, layout.slots
+    UPPER_BOUNDS_NS = layout.upper_bounds_ns()
+    MAX_RELATIVE_ERROR = layout.max_relative_error
+    assert len(UPPER_BOUNDS_NS) == FINITE
+    return layout
+
+
+@contextlib.contextmanager
+def selected(name: str):
+    """Use layout `name` inside a with-block (tests), then the previous one."""
+    before = LAYOUT.name
+    select(name)
+    try:
+        yield LAYOUTS[name]
+    finally:
+        select(before)
+
+
+LAYOUT: Layout
+MIN_LOG2 = MAX_LOG2 = SUB_BITS = SUB = FINITE = SLOTS = 0
+UPPER_BOUNDS_NS: list[int] = []
+MAX_RELATIVE_ERROR = 0.0
+select(DEFAULT)
 
 
 def upper_bounds_ns() -> list[int]:
-    """Upper bound (inclusive) of each finite bucket, in nanoseconds."""
-    bounds = [1 << MIN_LOG2]
-    for k in range(MIN_LOG2, MAX_LOG2):
-        step = 1 << (k - SUB_BITS)
-        bounds.extend((1 << k) + (s + 1) * step for s in range(SUB))
-    return bounds
-
-
-UPPER_BOUNDS_NS = upper_bounds_ns()
-assert len(UPPER_BOUNDS_NS) == FINITE
+    """Upper bound (inclusive) of each finite bucket of the selected layout, in ns."""
+    return LAYOUT.upper_bounds_ns()
 
 
 def bucket_of(duration_ns: int) -> int:
