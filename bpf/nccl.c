@@ -22,6 +22,16 @@
 #define HIST_FINITE (1 + (HIST_MAX_LOG2 - HIST_MIN_LOG2) * HIST_SUB)
 #define HIST_SLOTS (HIST_FINITE + 1)
 
+// Series capacity: `run --series-capacity N` (-DSERIES_CAPACITY=N from
+// exporter/sources/nccl/probes.py). Slots SERIES_CAPACITY + op of
+// series_stats are fixed: for a collective op, its overflow series, where
+// calls go when series_index is full (user space reads it as comm_hash
+// SERIES_OVERFLOW_COMM: comm="overflow"); for a lifecycle op, its one series.
+#ifndef SERIES_CAPACITY
+#define SERIES_CAPACITY MAX_SERIES
+#endif
+#define SERIES_SLOTS (SERIES_CAPACITY + OP_COUNT)
+
 #define NCCL_SUCCESS 0
 #define NCCL_IN_PROGRESS 7
 #define MAX_INIT_ALL 16
@@ -31,10 +41,14 @@ struct series_key {
     s32 rank;       // -1: unknown
     s32 nranks;     // -1: unknown
     u32 op;
-    u32 pad;
+    u32 pid;        // the calling process when rank is unknown (else 0): such
+                    // series are never merged across processes
 };
 
 struct series_stats {
+    // The series this slot holds (all zero: free). A thread's cached slot is
+    // used only while this still matches: user space recycles slots.
+    struct series_key key;
     u64 calls;
     u64 bytes;
     u64 sum_ns;
@@ -89,13 +103,15 @@ struct event {
 
 // Series live in an array (a lookup the verifier inlines); the hash only maps
 // a series' labels to its slot, and each thread caches that slot per op.
-BPF_HASH(series_index, struct series_key, u32, MAX_SERIES);
-BPF_ARRAY(series_stats, struct series_stats, MAX_SERIES);
-BPF_ARRAY(series_next, u32, 1);
+// Free slots wait in `series_free` (filled by user space at load; a slot
+// goes back when the agent's loop expires its series, see
+// exporter/sources/nccl/reader.py expire_series): popping is atomic.
+BPF_HASH(series_index, struct series_key, u32, SERIES_CAPACITY);
+BPF_ARRAY(series_stats, struct series_stats, SERIES_SLOTS);
+BPF_QUEUE(series_free, u32, SERIES_CAPACITY);
 // Relative slow-call threshold per series (k x its recent p50), written by
 // user space; 0: use the op's absolute threshold in event_config.
-BPF_ARRAY(series_threshold, u64, MAX_SERIES);  // next free slot of series_stats (a hint)
-BPF_HASH(series_claims, u32, u8, MAX_SERIES);  // slots taken
+BPF_ARRAY(series_threshold, u64, SERIES_SLOTS);
 BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
 BPF_HASH(communicators, struct comm_key, struct comm_info, MAX_COMMS);
 // Traced processes: those that use NCCL. Value: the process's rank (launcher
@@ -622,59 +638,65 @@ static __always_inline s32 series_slot(struct series_key *key) {
     u32 *found = series_index.lookup(key);
     if (found)
         return *found;
-    // Claim the next free slot. A BPF_NOEXIST insert into series_claims is
-    // the atomic step (this LLVM cannot use fetch-and-add's result): a CPU
-    // that loses the race for a slot tries the next one.
-    u32 zero = 0;
-    u32 *next = series_next.lookup(&zero);
-    if (!next)
+    u32 slot = 0;
+    if (series_free.pop(&slot) != 0 || slot >= SERIES_CAPACITY) {
+        count_up(CNT_STATS_FULL);
         return -1;
-    u32 slot = *next;
-    u8 one = 1;
-    #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        if (slot >= MAX_SERIES) {
-            count_up(CNT_STATS_FULL);
-            return -1;
-        }
-        if (series_claims.insert(&slot, &one) == 0)
-            break;
-        slot++;
     }
-    *next = slot + 1;
+    struct series_stats *s = series_stats.lookup(&slot);
+    if (!s)
+        return -1;
+    s->key = *key;  // the slot was cleared when it was freed
     if (series_index.insert(key, &slot) != 0) {
-        // Another CPU added the same series first (this slot stays unused).
+        // Another CPU added the same series first: give this slot back.
+        struct series_key none = {};
+        s->key = none;
+        series_free.push(&slot, 0);
         found = series_index.lookup(key);
         return found ? *found : -1;
     }
     return slot;
 }
 
+static __always_inline int same_key(struct series_key *a, struct series_key *b) {
+    return a->comm_hash == b->comm_hash && a->rank == b->rank && a->nranks == b->nranks &&
+           a->op == b->op && a->pid == b->pid;
+}
+
 // Returns the series' slot (-1: none) so the caller can check its threshold.
+// When series_index is full the call is counted in its op's overflow series.
 static __always_inline s32 account(struct call *c, u64 duration) {
     u32 op = c->op & (OP_COUNT - 1);
+    struct series_key key = {.comm_hash = c->comm_hash, .rank = c->rank,
+                             .nranks = c->nranks, .op = op};
+    if (c->rank < 0)
+        key.pid = bpf_get_current_pid_tgid() >> 32;
     s32 slot = -1;
-    if (op < OP_GET_UNIQUE_ID && c->series_by_op[op]) {
-        slot = c->series_by_op[op] - 1;  // cached for this communicator
-    } else {
-        struct series_key key = {.comm_hash = c->comm_hash, .rank = c->rank,
-                                 .nranks = c->nranks, .op = op};
-        if (op >= OP_GET_UNIQUE_ID) {
-            // Lifecycle calls: one series per op (nccl_lifecycle_duration_seconds).
-            key.comm_hash = 0;
-            key.rank = -1;
-            key.nranks = -1;
-        }
-        slot = series_slot(&key);
-        if (slot < 0)
+    struct series_stats *s = 0;
+    if (op >= OP_GET_UNIQUE_ID) {
+        // Lifecycle calls: one series per op (nccl_lifecycle_duration_seconds),
+        // in its fixed slot: never in series_index, never expired.
+        u32 i = SERIES_CAPACITY + op;
+        s = series_stats.lookup(&i);
+        if (!s)
             return -1;
-        if (op < OP_GET_UNIQUE_ID)
-            c->series_by_op[op] = slot + 1;
+    } else if (c->series_by_op[op]) {
+        u32 cached = c->series_by_op[op] - 1;  // cached for this communicator
+        s = series_stats.lookup(&cached);
+        if (s && same_key(&s->key, &key))
+            slot = cached;
+        else
+            s = 0;  // the slot was recycled since: look the series up again
     }
-    u32 i = slot;
-    struct series_stats *s = series_stats.lookup(&i);
-    if (!s)
-        return -1;
+    if (!s) {
+        slot = series_slot(&key);
+        if (slot >= 0)
+            c->series_by_op[op] = slot + 1;
+        u32 i = slot >= 0 ? (u32)slot : SERIES_CAPACITY + op;  // full: the overflow series
+        s = series_stats.lookup(&i);
+        if (!s)
+            return -1;
+    }
     u32 b = bucket_of(duration);
     if (b >= HIST_SLOTS)
         b = HIST_SLOTS - 1;
@@ -737,6 +759,25 @@ int on_return(struct pt_regs *ctx) {
     }
     c->start_ns = 0;
     c->op = 0;  // idle: the slot stays for this thread's next call
+    return 0;
+}
+
+// User space asks for a thread to be traced (a process it found by its
+// mapped libnccl, with threads made before): the agent calls getpgid(tid)
+// itself, and this sets the thread's bit with the same atomic OR as every
+// other update. User space never read-modify-writes traced_threads, so it
+// cannot undo a bit the kernel set or cleared meanwhile. Only the agent's own
+// process (agent_tgid, written at load) is listened to.
+BPF_ARRAY(agent_tgid, u32, 1);
+
+TRACEPOINT_PROBE(syscalls, sys_enter_getpgid) {
+    u32 zero = 0;
+    u32 *agent = agent_tgid.lookup(&zero);
+    if (!agent || *agent != (u32)(bpf_get_current_pid_tgid() >> 32))
+        return 0;
+    u64 tid = args->pid;
+    if (tid && tid < (u64)PID_WORDS * 64)
+        set_thread_traced((u32)tid, 1);
     return 0;
 }
 

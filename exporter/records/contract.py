@@ -135,6 +135,11 @@ NCCL_FUNCTIONS = {
 # cardinality of what is exported). A full map is counted, never fatal.
 
 MAX_SERIES = 2048      # (op, comm, rank, nranks) series: series_index / series_stats
+                       # (the default of `run --series-capacity`)
+# comm_hash of the overflow series: calls made while series_index is full
+# (one series per op, exported as comm="overflow"; STATS_FULL counts them).
+SERIES_OVERFLOW_COMM = (1 << 64) - 1
+DEFAULT_SERIES_TTL = 300.0  # s: `run --series-ttl`, how long an ended communicator's series stay
 MAX_COMMS = 4096       # live communicators, all processes
 MAX_THREADS = 16384    # threads that have called NCCL (inflight slots)
 MAX_ERRORS = 512       # (op, result) pairs

@@ -7,8 +7,9 @@ Two kinds of threshold, both checked in bpf/nccl.c at the call's return:
 - relative, per series (op, comm, rank): k x the series' recent p50. User
   space recomputes it every `interval` seconds from the change of the
   kernel's histogram since the last time, and writes it per series slot.
-  A series with fewer than `min_calls` recent calls keeps the absolute one;
-  the relative threshold never goes below `floor_ns`.
+  A series with fewer than `min_calls` recent calls uses the absolute one:
+  a relative threshold set earlier is cleared then (and when the series'
+  slot is freed or reused); the relative threshold never goes below `floor_ns`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class SlowCallPolicy:
         self.interval = interval
         self.min_calls = min_calls
         self.floor_ns = floor_ns
-        self._last: dict[int, tuple[int, ...]] = {}
+        # slot -> (the series' labels, its buckets at the last refresh)
+        self._last: dict[int, tuple[tuple, tuple[int, ...]]] = {}
+        self._relative: set[int] = set()  # slots with a relative threshold written
         self._next_refresh = 0.0
         for op, ns in self.absolute_ns.items():
             probes.set_slow_threshold(op, ns)
@@ -46,14 +49,31 @@ class SlowCallPolicy:
             return
         self._next_refresh = now + self.interval
         table = self.probes["series_threshold"]
+        last, self._last = self._last, {}
         for s in self.reader.series():
-            if s.op not in contract.COLLECTIVE_OPS.values() or s.slot < 0:
+            if (s.op not in contract.COLLECTIVE_OPS.values() or s.slot < 0
+                    or s.comm_hash == contract.SERIES_OVERFLOW_COMM):
                 continue
-            before = self._last.get(s.slot, (0,) * len(s.buckets))
-            recent = [a - b for a, b in zip(s.buckets, before)]
-            self._last[s.slot] = s.buckets
+            labels = (s.op, s.comm_hash, s.rank, s.nranks)
+            seen_labels, before = last.get(s.slot, (labels, ()))
+            if seen_labels != labels or len(before) != len(s.buckets):
+                before = ()  # the slot holds another series now
+            recent = [a - b for a, b in zip(s.buckets, before or (0,) * len(s.buckets))]
+            self._last[s.slot] = (labels, s.buckets)
             if sum(recent) < self.min_calls:
+                if s.slot in self._relative:  # back to the op's absolute threshold
+                    table[table.Key(s.slot)] = table.Leaf(0)
+                    self._relative.discard(s.slot)
                 continue
             p50_ns = histogram.quantile(recent, 0.5) * 1e9
             limit = max(self.floor_ns, int(self.relative_k * p50_ns))
             table[table.Key(s.slot)] = table.Leaf(limit)
+            self._relative.add(s.slot)
+        # Slots no longer holding a series: their thresholds were cleared when freed.
+        self._relative &= set(self._last)
+
+    def forget(self, slots) -> None:
+        """Slots whose series were expired (the reader cleared their thresholds)."""
+        for slot in slots:
+            self._last.pop(slot, None)
+            self._relative.discard(slot)

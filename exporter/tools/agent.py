@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from exporter.records import contract
+from exporter.records import contract, histogram
 from exporter.records.events import format_comm
 from exporter.sources.bpf import ClockOffset
 from exporter.sources.nccl import libfind
@@ -40,6 +40,9 @@ class AgentConfig:
     runq_event_min_ns: int = 0  # run-queue waits at least this long become events; 0: none
     rescan_interval: float = 0.5
     prune_interval: float = 2.0  # forget dead processes' map entries this often
+    series_ttl: float = contract.DEFAULT_SERIES_TTL  # s an ended communicator's series stay
+    series_capacity: int = contract.MAX_SERIES  # series the kernel holds; more: comm="overflow"
+    histogram_resolution: str = histogram.DEFAULT  # duration buckets: coarse | fine
 
 
 class Agent:
@@ -48,7 +51,8 @@ class Agent:
         self.lock = threading.Lock()  # BCC objects: attach and prune vs. scrape
         self.clock = ClockOffset()
         # The NCCL source first: it owns the maps the others share (bpf/traced.h).
-        self.probes = NcclProbes()
+        histogram.select(config.histogram_resolution)  # into bpf/nccl.c's generated header
+        self.probes = NcclProbes(series_capacity=config.series_capacity)
         self.reader = NcclReader(self.probes, self.clock)
         self.tcp = TcpSource(self.clock)
         self.sched = SchedSource(self.clock)
@@ -156,6 +160,9 @@ class Agent:
         """Forget the map entries and Python state of processes that are gone."""
         with self.lock:
             self.reader.forget_dead_processes()
+            freed = self.reader.expire_series(self.config.series_ttl)
+            if freed and self.slow is not None:
+                self.slow.forget(freed)
             self.sched.forget_dead_processes()
         self.processes.forget_dead()
 

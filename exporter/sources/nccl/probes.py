@@ -56,10 +56,25 @@ class NcclProbes(Program):
     """bpf/nccl.c compiled, and the libraries it is attached to. It owns the
     maps shared with the other programs (bpf/traced.h): load it first."""
 
-    def __init__(self, extra_cflags: tuple[str, ...] = ()):
-        super().__init__("nccl", extra_source=generated_stubs(), extra_cflags=extra_cflags)
+    def __init__(self, extra_cflags: tuple[str, ...] = (), series_capacity: int | None = None):
+        """series_capacity: how many (op, comm, rank, nranks) series the kernel
+        holds at once (default contract.MAX_SERIES); more are counted in one
+        overflow series per op. The duration histogram layout is the one
+        selected in exporter.records.histogram when this is made."""
+        capacity = int(series_capacity or contract.MAX_SERIES)
+        if not 1 <= capacity <= 1 << 20:
+            raise ValueError(f"series capacity {capacity}: between 1 and {1 << 20}")
+        self.series_capacity = capacity
+        super().__init__("nccl", extra_source=generated_stubs(),
+                         extra_cflags=(f"-DSERIES_CAPACITY={capacity}", *extra_cflags))
+        MAP_CAPACITY["series_index"] = capacity
         self.reports: list[AttachReport] = []
         self._attached_files: set[tuple[int, int]] = set()
+        free = self["series_free"]
+        for slot in range(capacity):
+            free.push(free.Leaf(slot))
+        me = self["agent_tgid"]
+        me[me.Key(0)] = me.Leaf(os.getpid())
 
     def attach(self, path: str) -> AttachReport | None:
         """Probe every public NCCL function of `path`; None if already done."""
@@ -104,16 +119,25 @@ class NcclProbes(Program):
         """Trace a process (it uses NCCL) and its existing threads; rank None: unknown."""
         table = self["traced_processes"]
         table[table.Key(pid)] = table.Leaf(-1 if rank is None else int(rank))
-        bits = self["traced_threads"]
         try:
             tids = [int(t) for t in os.listdir(f"{proc}/{pid}/task")]
         except OSError:
             tids = [pid]
         for tid in tids:
-            key = bits.Key(tid // 64)
-            bits[key] = bits.Leaf(bits[key].value | (1 << (tid % 64)))
+            self.trace_thread(tid)
         gen = self["comm_generation"]  # threads re-read their cached identity
         gen[gen.Key(0)] = gen.Leaf(gen[gen.Key(0)].value + 1)
+
+    @staticmethod
+    def trace_thread(tid: int) -> None:
+        """Set a thread's traced_threads bit. Not a read-modify-write of the
+        map: getpgid(tid) from this process enters bpf/nccl.c's
+        sys_enter_getpgid program, which sets the bit atomically, as the
+        kernel's own fork/exit updates do (no update of theirs is lost)."""
+        try:
+            os.getpgid(tid)
+        except OSError:  # the thread is gone (the bit is set all the same)
+            pass
 
     def close(self) -> None:
         """Detach everything. Removing a uprobe waits for an RCU grace period

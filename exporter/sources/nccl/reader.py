@@ -8,6 +8,9 @@ writes kernel state; `forget_dead_processes` is for the agent's loop.
 
 from __future__ import annotations
 
+import os
+import time
+
 from exporter.records import contract
 from exporter.records.events import CallEvent, Communicator, InflightCall, Series
 from exporter.sources.bpf import ClockOffset, forget_dead
@@ -21,12 +24,19 @@ class NcclReader:
         self.probes = probes  # an NcclProbes (exporter/sources/nccl/probes.py)
         self.bpf = probes.bpf
         self.clock = clock or ClockOffset()
+        # series key -> (calls, monotonic time it was last active): expire_series
+        self._activity: dict[tuple, tuple[int, float]] = {}
 
     def series(self) -> list[Series]:
+        """Every series in the kernel: those of series_index, the lifecycle
+        series (one per op) and the overflow series (comm_hash
+        contract.SERIES_OVERFLOW_COMM, one per collective op) that counted calls."""
         out = []
         stats = self.probes["series_stats"]
         for k, slot in self.probes["series_index"].items():
             v = stats[stats.Key(slot.value)]
+            if v.key.op != k.op or v.key.comm_hash != k.comm_hash:
+                continue  # being recycled by expire_series right now
             out.append(
                 Series(
                     op=contract.op_name(k.op),
@@ -40,7 +50,69 @@ class NcclReader:
                     slot=slot.value,
                 )
             )
+        # Fixed slots past the capacity: a collective op's overflow series, a
+        # lifecycle op's one series.
+        capacity = self.probes.series_capacity
+        lifecycle = contract.OP_CODES["GET_UNIQUE_ID"]
+        for op in range(contract.OP_COUNT):
+            v = stats[stats.Key(capacity + op)]
+            if v.calls:
+                out.append(Series(op=contract.op_name(op),
+                                  comm_hash=contract.SERIES_OVERFLOW_COMM if op < lifecycle else 0,
+                                  rank=-1, nranks=-1, calls=v.calls, bytes=v.bytes, sum_ns=v.sum_ns,
+                                  buckets=tuple(v.buckets), slot=capacity + op))
         return out
+
+    def expire_series(self, ttl: float, now: float | None = None, proc: str = "/proc") -> list[int]:
+        """Delete the series of ended communicators from the kernel maps and
+        free their slots; returns the freed slots. A collective series is
+        active while its communicator is in `communicators` for a living
+        process, or its call count moves; `ttl` seconds after it was last
+        active it goes (Prometheus marks it stale). Lifecycle series (one per
+        op) stay. For the agent's loop; never called by a scrape.
+
+        Recycling is safe for the kernel side: a slot's key is cleared before
+        the slot is pushed back on `series_free`, and a thread's cached slot is
+        used only while the slot's key is still its series (bpf/nccl.c)."""
+        now = time.monotonic() if now is None else now
+        alive: dict[int, bool] = {}
+        live_comms = {c.comm_hash for c in self.communicators()
+                      if alive.setdefault(c.pid, os.path.exists(f"{proc}/{c.pid}"))}
+        index = self.probes["series_index"]
+        stats = self.probes["series_stats"]
+        seen, expired = {}, []
+        for k, slot in list(index.items()):
+            if k.op >= contract.OP_CODES["GET_UNIQUE_ID"]:
+                continue
+            key = (k.comm_hash, k.rank, k.nranks, k.op, k.pid)
+            calls = stats[stats.Key(slot.value)].calls
+            before = self._activity.get(key)
+            if before is None or before[0] != calls or (k.comm_hash and k.comm_hash in live_comms):
+                seen[key] = (calls, now)
+            elif now - before[1] >= ttl:
+                expired.append((k, slot.value))
+                continue
+            else:
+                seen[key] = before
+        self._activity = seen  # keys no longer in the map are forgotten
+        if not expired:
+            return []
+        for k, _slot in expired:
+            try:
+                del index[k]
+            except KeyError:
+                pass
+        gen = self.probes["comm_generation"]  # threads drop their cached slots
+        gen[gen.Key(0)] = gen.Leaf(gen[gen.Key(0)].value + 1)
+        threshold = self.probes["series_threshold"]
+        free = self.probes["series_free"]
+        slots = []
+        for _k, slot in expired:
+            stats[stats.Key(slot)] = stats.Leaf()  # key, counts and buckets: zero
+            threshold[threshold.Key(slot)] = threshold.Leaf(0)
+            free.push(free.Leaf(slot))
+            slots.append(slot)
+        return slots
 
     def errors(self) -> dict[tuple[str, str], int]:
         return {

@@ -139,8 +139,12 @@ def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
     node = node_name(getattr(args, "node", None), cfg.get("node"))
     libs = list(args.nccl_lib or cfg.get("nccl_libs") or [])
     try:
+        # run's --series-ttl, --series-capacity, --histogram-resolution (absent: defaults)
+        lifecycle = {name: getattr(args, name) for name in
+                     ("series_ttl", "series_capacity", "histogram_resolution")
+                     if getattr(args, name, None) is not None}
         agent = Agent(AgentConfig(node=node, nccl_libs=libs, record_all=record_all,
-                                  runq_event_min_ns=runq_event_min_ns))
+                                  runq_event_min_ns=runq_event_min_ns, **lifecycle))
     except ProbeError as e:
         raise CliError(str(e)) from None
     try:

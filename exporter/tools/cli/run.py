@@ -48,6 +48,16 @@ def add_parser(sub) -> None:
                    help="also record every NCCL call, TCP retransmit/reset and scheduler wait to this SQLite file "
                         "(as 'trace --out'; read it with 'query')")
     add_runq_option(r, "with --db")
+    r.add_argument("--series-ttl", type=parse_duration, metavar="DURATION",
+                   help="a communicator's series leave the kernel maps and /metrics this long after it "
+                        "was destroyed or aborted, or every process using it exited (default "
+                        f"{contract.DEFAULT_SERIES_TTL:g}s)")
+    r.add_argument("--series-capacity", type=int, metavar="N",
+                   help=f"(op, comm, rank) series the kernel holds at once (default {contract.MAX_SERIES}); "
+                        'when full, calls are counted in comm="overflow" series')
+    r.add_argument("--histogram-resolution", choices=["coarse", "fine"],
+                   help="duration buckets: coarse (default, one per power of two, 1 us..137 s, 29 buckets) "
+                        "or fine (4 per power of two, 106 buckets)")
     add_lib_option(r)
     from exporter.tools.cli.fleet import add_query_endpoint_options  # --query-listen ...
     add_query_endpoint_options(r)
