@@ -210,4 +210,8 @@ THREAD_KINDS = {0: "other", 1: "caller", 2: "proxy"}
 # bucket k (1..RUNQ_MAX_LOG2): 2^(k-1) < d <= 2^k us; the last: above.
 RUNQ_MAX_LOG2 = 22
 
+# Kinds of bpf/loader.c's records (LOADER_EV_*): why a process's libraries
+# should be looked at again.
+LOADER_EVENTS = {1: "LINK_MAP", 2: "EXEC"}  # _dl_debug_state(), sched_process_exec
+
 DEFAULT_PORT = 9862

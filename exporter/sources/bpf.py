@@ -10,6 +10,7 @@ bpf/nccl.c (see there); so nccl.c is loaded first.
 from __future__ import annotations
 
 import re
+import select
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,7 @@ def generated_header() -> str:
     lines += [f"#define CNT_{name} {slot}" for name, slot in c.COUNTERS.items()]
     lines += [f"#define TCP_EV_{c.TCP_EVENT_MACROS[k]} {k}" for k in c.TCP_EVENTS]
     lines += [f"#define SCHED_KIND_{name.upper()} {k}" for k, name in c.THREAD_KINDS.items()]
+    lines += [f"#define LOADER_EV_{name} {k}" for k, name in c.LOADER_EVENTS.items()]
     lo, hi = ephemeral_ports()
     values = {
         "OP_COUNT": c.OP_COUNT, "MAX_SERIES": c.MAX_SERIES, "MAX_COMMS": c.MAX_COMMS,
@@ -112,9 +114,10 @@ class Program:
 
     def __init__(self, name: str, extra_source: str = "", extra_cflags: tuple[str, ...] = ()):
         global _owners_loaded, _generation
+        program = (bpf_source_dir() / f"{name}.c").read_text()
         if name == OWNER:
             _generation += 1
-        elif not _owners_loaded:
+        elif f'#include "{SHARED_HEADER}"' in program and not _owners_loaded:
             raise ProbeError(f"bpf/{name}.c needs bpf/{OWNER}.c loaded first: it owns the traced "
                              "processes and threads, and without it nothing is traced, so this "
                              "source would report nothing")
@@ -126,7 +129,6 @@ class Program:
         # One text, not #includes: BCC rewrites map accesses and generates the
         # TRACEPOINT_PROBE argument structs in the main file only, so the
         # shared header is pasted where the program includes it.
-        program = (src / f"{name}.c").read_text()
         header = f'#line 1 "bpf/{SHARED_HEADER}"\n' + (src / SHARED_HEADER).read_text()
         program = program.replace(f'#include "{SHARED_HEADER}"\n', header + f'#line 1 "bpf/{name}.c"\n', 1)
         text = generated_header() + f'#line 1 "bpf/{name}.c"\n' + program + extra_source
@@ -139,6 +141,7 @@ class Program:
             self.bpf = BPF(text=text, cflags=["-Wno-unused-function", *extra_cflags])
         except Exception as e:
             raise ProbeError(f"could not load bpf/{name}.c: {e}") from e
+        self.ring_fds: list[int] = []  # the ring buffer maps opened by open_ring
         self._owner = name == OWNER
         if self._owner:
             _owners_loaded += 1
@@ -156,12 +159,19 @@ class Program:
             callback(decode(data))
 
         self.bpf[table].open_ring_buffer(raw)
+        self.ring_fds.append(self[table].map_fd)
 
     def poll(self, timeout_ms: int) -> None:
-        if getattr(self.bpf, "_ringbuf_manager", None) is not None:
+        """Deliver this program's ring buffer records, waiting up to timeout_ms."""
+        if self.ring_fds:
             self.bpf.ring_buffer_poll(timeout_ms)
         elif timeout_ms > 0:
             time.sleep(timeout_ms / 1000)
+
+    def consume(self) -> None:
+        """Deliver what this program's ring buffers hold, without waiting."""
+        if self.ring_fds:
+            self.bpf.ring_buffer_consume()
 
     def recursion_misses(self) -> dict[str, int]:
         """Per BPF function: hits the kernel skipped because another BPF program
@@ -184,6 +194,40 @@ class Program:
             self._owner = False
             _owners_loaded -= 1
         self.bpf.cleanup()
+
+
+class RingWaiter:
+    """Waits on the ring buffers of several programs at once (each BPF object
+    of BCC polls only its own): epoll on the ring buffer maps' fds, which
+    become readable when a record is submitted, then each program consumes."""
+
+    def __init__(self):
+        self._epoll = select.epoll()
+        self._fds: set[int] = set()
+        self.programs: list[Program] = []
+
+    def add(self, program: "Program") -> None:
+        """Watch a program's ring buffers (call after its open_ring calls)."""
+        self.programs.append(program)
+        for fd in program.ring_fds:
+            if fd not in self._fds:
+                self._epoll.register(fd, select.EPOLLIN)
+                self._fds.add(fd)
+
+    def wait(self, timeout_ms: int) -> None:
+        """Deliver every program's records, waiting up to timeout_ms for the first."""
+        if timeout_ms > 0 and self._fds:
+            try:
+                self._epoll.poll(timeout_ms / 1000)
+            except InterruptedError:
+                pass
+        elif timeout_ms > 0:
+            time.sleep(timeout_ms / 1000)
+        for program in self.programs:
+            program.consume()
+
+    def close(self) -> None:
+        self._epoll.close()
 
 
 def forget_dead(table, proc: str = "/proc") -> int:

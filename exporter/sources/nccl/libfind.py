@@ -86,15 +86,19 @@ class _Scanner:
             return path
         return os.path.join(self.proc, str(pid), "root", path.lstrip("/"))
 
-    def scan(self) -> list[Library]:
+    def scan(self, pids: Iterable[int] | None = None) -> list[Library]:
+        """NCCL libraries mapped by every process, or by the given ones."""
         libs: dict[tuple[int, int], Library] = {}
         # per-scan memo: (maps dev, maps inode, opened path) -> Library key or None
         memo: dict[tuple[str, int, str], tuple[int, int] | None] = {}
         ns_cache: dict[int, bool] = {}
-        try:
-            entries = os.listdir(self.proc)
-        except OSError:
-            return []
+        if pids is not None:
+            entries = [str(p) for p in pids]
+        else:
+            try:
+                entries = os.listdir(self.proc)
+            except OSError:
+                return []
         for name in entries:
             if not name.isdigit():
                 continue
@@ -157,6 +161,11 @@ class _Scanner:
 def mapped_nccl_libraries(proc: str = "/proc") -> list[Library]:
     """Every distinct NCCL library mapped by a process right now."""
     return _Scanner(proc).scan()
+
+
+class ProcessScanner(_Scanner):
+    """Looks at the maps of the processes it is told about (the loader
+    source's events), remembering per-file verdicts: scan(pids)."""
 
 
 def find_libraries(explicit_paths: Iterable[str]) -> list[Library]:

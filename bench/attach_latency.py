@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""How long from a process mapping a libnccl it never had to the probes being
+attached, with discovery driven by the loader source (bpf/loader.c: a uprobe
+on the dynamic loader's _dl_debug_state) instead of a /proc rescan timer.
+
+Run as root from the repository root:
+
+    .venv/bin/python bench/attach_latency.py [--reps 5]
+
+For each library (the simulator's small libnccl.so.2, and the real NCCL
+2.32.3 wheel's libnccl.so.2 when installed) and each repetition: a fresh
+copy of the file (a new inode, never probed), a child that dlopens it and
+prints its CLOCK_MONOTONIC just before; the agent-side loop (RingWaiter over
+the loader's ring buffer, ProcessScanner on the pid, NcclProbes.attach) and
+the time attach() returns. Prints, per library, the median and min..max of
+  mapped -> seen   dlopen until the agent has found the file in the pid's maps
+  mapped -> attached   ... until every probe of the file is attached
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+CHILD = """
+import ctypes, sys, time
+t = time.monotonic_ns()
+ctypes.CDLL(sys.argv[1])
+print(t, flush=True)
+sys.stdin.read()
+"""
+
+
+def real_nccl() -> str | None:
+    import glob
+
+    hits = glob.glob(str(Path(sys.prefix) / "lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2"))
+    return hits[0] if hits else None
+
+
+def measure(lib: str, reps: int) -> tuple[list[float], list[float]]:
+    from exporter.sources.bpf import RingWaiter
+    from exporter.sources.loader import LoaderSource
+    from exporter.sources.nccl.libfind import ProcessScanner
+    from exporter.sources.nccl.probes import NcclProbes
+
+    seen_ms, attached_ms = [], []
+    probes = NcclProbes()
+    loader = LoaderSource()
+    loader.attach_loaders()
+    events = []
+    loader.on_event(events.append)
+    waiter = RingWaiter()
+    waiter.add(loader)
+    scanner = ProcessScanner()
+    try:
+        for _ in range(reps):
+            with tempfile.TemporaryDirectory(prefix="attach-bench-") as d:
+                copy = Path(d) / "libnccl.so.2"
+                shutil.copy(lib, copy)
+                child = subprocess.Popen([sys.executable, "-c", CHILD, str(copy)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                t_seen = t_attached = None
+                deadline = time.monotonic() + 10
+                while t_attached is None and time.monotonic() < deadline:
+                    waiter.wait(100)
+                    pids = {e.pid for e in events}
+                    events.clear()
+                    if child.pid not in pids:
+                        continue
+                    for found in scanner.scan([child.pid]):
+                        if os.path.samefile(found.path, copy):
+                            t_seen = time.monotonic_ns()
+                            probes.attach(found.path)
+                            t_attached = time.monotonic_ns()
+                t_map = int(child.stdout.readline())
+                child.stdin.close()
+                child.wait()
+                if t_attached is None:
+                    raise SystemExit(f"{lib}: the mapping was never seen")
+                seen_ms.append((t_seen - t_map) / 1e6)
+                attached_ms.append((t_attached - t_map) / 1e6)
+    finally:
+        waiter.close()
+        loader.close()
+        probes.close()
+    return seen_ms, attached_ms
+
+
+def show(name: str, xs: list[float]) -> str:
+    return f"{name} {statistics.median(xs):7.1f} ms ({min(xs):.1f}..{max(xs):.1f})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("run as root (BPF)")
+    from exporter.simulator.build import build_library
+
+    libs = [("simulator libnccl.so.2", str(build_library()))]
+    real = real_nccl()
+    if real:
+        libs.append(("NCCL 2.32.3 wheel libnccl.so.2", real))
+    for name, lib in libs:
+        seen, attached = measure(lib, a.reps)
+        size = os.path.getsize(lib) / 2**20
+        print(f"{name} ({size:.1f} MiB), {a.reps} reps: {show('mapped->seen', seen)}; "
+              f"{show('mapped->attached', attached)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
