@@ -101,21 +101,24 @@ def main() -> int:
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--dir", default="/tmp/fleet-bench")
     ap.add_argument("--export-events", type=int, default=1_000_000)
+    ap.add_argument("--reuse", action="store_true", help="keep the recordings made by a previous run")
     a = ap.parse_args()
     from exporter.tools.export import perfetto
     from exporter.tools.fleet import merge
 
     d = pathlib.Path(a.dir)
     d.mkdir(parents=True, exist_ok=True)
-    for f in d.glob("*"):
-        f.unlink()
+    files = [d / f"node{i:03d}.db" for i in range(a.nodes)]
     t = time.monotonic()
-    tpl = d / "node000.db"
-    template(tpl, a.nodes, a.events)
-    files = [tpl]
-    for i in range(1, a.nodes):
-        files.append(d / f"node{i:03d}.db")
-        derive(tpl, files[-1], i)
+    if not (a.reuse and all(f.exists() for f in files)):
+        for f in d.glob("*"):
+            f.unlink()
+        template(files[0], a.nodes, a.events)
+        for i in range(1, a.nodes):
+            derive(files[0], files[i], i)
+    for f in (d / "merged.db", d / "export.db"):
+        if f.exists():
+            f.unlink()
     total = sum(sqlite3.connect(f).execute(
         "SELECT (SELECT COUNT(*) FROM nccl_events) + (SELECT COUNT(*) FROM tcp_events) + "
         "(SELECT COUNT(*) FROM sched_events)").fetchone()[0] for f in files)
@@ -130,7 +133,8 @@ def main() -> int:
     worst = max(abs(o.offset_ns - (shift_of(int(o.node[4:])) - ref)) for o in rep.skew)
     print(f"merge: {a.nodes} nodes x {a.events} events -> {sum(rep.added.values())} rows in {merge_s:.1f} s "
           f"({sum(rep.added.values()) / merge_s:,.0f} rows/s; goal < 60 s); skew: worst error "
-          f"{worst / 1e6:.3f} ms; {os.path.getsize(out) / 1e6:.0f} MB", flush=True)
+          f"{worst / 1e6:.3f} ms; {os.path.getsize(out) / 1e6:.0f} MB; phases "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in rep.phases.items()), flush=True)
     t = time.monotonic()
     rep2 = merge.merge(str(out), [str(f) for f in files[: max(1, a.nodes // 10)]])
     print(f"merge again of {rep2.inputs} of them (all duplicates): added {sum(rep2.added.values())} rows in "

@@ -1,6 +1,7 @@
 """Merge recordings of many nodes into one file (`nccl-exporter merge -o OUT.db IN.db...`).
 
-Every row keeps its node. Rows are deduplicated by a row identity (below),
+Every row keeps its node. Every input is checked before anything is
+written. Rows are deduplicated by a row identity (below),
 so merging the same recording twice, two copies of it, or overlapping
 windows of one node adds nothing. Inputs of an older schema version are
 migrated on a temporary copy (the input is never written). Two inputs that
@@ -58,6 +59,7 @@ class Report:
     nodes: int = 0
     skew: list = field(default_factory=list)
     seconds: float = 0.0
+    phases: dict = field(default_factory=dict)  # seconds: check, rows, indexes, skew
 
 
 def parse_renames(specs) -> list[tuple[str | None, str, str]]:
@@ -114,9 +116,35 @@ def _columns(conn, schema, table) -> list[str]:
     return [r[1] for r in conn.execute(f"PRAGMA {schema}.table_info({table})")]
 
 
+def _identities(path: str, label: str, mapping: dict) -> list[tuple]:
+    """The nodes an input holds: (node after renaming, machine_id, boot_id, hostname, start, end, source)."""
+    conn = sqlite3.connect(_uri(path) + "?mode=ro", uri=True)
+    try:
+        meta = _meta(conn)
+        ids = []
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'nodes'").fetchone():
+            ids = list(conn.execute("SELECT node, machine_id, boot_id, hostname, start_ns, end_ns, source FROM nodes"))
+        if not ids:
+            names = {meta["node"]} if meta.get("node") and meta["node"] != "(merged)" else \
+                {r[0] for r in conn.execute("SELECT DISTINCT node FROM nccl_events")}
+            end = meta.get("end_ns") or meta.get("last_commit_ns")
+            ids = [(n, meta.get("machine_id", ""), meta.get("boot_id", ""), meta.get("hostname"),
+                    int(meta["start_ns"]) if meta.get("start_ns") else None, int(end) if end else None, label)
+                   for n in sorted(names)]
+    finally:
+        conn.close()
+    return [(mapping.get(n, n), *rest) for n, *rest in ids]
+
+
+def _mapping(renames, label: str) -> dict:
+    return {old: new for f, old, new in renames if f is None or os.path.abspath(f) == os.path.abspath(label)}
+
+
 def merge(out: str, inputs: list[str], renames=(), align: bool = True) -> Report:
-    """Merge `inputs` into `out` (created, or added to). Built in `out`.partial and renamed at the
-    end: an interrupted merge leaves `out` as it was."""
+    """Merge `inputs` into `out`. Every input is checked (readable, schema, node identities) before
+    anything is written, so a refused merge leaves `out` as it was. A new `out` is built in
+    `out`.partial and renamed at the end; an existing one is added to in place, one transaction per
+    input (an interrupted merge keeps the inputs done so far; running it again finishes it)."""
     t0 = time.monotonic()
     rep = Report()
     renames = parse_renames(renames) if renames and isinstance(next(iter(renames)), str) else list(renames)
@@ -124,39 +152,65 @@ def merge(out: str, inputs: list[str], renames=(), align: bool = True) -> Report
         raise MergeError("no input recordings")
     if any(os.path.abspath(p) == os.path.abspath(out) for p in inputs):
         raise MergeError(f"{out}: the output is also an input")
-    work = out + ".partial"
     tmpdir = tempfile.mkdtemp(prefix="nccl-merge-")
+    fresh = not os.path.exists(out)
+    work = out + ".partial" if fresh else out
     conn = None
     try:
+        # 1. Check everything first.
+        seen: dict[str, tuple] = {}
+        if not fresh:
+            _open_input(out, tmpdir)  # a recording of a version we can read
+            for node, machine, *_rest, source in _identities(out, out, {}):
+                if machine:
+                    seen[node] = (machine, source)
+        plan = []
+        for label in inputs:
+            path = _open_input(label, tmpdir)
+            ids = _identities(path, label, _mapping(renames, label))
+            for node, machine, *_rest in ids:
+                if not machine:
+                    continue
+                other = seen.get(node)
+                if other and other[0] != machine:
+                    raise MergeError(f"{label}: node name {node!r} is already used by another machine (machine id "
+                                     f"{other[0][:12]}… from {other[1]}, here {machine[:12]}…): rename one with "
+                                     f"--rename {label}:{node}=NEW")
+                seen.setdefault(node, (machine, label))
+            plan.append((label, path, ids))
+        rep.phases["check"] = time.monotonic() - t0
+        # 2. Write.
         try:
-            if os.path.exists(work):
+            if fresh and os.path.exists(work):
                 os.unlink(work)
-            if os.path.exists(out):
-                shutil.copyfile(_open_input(out, tmpdir), work)
             conn = sqlite3.connect(_uri(work), uri=True, isolation_level=None)
-            # A scratch file renamed at the end: no journal needed (a crash leaves only the .partial).
-            conn.execute("PRAGMA journal_mode = OFF")
+            # A new file is scratch until renamed: no journal. An existing one keeps its journal.
+            conn.execute(f"PRAGMA journal_mode = {'OFF' if fresh else 'WAL'}")
             conn.execute("PRAGMA synchronous = OFF")
             conn.execute("PRAGMA cache_size = -262144")  # KiB
             conn.execute("PRAGMA temp_store = MEMORY")
+            conn.execute("PRAGMA threads = 4")  # sorter helper threads for the index builds
             migrate(conn)
             for sql in IDENTITY.values():
                 conn.execute(sql)
-            # The other indexes are rebuilt once at the end (sorted builds beat random inserts).
-            later = list(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL "
-                                      "AND name NOT LIKE 'merge_identity_%'"))
-            for name, _ in later:
-                conn.execute(f"DROP INDEX {name}")
+            later = []
+            if fresh:  # the other indexes are built once at the end (a sorted build beats random inserts)
+                later = list(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'index' "
+                                          "AND sql IS NOT NULL AND name NOT LIKE 'merge_identity_%'"))
+                for name, _ in later:
+                    conn.execute(f"DROP INDEX {name}")
         except (sqlite3.DatabaseError, OSError, RuntimeError) as e:
             raise MergeError(f"cannot write {out}: {e}") from None
-        for path in inputs:
-            _merge_one(conn, path, _open_input(path, tmpdir), renames, rep)
+        for label, path, ids in plan:
+            _merge_one(conn, label, path, ids, _mapping(renames, label), rep)
             rep.inputs += 1
         rep.nodes = conn.execute("SELECT COUNT(DISTINCT node) FROM nodes").fetchone()[0]
+        rep.phases["rows"] = time.monotonic() - t0 - sum(rep.phases.values())
         for _, sql in later:
             conn.execute(sql)
         for sql in DEFERRED_INDEXES:
             conn.execute(sql)
+        rep.phases["indexes"] = time.monotonic() - t0 - sum(rep.phases.values())
         conn.execute("BEGIN")
         conn.execute("DELETE FROM clock_skew")
         if align:
@@ -168,48 +222,27 @@ def merge(out: str, inputs: list[str], renames=(), align: bool = True) -> Report
             ("node", "(merged)"), ("schema_version", str(SCHEMA_VERSION)),
             ("merged_ns", str(time.time_ns())), ("aligned", "1" if align else "0")])
         conn.execute("COMMIT")
+        rep.phases["skew"] = time.monotonic() - t0 - sum(rep.phases.values())
+        if not fresh:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         conn.execute("PRAGMA journal_mode = DELETE")
         conn.close()
         conn = None
-        os.replace(work, out)
+        if fresh:
+            os.replace(work, out)
     finally:
         if conn is not None:
             conn.close()
-        if os.path.exists(work):
+        if fresh and os.path.exists(work):
             os.unlink(work)
         shutil.rmtree(tmpdir, ignore_errors=True)
     rep.seconds = time.monotonic() - t0
     return rep
 
 
-def _merge_one(conn, label: str, path: str, renames, rep: Report) -> None:
+def _merge_one(conn, label: str, path: str, ids, mapping: dict, rep: Report) -> None:
     conn.execute("ATTACH DATABASE ? AS src", (_uri(path) + "?mode=ro",))  # inputs are never written
     try:
-        mapping = {old: new for f, old, new in renames
-                   if f is None or os.path.abspath(f) == os.path.abspath(label)}
-        meta = _meta(conn, "src")
-        # This input's nodes and their identities: a merged input has a nodes table; a recording, meta.
-        ids = list(conn.execute("SELECT node, machine_id, boot_id, hostname, start_ns, end_ns, source "
-                                "FROM src.nodes"))
-        if not ids:
-            names = {meta["node"]} if meta.get("node") and meta["node"] != "(merged)" else \
-                {r[0] for r in conn.execute("SELECT DISTINCT node FROM src.nccl_events")}
-            names.discard("")
-            names.discard("(merged)")
-            end = meta.get("end_ns") or meta.get("last_commit_ns")
-            ids = [(n, meta.get("machine_id", ""), meta.get("boot_id", ""), meta.get("hostname"),
-                    int(meta["start_ns"]) if meta.get("start_ns") else None, int(end) if end else None, label)
-                   for n in sorted(names)]
-        ids = [(mapping.get(n, n), *rest) for n, *rest in ids]
-        for node, machine, *_ in ids:
-            if not machine:
-                continue
-            clash = conn.execute("SELECT machine_id, source FROM nodes WHERE node = ? AND machine_id != '' "
-                                 "AND machine_id != ?", (node, machine)).fetchone()
-            if clash:
-                raise MergeError(f"{label}: node name {node!r} is already used by another machine (machine id "
-                                 f"{clash[0][:12]}… from {clash[1]}, here {machine[:12]}…): rename one with "
-                                 f"--rename {label}:{node}=NEW")
         node_expr = "node"
         params: list = []
         if mapping:
