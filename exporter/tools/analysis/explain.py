@@ -35,7 +35,7 @@ STRAGGLER_SHARE = 0.5
 MIN_LAG_NS = 2_000_000
 MIN_COLLECTIVES = 10
 CPU_SHARE = 0.3
-STARVE_RATIO = 3.0
+STARVE_RATIO = 2.0
 STARVE_SHARE = 0.2
 LINK_SHARE = 0.5
 LINK_RATIO = 2.0
@@ -191,7 +191,7 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
                 mine = [st for st in stats if (st.node, st.pid) == key]
                 lasts = ", ".join(f"{100 * st.last_share:.0f} % of {st.op} on comm {st.comm[:8]}…" for st in mine)
                 return [f"CPU starvation: {name} waited for a CPU {_ms(wait)} of its {_ms(proc_time[key])} "
-                        f"in collectives ({STARVE_RATIO:.0f}× or more the others): every collective waits "
+                        f"in collectives ({wait / max(med, 1):.1f}× the other ranks' median): every collective waits "
                         f"for it inside the call",
                         f"{name}: caller and proxy threads runnable but not running {_ms(wait)}; the other "
                         f"ranks' median {_ms(med)}",
