@@ -133,6 +133,7 @@ class Recorder:
         self._rows = Renderer(self.node)
         self._seen_pids: set[int] = set()
         self._seen_comms: set[tuple[int, int]] = set()
+        self._unranked_comms: set[tuple[int, int]] = set()  # seen with rank -1 (a split child, so far)
         self._comm_rows: list = []
         self._world: dict[int, tuple[int, int]] = {}  # pid -> (nranks, rank) of its largest comm
         self._launcher_rank: dict[int, int] = {}
@@ -233,7 +234,8 @@ class Recorder:
         for event in batch:
             if type(event) is CallEvent:
                 what, pid = "nccl", event.pid
-                if event.comm_hash and (pid, event.comm_hash) not in self._seen_comms:
+                if event.comm_hash and ((pid, event.comm_hash) not in self._seen_comms or (
+                        event.rank >= 0 and (pid, event.comm_hash) in self._unranked_comms)):
                     self._learn_comm(event)
             else:
                 what = table_of(event)
@@ -263,7 +265,11 @@ class Recorder:
             if procs:
                 c.executemany("INSERT OR IGNORE INTO processes VALUES (?, ?, ?, ?, ?, ?, ?, ?)", procs)
             if comms:
-                c.executemany("INSERT OR IGNORE INTO communicators VALUES (?, ?, ?, ?, ?, ?, ?)", comms)
+                # A split child's rank is learnt after its first event: fill it in then.
+                c.executemany("INSERT INTO communicators VALUES (?, ?, ?, ?, ?, ?, ?) "
+                              "ON CONFLICT (node, pid, comm_id_hash) DO UPDATE SET rank = excluded.rank, "
+                              "nranks = excluded.nranks WHERE communicators.rank < 0 AND excluded.rank >= 0",
+                              comms)
             c.execute("COMMIT")
         except BaseException:
             c.execute("ROLLBACK")
@@ -274,6 +280,7 @@ class Recorder:
 
     def _learn_comm(self, e) -> None:
         self._seen_comms.add((e.pid, e.comm_hash))
+        (self._unranked_comms.add if e.rank < 0 else self._unranked_comms.discard)((e.pid, e.comm_hash))
         self._comm_rows.append((self.node, e.pid, self._rows.comm(e.comm_hash),
                                 self._rows.comm(e.nccl_hash), e.rank, e.nranks, e.start_real_ns))
         # A process's rank, for its TCP events: its rank in its largest communicator,
