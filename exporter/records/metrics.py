@@ -115,6 +115,11 @@ EXPORTER_MAP_FULL = _m(
 EXPORTER_EVENTS_LOST = _m(
     "nccl_exporter_events_lost_total", "counter", ("node", "source"),
     "Events dropped because a ring buffer to user space was full, by source (nccl, tcp, sched).")
+EXPORTER_RECORDING_DROPPED = _m(
+    "nccl_exporter_recording_dropped_total", "counter", ("node", "reason"),
+    "Events `run --db` did not write to its recording, by reason: queue_full (the writer was "
+    "behind), write_failed (writing failed: disk full, read-only file or directory, locked "
+    "database; the recording stopped and the error was logged once).")
 EXPORTER_SCRAPE_DURATION = _m(
     "nccl_exporter_scrape_duration_seconds", "gauge", ("node",),
     "Time this scrape spent reading the BPF maps.")

@@ -27,6 +27,7 @@ from exporter.records.events import format_comm
 from exporter.sources import sched as sched_source
 from exporter.sources import tcp as tcp_source
 from exporter.sources.nccl import probes as nccl_probes
+from exporter.sources.plugin import reader as plugin_reader
 
 COLLECTIVE_BOUNDS_S = [b / 1e9 for b in histogram.UPPER_BOUNDS_NS]
 SRTT_BOUNDS_S = [(1 << i) * 1e-6 for i in range(contract.SRTT_FINITE)]
@@ -101,7 +102,8 @@ class NcclCollector:
     sink, when traces are exported (exemplars, span counts).
     """
 
-    def __init__(self, node: str, nccl, processes, tcp=None, sched=None, spans=None, lock=None):
+    def __init__(self, node: str, nccl, processes, tcp=None, sched=None, spans=None, lock=None,
+                 plugin=None):
         self.lock = lock or threading.Lock()  # held while reading: BCC objects are shared
         self.node = node
         self.nccl = nccl
@@ -109,6 +111,7 @@ class NcclCollector:
         self.tcp = tcp
         self.sched = sched
         self.spans = spans
+        self.plugin = plugin  # exporter.sources.plugin.reader.PluginSource, None when not loaded
 
     def collect(self):
         started = time.perf_counter()
@@ -125,6 +128,7 @@ class NcclCollector:
                 *self._communicators(comms),
                 *self._tcp(comms),
                 *self._sched(comms),
+                *self._gpu(comms),
                 *self._self_metrics(),
             ]
         yield from families
@@ -194,6 +198,14 @@ class NcclCollector:
         if self.sched is not None:
             yield from sched_families(self.node, self.sched, lambda pid: self.processes.rank_of(pid, comms))
 
+    def _gpu(self, comms):
+        traced = set()
+        try:
+            traced = {k.value for k in self.nccl.probes["traced_processes"].keys()}
+        except Exception:
+            pass
+        yield from gpu_families(self.node, self.plugin, comms, traced | {c.pid for c in comms})
+
     # --- the exporter itself -------------------------------------------------------------
 
     def _sources(self):
@@ -203,6 +215,8 @@ class NcclCollector:
             yield self.tcp, tcp_source.MAP_CAPACITY
         if self.sched is not None:
             yield self.sched, sched_source.MAP_CAPACITY
+        if self.plugin is not None:
+            yield self.plugin, plugin_reader.MAP_CAPACITY
 
     def _self_metrics(self):
         node = self.node
@@ -224,7 +238,11 @@ class NcclCollector:
         yield filled(metrics.EXPORTER_MAP_ENTRIES, entries)
         yield filled(metrics.EXPORTER_MAP_CAPACITY, capacity)
         counters = self.nccl.counters()
-        yield filled(metrics.EXPORTER_MAP_FULL, {(node, m): counters[c] for c, m in contract.MAP_FULL_COUNTERS})
+        full = {(node, m): counters[c] for c, m in contract.MAP_FULL_COUNTERS}
+        if self.plugin is not None:
+            drops = self.plugin.drops()
+            full.update({(node, m): drops[d] for d, m in plugin_reader.MAP_FULL})
+        yield filled(metrics.EXPORTER_MAP_FULL, full)
         yield filled(metrics.EXPORTER_EVENTS_LOST,
                      {(node, source): counters[c] for c, source in contract.EVENTS_LOST_COUNTERS})
         yield filled(metrics.EXPORTER_BPF_MISSES, misses)
@@ -274,6 +292,49 @@ def sched_families(node: str, sched, rank_of) -> list:
         runq.add(labels, s.buckets, s.sum_ns / 1e9)
         offcpu[labels] += s.offcpu_ns / 1e9
     return [runq.family(), filled(metrics.OFFCPU, offcpu)]
+
+
+def gpu_comm_labels(comms) -> dict[int, str]:
+    """NCCL commHash -> the comm label of the host series of that communicator
+    (the agent's id, from bpf/nccl.c's communicators map)."""
+    return {c.nccl_hash: format_comm(c.comm_hash) for c in comms if c.nccl_hash and c.comm_hash}
+
+
+def gpu_families(node: str, plugin, comms, traced_pids, proc: str = "/proc") -> list:
+    """The profiler plugin's families: GPU duration histograms, the oldest GPU
+    in-flight ages and nccl_profiler_plugin_active. comm label: the host
+    series' id when the agent saw the communicator made, else NCCL's commHash
+    (16 hex digits). plugin None (not loaded): every traced process is 0."""
+    alive: dict[int, bool] = {}
+
+    def is_alive(pid: int) -> bool:
+        return alive.setdefault(pid, os.path.exists(f"{proc}/{pid}"))
+
+    labels = gpu_comm_labels(comms)
+
+    def comm_of(nccl_hash: int) -> str:
+        return labels.get(nccl_hash) or f"{nccl_hash:016x}"
+
+    durations = Histograms(metrics.GPU_DURATION, COLLECTIVE_BOUNDS_S)
+    oldest: dict[tuple, float] = {}
+    with_plugin: set[int] = set()
+    if plugin is not None:
+        for s in plugin.series():
+            durations.add((node, s.op, comm_of(s.nccl_hash), label(s.rank), label(s.nranks)),
+                          s.buckets, s.sum_ns / 1e9)
+        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        for f in plugin.inflight():
+            if not is_alive(f.pid):
+                continue  # the agent's loop forgets it
+            key = (node, f.op, comm_of(f.nccl_hash), label(f.rank), f.state)
+            oldest[key] = max(oldest.get(key, 0.0), max(0, now - f.since_ns) / 1e9)
+        with_plugin = {p.pid for p in plugin.processes() if is_alive(p.pid)}
+    active = {(node, str(pid)): 1 for pid in with_plugin}
+    for pid in traced_pids:
+        if pid not in with_plugin and is_alive(pid):
+            active[(node, str(pid))] = 0
+    return [durations.family(), filled(metrics.GPU_INFLIGHT_OLDEST, oldest),
+            filled(metrics.PROFILER_PLUGIN_ACTIVE, active)]
 
 
 def _opt(v) -> str:

@@ -36,6 +36,8 @@ class SlowCallPolicy:
         # slot -> (the series' labels, its buckets at the last refresh)
         self._last: dict[int, tuple[tuple, tuple[int, ...]]] = {}
         self._relative: set[int] = set()  # slots with a relative threshold written
+        # the same thresholds by series (op, comm_hash, rank, nranks), for is_slow()
+        self._relative_by_series: dict[tuple, int] = {}
         self._next_refresh = 0.0
         for op, ns in self.absolute_ns.items():
             probes.set_slow_threshold(op, ns)
@@ -50,6 +52,7 @@ class SlowCallPolicy:
         self._next_refresh = now + self.interval
         table = self.probes["series_threshold"]
         last, self._last = self._last, {}
+        by_series: dict[tuple, int] = {}
         for s in self.reader.series():
             if (s.op not in contract.COLLECTIVE_OPS.values() or s.slot < 0
                     or s.comm_hash == contract.SERIES_OVERFLOW_COMM):
@@ -69,11 +72,25 @@ class SlowCallPolicy:
             limit = max(self.floor_ns, int(self.relative_k * p50_ns))
             table[table.Key(s.slot)] = table.Leaf(limit)
             self._relative.add(s.slot)
+            by_series[labels] = limit
         # Slots no longer holding a series: their thresholds were cleared when freed.
         self._relative &= set(self._last)
+        self._relative_by_series = by_series  # only live series: bounded by the map
+
+    def threshold_ns(self, op: str, comm_hash: int = 0, rank: int = -1, nranks: int = 0) -> int:
+        """The threshold the kernel compares a call of this series with (0: none)."""
+        limit = self._relative_by_series.get((op, comm_hash, rank, nranks))
+        return limit if limit else self.absolute_ns.get(op, 0)
+
+    def is_slow(self, event) -> bool:
+        """Whether a call is slow by the kernel's rule, for sinks that receive every
+        call (`run --db` records them all): the span sink keeps only slow ones."""
+        limit = self.threshold_ns(event.op, event.comm_hash, event.rank, event.nranks)
+        return bool(limit) and event.duration_ns >= limit
 
     def forget(self, slots) -> None:
         """Slots whose series were expired (the reader cleared their thresholds)."""
         for slot in slots:
-            self._last.pop(slot, None)
+            labels = self._last.pop(slot, (None,))[0]
             self._relative.discard(slot)
+            self._relative_by_series.pop(labels, None)

@@ -130,9 +130,19 @@ class SpanSink:
     """Listener for the agent's events; builds and exports spans off the probe path."""
 
     def __init__(self, node: str, exporter: SpanExporter, processes, settle_s: float = 0.3,
-                 max_pending: int = 10_000, max_queue: int = 8192):
+                 max_pending: int = 10_000, max_queue: int = 8192, slow=None,
+                 prune_interval_s: float = 10.0, exemplar_keep_s: float = 600.0,
+                 proc: str = "/proc"):
         self.node = node
         self.processes = processes
+        # A callable event -> bool when the kernel sends every call (record-all,
+        # `run --db`): only slow calls become spans, in every mode.
+        self.slow = slow
+        self.not_slow = 0  # calls seen and skipped as not slow
+        self.prune_interval_ns = int(prune_interval_s * 1e9)
+        self.exemplar_keep_s = exemplar_keep_s
+        self.proc = proc
+        self._next_prune_ns = 0
         self.settle_ns = int(settle_s * 1e9)
         self.exporter = CountingExporter(exporter)
         self.processor = BatchSpanProcessor(self.exporter, max_queue_size=max_queue,
@@ -157,6 +167,9 @@ class SpanSink:
         if isinstance(event, CallEvent):
             if event.kind != contract.EVENT_CALL:
                 return
+            if self.slow is not None and not self.slow(event):
+                self.not_slow += 1
+                return
             with self.lock:
                 if len(self.pending) >= self.max_pending:
                     self.dropped += 1
@@ -169,7 +182,24 @@ class SpanSink:
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            self._build_due(time.time_ns() - self.settle_ns)
+            now = time.time_ns()
+            self._build_due(now - self.settle_ns)
+            if now >= self._next_prune_ns:
+                self._next_prune_ns = now + self.prune_interval_ns
+                self.prune(now)
+
+    def prune(self, now_ns: int | None = None) -> None:
+        """Drop the tracer providers of processes that are gone (none has a span
+        pending) and exemplars older than exemplar_keep_s: bounded state."""
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        with self.lock:
+            pending = {e.pid for e in self.pending}
+        for pid in [p for p in self.providers
+                    if p not in pending and not os.path.exists(f"{self.proc}/{p}")]:
+            del self.providers[pid]  # the shared processor stays; nothing to shut down
+        oldest = now_ns / 1e9 - self.exemplar_keep_s
+        for key in [k for k, (_t, _d, ts) in list(self.exemplars.items()) if ts < oldest]:
+            self.exemplars.pop(key, None)
 
     def _build_due(self, cutoff_real_ns: int) -> None:
         while True:
@@ -205,7 +235,9 @@ class SpanSink:
                               ("launcher", "launcher.name")):
                 if who.get(key) not in (None, ""):
                     attrs[attr] = who[key]
-            provider = TracerProvider(resource=Resource.create(attrs), id_generator=self.ids)
+            # shutdown_on_exit=False: no atexit hook holding every provider ever made
+            provider = TracerProvider(resource=Resource.create(attrs), id_generator=self.ids,
+                                      shutdown_on_exit=False)
             provider.add_span_processor(self.processor)
             self.providers[pid] = provider
         return provider

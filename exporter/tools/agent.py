@@ -21,6 +21,8 @@ from exporter.sources.bpf import ClockOffset
 from exporter.sources.nccl import libfind
 from exporter.sources.nccl.probes import NcclProbes
 from exporter.sources.nccl.reader import NcclReader
+from exporter.sources.plugin import reader as plugin_reader
+from exporter.sources.plugin.reader import PluginSource
 from exporter.sources.processes import ProcessTable
 from exporter.sources.sched import SchedSource
 from exporter.sources.tcp import TcpSource
@@ -57,6 +59,13 @@ class Agent:
         self.tcp = TcpSource(self.clock)
         self.sched = SchedSource(self.clock)
         self.processes = ProcessTable(self.probes)
+        # GPU time from the profiler plugin (bpf/plugin.c): optional, never fatal.
+        self.plugin = None
+        self._next_plugin_scan = 0.0
+        try:
+            self.plugin = PluginSource()
+        except Exception as e:
+            log.warning("GPU time off: the profiler plugin source did not load: %s", str(e).splitlines()[0])
         self.listeners: list = []  # callables taking a CallEvent, TcpEvent or SchedEvent
         self.slow = None  # exporter.sinks.slow.SlowCallPolicy, set by whoever wants slow-call events
         self._found: queue.Queue = queue.Queue()
@@ -76,7 +85,7 @@ class Agent:
 
     @property
     def sources(self) -> list:
-        return [self.probes, self.tcp, self.sched]
+        return [self.probes, self.tcp, self.sched] + ([self.plugin] if self.plugin is not None else [])
 
     # --- libraries ---------------------------------------------------------
 
@@ -89,10 +98,12 @@ class Agent:
                 raise AgentError(str(e)) from None
             for lib in libraries:
                 self._attach(lib)
+            self._attach_plugins(plugin_reader.plugin_paths(), scan=True)
             self.ready.set()
             return
         for lib in libfind.mapped_nccl_libraries():
             self._attach(lib)
+        self._attach_plugins(plugin_reader.plugin_paths(), scan=True)
         self._watcher = libfind.LibraryWatcher(self._found.put, interval=self.config.rescan_interval)
         self._watcher.start()
         self.ready.set()
@@ -111,6 +122,27 @@ class Agent:
             f"; not exported: {', '.join(report.missing)}" if report.missing else "",
             f"; failed: {report.failed}" if report.failed else "",
         )
+
+    def _attach_plugins(self, paths=(), scan: bool = False) -> None:
+        """Uprobes on the profiler plugin's hooks: `paths`, and the plugin files
+        mapped by all processes (scan) or by the traced ones."""
+        if self.plugin is None:
+            return
+        for path in paths:
+            try:
+                with self.lock:
+                    if self.plugin.attach(path):
+                        log.info("attached the profiler plugin's hooks in %s", path)
+            except Exception as e:
+                log.warning("%s", str(e).splitlines()[0])
+        try:
+            pids = None if scan else [k.value for k in self.probes["traced_processes"].keys()]
+            with self.lock:
+                found = self.plugin.discover(pids)
+            for path in found:
+                log.info("attached the profiler plugin's hooks in %s", path)
+        except Exception as e:
+            log.warning("profiler plugin scan: %s", str(e).splitlines()[0])
 
     # --- events ------------------------------------------------------------
 
@@ -152,6 +184,9 @@ class Agent:
                 break
             self._attach(lib)
         now = time.monotonic()
+        if self.plugin is not None and now >= self._next_plugin_scan:
+            self._next_plugin_scan = now + 5.0
+            self._attach_plugins()
         if now >= self._next_prune:
             self._next_prune = now + self.config.prune_interval
             self.prune()
@@ -164,6 +199,8 @@ class Agent:
             if freed and self.slow is not None:
                 self.slow.forget(freed)
             self.sched.forget_dead_processes()
+            if self.plugin is not None:
+                self.plugin.forget_dead_processes()
         self.processes.forget_dead()
 
     def run_until(self, stop: threading.Event, deadline: float | None = None) -> None:
@@ -188,6 +225,8 @@ class Agent:
             self._watcher.stop()
         with self.lock:
             # Dependents first: they hold references to the NCCL program's maps.
+            if self.plugin is not None:
+                self.plugin.close()
             self.sched.close()
             self.tcp.close()
             self.probes.close()

@@ -32,6 +32,8 @@ BATCH_ROWS = 5000
 BATCH_SECONDS = 0.2
 QUEUE_MAX = int(os.environ.get("NCCL_EXPORTER_STORE_QUEUE") or 65536)
 META_EVERY_S = 1.0
+PRUNE_EVERY_S = 10.0  # forget processes that are gone (bounded state over months)
+DEAD_GRACE_S = 30.0  # ... once gone this long: their last events are written by then
 CLOCK_SAMPLE_EVERY_S = 60.0  # clock_samples: CLOCK_REALTIME - CLOCK_MONOTONIC, re-sampled (NTP steps)
 
 
@@ -121,6 +123,14 @@ class Recorder:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        # Called once, from the writer thread, with a one-line message when
+        # writing fails (the recording stops; later events are counted in
+        # dropped_failed): `trace` stops, `run` logs it.
+        self.on_error = None
+        self.dropped_failed = 0  # events never written because writing failed
+        self.prune_every_s = PRUNE_EVERY_S
+        self.dead_grace_s = DEAD_GRACE_S
+        self._dead_since: dict[int, float] = {}
         # Counters: the producer (poll thread) writes offered/dropped/out_of_scope,
         # the writer thread writes the recorded ones.
         self.offered = 0
@@ -152,9 +162,14 @@ class Recorder:
             "machine_id": _read_id("/etc/machine-id"),
             "boot_id": _read_id("/proc/sys/kernel/random/boot_id"),
         }
-        with self.conn:
-            self.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
-        self._write_meta(final=False)
+        try:
+            with self.conn:
+                self.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", meta.items())
+            self._write_meta(final=False)
+        except sqlite3.Error as e:  # disk full, read-only, locked: one line, no traceback
+            self.conn.close()
+            self._error = e
+            raise StoreError(self.error_message) from None
         self._thread = threading.Thread(target=self._writer, name="nccl-store", daemon=True)
         self._thread.start()
 
@@ -167,6 +182,9 @@ class Recorder:
             pid = event.get("pid")
         if not self.scope.everything and (pid is None or pid not in self.scope):
             self.out_of_scope += 1
+            return
+        if self._error is not None:  # the writer failed: counted, never silent
+            self.dropped_failed += 1
             return
         q = self._q
         n = len(q)
@@ -195,30 +213,105 @@ class Recorder:
 
     @property
     def total_lost(self) -> int:
-        return self.dropped + sum(self.kernel_lost.values())
+        return self.dropped + self.dropped_failed + sum(self.kernel_lost.values())
 
     # --- writer thread ---------------------------------------------------------------
 
     def _writer(self) -> None:
-        last_meta = time.monotonic()
+        last_meta = last_prune = time.monotonic()
+        batch: list = []
         try:
             while True:
                 stopping = self._stop.is_set()
                 batch = self._drain()
                 if batch:
                     self._write(batch)
+                    batch = []  # written: not lost if what follows fails
                 now = time.monotonic()
                 if now - last_meta >= META_EVERY_S:
                     self._write_meta(final=False)
                     last_meta = now
+                if now - last_prune >= self.prune_every_s:
+                    self.forget_dead_processes(now)
+                    last_prune = now
                 if stopping and not self._q:
                     break
                 if len(batch) < self.batch_rows:
                     self._wake.wait(self.batch_seconds)
                     self._wake.clear()
-        except BaseException as e:  # reported by close(); the producer keeps counting drops
-            self._error = e
-            self.queue_max = 0
+        except BaseException as e:  # reported now (on_error) and by close(); drops counted
+            self._fail(e, lost=len(batch))
+
+    def _fail(self, error: BaseException, lost: int = 0) -> None:
+        """Writing failed: stop recording, count what is lost, say it once."""
+        self._error = error
+        self.queue_max = 0
+        # the batch that failed (rolled back) and whatever was still queued
+        lost += len(self._q)
+        self._q.clear()
+        self.dropped_failed += lost
+        if self.on_error is not None:
+            try:
+                self.on_error(self.error_message)
+            except Exception:  # a broken callback must not hide the error from close()
+                pass
+
+    @property
+    def error_message(self) -> str | None:
+        """One line saying why the recording failed, None while it works."""
+        if self._error is None:
+            return None
+        e = self._error
+        text = str(e) or type(e).__name__
+        hint = ""
+        if isinstance(e, sqlite3.OperationalError):
+            low = text.lower()
+            if "readonly" in low or "read-only" in low:
+                hint = " (the file or its directory is not writable)"
+            elif "full" in low:
+                hint = " (no space left on the file system)"
+            elif "locked" in low or "busy" in low:
+                hint = " (another process holds a lock on the database)"
+        return f"recording to {self.path} failed: {text}{hint}"
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def drops(self) -> dict[str, int]:
+        """Events the recorder did not write, by reason (the recording_dropped metric)."""
+        return {"queue_full": self.dropped, "write_failed": self.dropped_failed}
+
+    def forget_dead_processes(self, now: float | None = None) -> list[int]:
+        """Forget what the writer remembers per process (seen, comms, ranks) for
+        processes gone at least dead_grace_s; returns the pids forgotten. A pid
+        used again later is a new process and is identified again."""
+        now = time.monotonic() if now is None else now
+        proc = self.scope.proc
+        pids = set(self._seen_pids) | set(self._world) | set(self._launcher_rank) \
+            | {p for p, _c in self._seen_comms} | set(self.scope._verdict)
+        gone = []
+        for pid in pids:
+            if os.path.exists(f"{proc}/{pid}"):
+                self._dead_since.pop(pid, None)
+            elif now - self._dead_since.setdefault(pid, now) >= self.dead_grace_s:
+                gone.append(pid)
+        if gone:
+            dead = set(gone)
+            self._seen_pids -= dead
+            for pid in gone:
+                self._world.pop(pid, None)
+                self._launcher_rank.pop(pid, None)
+                self._dead_since.pop(pid, None)
+                self.scope._verdict.pop(pid, None)
+            self._seen_comms = {k for k in self._seen_comms if k[0] not in dead}
+            unranked = getattr(self, "_unranked_comms", None)
+            if unranked is not None:
+                self._unranked_comms = {k for k in unranked if k[0] not in dead}
+        # pids that vanished from every structure
+        for pid in [p for p in self._dead_since if p not in pids]:
+            del self._dead_since[pid]
+        return gone
 
     def _drain(self) -> list:
         q = self._q
@@ -272,7 +365,10 @@ class Recorder:
                               comms)
             c.execute("COMMIT")
         except BaseException:
-            c.execute("ROLLBACK")
+            try:
+                c.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # SQLite already rolled back (e.g. disk full): keep the first error
             raise
         self.recorded["nccl"] += len(nccl)
         self.recorded["tcp"] += len(tcp)
@@ -353,7 +449,7 @@ class Recorder:
         finally:
             self.conn.close()
         if self._error is not None:
-            raise StoreError(f"recording to {self.path} failed: {self._error}")
+            raise StoreError(self.error_message)
 
     def __enter__(self):
         return self

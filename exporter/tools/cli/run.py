@@ -107,7 +107,8 @@ def main(args) -> int:
         agent.listeners.append(recorder)
         serve_queries(queries, node)  # the node query endpoint, on the recording
     registry.register(NcclCollector(node, agent.reader, agent.processes, tcp=agent.tcp,
-                                    sched=agent.sched, spans=spans, lock=agent.lock))
+                                    sched=agent.sched, spans=spans, lock=agent.lock,
+                                    plugin=agent.plugin))
     shown = "localhost" if host in ("0.0.0.0", "::") else host
     print(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics",
           flush=True)

@@ -76,6 +76,8 @@ def main(args) -> int:
     where = f" to {args.out} ({scope.describe()})" if recorder is not None else ""
     print(f"tracing NCCL calls {what}{where}...", file=sys.stderr, flush=True)
     stop = stop_on_signals()
+    if recorder is not None:
+        recorder.on_error = lambda _message: stop.set()  # end now; close() says why, exit 2
     started = time.monotonic()
     deadline = started + args.duration if args.duration else None
     progress = Progress(recorder, sys.stderr) if recorder is not None else None
