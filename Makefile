@@ -10,7 +10,7 @@ NCCL_WHEEL := nvidia-nccl-cu12==2.32.3
 
 MAKEFLAGS  += --no-print-directory
 
-.PHONY: deps venv nccl-wheel demo test check clean
+.PHONY: deps venv nccl-wheel demo test check clean plugin
 
 ## deps: Debian packages, kernel-header links, tracefs (scripts/setup-system.sh)
 deps:
@@ -51,8 +51,12 @@ $(VENV)/.stamp-nccl: | $(VENV)/.stamp-install
 demo: deps venv
 	$(VENV)/bin/nccl-exporter demo
 
+## plugin: the NCCL profiler plugin, build/plugin/libnccl-profiler-exporter.so (docs/plugin.md)
+plugin: venv
+	@$(PY) -m exporter.sources.plugin.build >/dev/null
+
 ## test: everything needed, then the whole suite
-test: deps venv nccl-wheel
+test: deps venv nccl-wheel plugin
 	$(PY) -m pytest -v tests/
 
 ## check: preflight checks of this host

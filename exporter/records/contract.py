@@ -150,6 +150,9 @@ MAX_LINKS = 4096       # tcp_links: (family, saddr, daddr, port, owner) series
 TCP_EVENT_PAGES = 64   # tcp_events ring buffer: 256 KiB
 MAX_SCHED_THREADS = 65536  # thread_sched: scheduler state of traced threads (bpf/sched.c)
 SCHED_EVENT_PAGES = 256  # sched_events ring buffer (run-queue waits, recordings only): 1 MiB
+GPU_MAX_SERIES = 2048   # (op, NCCL commHash, rank, nranks) GPU histograms (bpf/plugin.c)
+GPU_MAX_INFLIGHT = 65536  # (pid, record id) collectives queued/running on the GPU (bpf/plugin.c)
+PLUGIN_MAX_PROCS = 4096  # processes that loaded the profiler plugin (bpf/plugin.c)
 
 OP_COUNT = 32  # op codes are < 32; event_config[OP_COUNT] = record every call
 

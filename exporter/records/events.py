@@ -179,3 +179,49 @@ class SchedEvent:
     comm: str               # the thread's name
     cpu: int
     op: str                 # the NCCL call it was inside ("" for none)
+
+
+# --- GPU time from the profiler plugin (bpf/plugin.c) -----------------------------
+
+@dataclass(frozen=True)
+class GpuSeries:
+    """Collectives of one op on one communicator by one rank, timed on the GPU
+    (earliest KernelCh start .. latest KernelCh stop), as counted in the kernel."""
+
+    op: str
+    nccl_hash: int  # NCCL's commHash (the plugin's key; not the agent's comm id)
+    rank: int
+    nranks: int
+    calls: int
+    bytes: int
+    sum_ns: int
+    buckets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GpuInflight:
+    """One collective the plugin reported enqueued (queued) or started on the GPU
+    (running) and not yet done or abandoned."""
+
+    pid: int
+    id: int  # the plugin's record id (unique per process)
+    op: str
+    nccl_hash: int
+    rank: int
+    nranks: int
+    seq: int
+    state: str  # queued | running
+    since_ns: int  # CLOCK_MONOTONIC: host enqueue (queued), GPU start (running)
+
+
+@dataclass(frozen=True)
+class PluginProcess:
+    """A process that loaded the profiler plugin (it made a hook call)."""
+
+    pid: int
+    first_seen_ns: int  # CLOCK_MONOTONIC
+    last_seen_ns: int
+    records: int
+    comms: int  # communicators initialised and not finalized
+    dropped: int  # the plugin's pool drops (process-wide)
+    iface_version: int

@@ -65,6 +65,24 @@ COMMUNICATOR_INFO = _m(
     ("node", "comm", "nccl_comm_hash", "rank", "nranks", "pid", "launcher", "launcher_rank", "world_size"),
     "One per live communicator of a traced process (value 1).")
 
+# --- GPU time from the profiler plugin (bpf/plugin.c, docs/plugin.md) -------------------
+
+GPU_DURATION = _m(
+    "nccl_collective_gpu_duration_seconds", "histogram", ("node", "op", "comm", "rank", "nranks"),
+    "Duration of NCCL collective and point-to-point operations on the GPU (earliest kernel "
+    "channel start to latest channel stop, from nccl-exporter's profiler plugin); the host "
+    "histogram's buckets. comm: the agent's communicator id when it saw the communicator made, "
+    "else NCCL's commHash in hex.")
+GPU_INFLIGHT_OLDEST = _m(
+    "nccl_gpu_inflight_oldest_seconds", "gauge", ("node", "op", "comm", "rank", "state"),
+    "Age of the oldest NCCL operation enqueued but not started on the GPU (state=queued, since "
+    "the host enqueue) or started but not finished (state=running, since the GPU start), per op, "
+    "communicator and rank. A value that keeps growing is a GPU-side hang.")
+PROFILER_PLUGIN_ACTIVE = _m(
+    "nccl_profiler_plugin_active", "gauge", ("node", "pid"),
+    "1 for a traced process that loaded nccl-exporter's profiler plugin (GPU time is measured), "
+    "0 for a traced process without it (host time only).")
+
 # --- Kernel side: TCP (bpf/tcp.c) and scheduler (bpf/sched.c) --------------------------
 
 TCP_RETRANSMITS = _m(

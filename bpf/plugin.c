@@ -1,0 +1,307 @@
+// GPU time from nccl-exporter's NCCL profiler plugin (plugin/nccl_profiler.c).
+//
+// The plugin calls empty exported hook functions with a pointer to a
+// fixed-layout record (plugin/nccl_exporter_plugin.h); the agent attaches
+// uprobes on them by file path (exporter/sources/plugin/reader.py), so every
+// process that loaded that plugin file is covered. Each handler copies the
+// record with one bpf_probe_read_user of PARM1 and:
+//   gpu_done       folds gpu_stop_mono_ns - gpu_start_mono_ns into the
+//                  (op, comm_hash, rank, nranks) histogram gpu_series, with
+//                  the host histogram's layout (HIST_* from the generated
+//                  header, exporter/records/histogram.py); forgets in-flight
+//   coll_queued    in-flight entry (pid, id) state QUEUED since enqueue
+//   gpu_start      the entry becomes RUNNING since the GPU start
+//   abandoned      forgets the in-flight entry
+//   comm_init/fini the process has the plugin (plugin_procs: pid -> last seen)
+// In-flight entries of processes that died without a hook are dropped by the
+// agent's loop (forget_dead); the exit tracepoint drops plugin_procs.
+//
+// Compiled on its own after bpf/nccl.c (it owns the maps of traced.h; this
+// program needs only log2_floor from it). GPU_MAX_SERIES, GPU_MAX_INFLIGHT
+// and PLUGIN_MAX_PROCS come as -D from exporter/records/contract.py.
+#include <uapi/linux/ptrace.h>
+#include "traced.h"
+
+// Same layout as the host histogram, from the generated HIST_* macros only.
+#define GPU_HIST_FINITE (1 + (HIST_MAX_LOG2 - HIST_MIN_LOG2) * HIST_SUB)
+#define GPU_HIST_SLOTS (GPU_HIST_FINITE + 1)
+
+#define NX_RECORD_VERSION 1   // NCCL_EXPORTER_RECORD_VERSION
+#define NX_RECORD_SIZE 144    // sizeof(struct nccl_exporter_record), version 1
+#define NX_COMM_SIZE 80       // sizeof(struct nccl_exporter_comm), version 1
+#define NX_STATE_QUEUED 1
+#define NX_STATE_RUNNING 2
+#define NX_STATE_DONE 3
+#define NX_STATE_ABANDONED 4
+
+// struct nccl_exporter_record, version 1 (plugin/nccl_exporter_plugin.h).
+// Offsets relied on are commented; the struct is the plugin's byte for byte
+// (natural alignment, no padding: checked by the size assertion below and by
+// tests/test_plugin_abi.py on the plugin side).
+struct nx_record {
+    u32 version;               //   0  must be 1
+    u32 size;                  //   4  >= 144
+    u64 id;                    //   8  in-flight key with the pid
+    u64 comm_hash;             //  16  NCCL's commHash (series key)
+    u64 seq;                   //  24  kept in the in-flight entry
+    u64 count;                 //  32
+    u64 bytes;                 //  40  summed per series
+    u64 host_enqueue_mono_ns;  //  48  queued since (CLOCK_MONOTONIC)
+    u64 host_event_mono_ns;    //  56  when the hook fired (fallback "running since")
+    u64 gpu_start_timer;       //  64
+    u64 gpu_stop_timer;        //  72
+    u64 gpu_start_mono_ns;     //  80  running since; duration start
+    u64 gpu_stop_mono_ns;      //  88  duration end
+    s64 gpu_to_mono_offset_ns; //  96
+    s32 rank;                  // 104  series key
+    s32 nranks;                // 108  series key
+    s32 peer;                  // 112
+    u32 flags;                 // 116
+    u8 kind;                   // 120
+    u8 op;                     // 121  exporter op code (contract.COLLECTIVE_OPS), 0 = other
+    u8 datatype;               // 122
+    u8 state;                  // 123  NX_STATE_*
+    u8 nchannels;              // 124
+    u8 channels_started;       // 125
+    u8 channels_stopped;       // 126
+    u8 iface_version;          // 127  kept per process
+    char op_name[16];          // 128
+};                             // 144
+_Static_assert(sizeof(struct nx_record) == NX_RECORD_SIZE, "nccl_exporter_record v1 is 144 bytes");
+
+// struct nccl_exporter_comm, version 1.
+struct nx_comm {
+    u32 version;        //  0  must be 1
+    u32 size;           //  4  >= 80
+    u64 comm_hash;      //  8
+    s32 rank;           // 16
+    s32 nranks;         // 20
+    s32 nnodes;         // 24
+    u32 iface_version;  // 28  kept per process
+    u64 pending;        // 32
+    u64 dropped;        // 40  kept per process (pool drops, process-wide)
+    char name[32];      // 48
+};                      // 80
+_Static_assert(sizeof(struct nx_comm) == NX_COMM_SIZE, "nccl_exporter_comm v1 is 80 bytes");
+
+struct gpu_key {
+    u64 comm_hash;  // NCCL's commHash
+    s32 rank;
+    s32 nranks;
+    u32 op;
+    u32 pad;
+};
+
+struct gpu_hist {
+    u64 count;
+    u64 sum_ns;
+    u64 bytes;
+    u64 buckets[GPU_HIST_SLOTS];
+};
+
+struct gpu_flight_key {
+    u32 tgid;
+    u32 pad;
+    u64 id;
+};
+
+struct gpu_flight {
+    u64 comm_hash;
+    u64 seq;
+    u64 enqueue_ns;  // CLOCK_MONOTONIC: host enqueue
+    u64 start_ns;    // CLOCK_MONOTONIC: GPU start (mapped), 0 while queued
+    s32 rank;
+    s32 nranks;
+    u32 op;
+    u32 state;       // NX_STATE_QUEUED | NX_STATE_RUNNING
+};
+
+struct plugin_proc {
+    u64 first_seen_ns;
+    u64 last_seen_ns;
+    u64 records;     // hook calls with a valid record
+    u64 dropped;     // plugin's pool drops, as of the last comm_init/fini
+    s64 comms;       // comm_init - comm_fini seen
+    u32 iface_version;
+    u32 pad;
+};
+
+// Why something was not counted: slots of plugin_drops.
+#define PD_SERIES_FULL 0
+#define PD_INFLIGHT_FULL 1
+#define PD_BAD_RECORD 2
+#define PD_PROCS_FULL 3
+#define PD_NO_GPU_TIME 4
+#define PD_SLOTS 8
+
+BPF_HASH(gpu_series, struct gpu_key, struct gpu_hist, GPU_MAX_SERIES);
+BPF_HASH(gpu_inflight, struct gpu_flight_key, struct gpu_flight, GPU_MAX_INFLIGHT);
+BPF_HASH(plugin_procs, u32, struct plugin_proc, PLUGIN_MAX_PROCS);
+BPF_ARRAY(plugin_drops, u64, PD_SLOTS);
+BPF_ARRAY(gpu_zero, struct gpu_hist, 1);  // all zeros, never written
+
+static __always_inline void drop(u32 slot) {
+    u64 *v = plugin_drops.lookup(&slot);
+    if (v)
+        __sync_fetch_and_add(v, 1);
+}
+
+// The host histogram's bucket (bpf/nccl.c bucket_of; exporter/records/histogram.py).
+static __always_inline u32 gpu_bucket_of(u64 d) {
+    if (d <= (1ULL << HIST_MIN_LOG2))
+        return 0;
+    u64 v = d - 1;  // an exact upper bound belongs to its own bucket (Prometheus `le`)
+    u32 k = log2_floor(v);
+    if (k >= HIST_MAX_LOG2)
+        return GPU_HIST_FINITE;
+    u32 sub = (v >> (k - HIST_SUB_BITS)) & (HIST_SUB - 1);
+    return 1 + (k - HIST_MIN_LOG2) * HIST_SUB + sub;
+}
+
+static __always_inline void touch_proc(u32 tgid, u32 iface, int comms, u64 dropped, int is_comm) {
+    u64 now = bpf_ktime_get_ns();
+    struct plugin_proc *p = plugin_procs.lookup(&tgid);
+    if (!p) {
+        struct plugin_proc n = {.first_seen_ns = now, .last_seen_ns = now};
+        if (plugin_procs.insert(&tgid, &n) && !plugin_procs.lookup(&tgid)) {
+            drop(PD_PROCS_FULL);
+            return;
+        }
+        p = plugin_procs.lookup(&tgid);
+        if (!p)
+            return;
+    }
+    p->last_seen_ns = now;
+    if (iface)
+        p->iface_version = iface;
+    if (is_comm) {
+        __sync_fetch_and_add(&p->comms, comms);
+        if (dropped > p->dropped)
+            p->dropped = dropped;
+    } else {
+        __sync_fetch_and_add(&p->records, 1);
+    }
+}
+
+// One copy of the record; 0 when it is not a version-1 record.
+static __always_inline int read_record(struct pt_regs *ctx, struct nx_record *r) {
+    if (bpf_probe_read_user(r, sizeof(*r), (void *)PT_REGS_PARM1(ctx)) ||
+        r->version != NX_RECORD_VERSION || r->size < NX_RECORD_SIZE) {
+        drop(PD_BAD_RECORD);
+        return 0;
+    }
+    return 1;
+}
+
+int on_coll_queued(struct pt_regs *ctx) {
+    struct nx_record r = {};
+    if (!read_record(ctx, &r))
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    touch_proc(tgid, r.iface_version, 0, 0, 0);
+    struct gpu_flight_key k = {.tgid = tgid, .id = r.id};
+    struct gpu_flight f = {
+        .comm_hash = r.comm_hash, .seq = r.seq, .enqueue_ns = r.host_enqueue_mono_ns,
+        .rank = r.rank, .nranks = r.nranks, .op = r.op, .state = NX_STATE_QUEUED,
+    };
+    if (!f.enqueue_ns)
+        f.enqueue_ns = r.host_event_mono_ns;
+    if (gpu_inflight.update(&k, &f))
+        drop(PD_INFLIGHT_FULL);
+    return 0;
+}
+
+int on_gpu_start(struct pt_regs *ctx) {
+    struct nx_record r = {};
+    if (!read_record(ctx, &r))
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    touch_proc(tgid, r.iface_version, 0, 0, 0);
+    struct gpu_flight_key k = {.tgid = tgid, .id = r.id};
+    // The mapped GPU start; the hook's own time when there is none or the
+    // estimate lies in the future (a coarse offset).
+    u64 since = r.gpu_start_mono_ns;
+    if (!since || since > r.host_event_mono_ns)
+        since = r.host_event_mono_ns;
+    struct gpu_flight f = {
+        .comm_hash = r.comm_hash, .seq = r.seq, .enqueue_ns = r.host_enqueue_mono_ns,
+        .start_ns = since, .rank = r.rank, .nranks = r.nranks, .op = r.op,
+        .state = NX_STATE_RUNNING,
+    };
+    if (gpu_inflight.update(&k, &f))
+        drop(PD_INFLIGHT_FULL);
+    return 0;
+}
+
+int on_gpu_done(struct pt_regs *ctx) {
+    struct nx_record r = {};
+    if (!read_record(ctx, &r))
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    touch_proc(tgid, r.iface_version, 0, 0, 0);
+    struct gpu_flight_key fk = {.tgid = tgid, .id = r.id};
+    gpu_inflight.delete(&fk);
+    if (!r.gpu_start_mono_ns || !r.gpu_stop_mono_ns || r.gpu_stop_mono_ns < r.gpu_start_mono_ns) {
+        drop(PD_NO_GPU_TIME);
+        return 0;
+    }
+    u64 d = r.gpu_stop_mono_ns - r.gpu_start_mono_ns;
+    struct gpu_key k = {.comm_hash = r.comm_hash, .rank = r.rank, .nranks = r.nranks, .op = r.op};
+    struct gpu_hist *h = gpu_series.lookup(&k);
+    if (!h) {
+        u32 zero = 0;
+        struct gpu_hist *z = gpu_zero.lookup(&zero);
+        if (!z)
+            return 0;
+        gpu_series.insert(&k, z);  // -EEXIST: another CPU made it first
+        h = gpu_series.lookup(&k);
+        if (!h) {
+            drop(PD_SERIES_FULL);
+            return 0;
+        }
+    }
+    u32 b = gpu_bucket_of(d);
+    if (b >= GPU_HIST_SLOTS)
+        b = GPU_HIST_SLOTS - 1;
+    __sync_fetch_and_add(&h->count, 1);
+    __sync_fetch_and_add(&h->sum_ns, d);
+    __sync_fetch_and_add(&h->bytes, r.bytes);
+    __sync_fetch_and_add(&h->buckets[b], 1);
+    return 0;
+}
+
+int on_abandoned(struct pt_regs *ctx) {
+    struct nx_record r = {};
+    if (!read_record(ctx, &r))
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    touch_proc(tgid, r.iface_version, 0, 0, 0);
+    struct gpu_flight_key k = {.tgid = tgid, .id = r.id};
+    gpu_inflight.delete(&k);
+    return 0;
+}
+
+static __always_inline int on_comm(struct pt_regs *ctx, int delta) {
+    struct nx_comm c = {};
+    if (bpf_probe_read_user(&c, sizeof(c), (void *)PT_REGS_PARM1(ctx)) ||
+        c.version != NX_RECORD_VERSION || c.size < NX_COMM_SIZE) {
+        drop(PD_BAD_RECORD);
+        return 0;
+    }
+    touch_proc(bpf_get_current_pid_tgid() >> 32, c.iface_version, delta, c.dropped, 1);
+    return 0;
+}
+
+int on_comm_init(struct pt_regs *ctx) { return on_comm(ctx, 1); }
+int on_comm_fini(struct pt_regs *ctx) { return on_comm(ctx, -1); }
+
+// A process that is gone no longer has the plugin. (Its in-flight entries
+// cannot be found without a map walk: the agent's loop drops them.)
+TRACEPOINT_PROBE(sched, sched_process_exit) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if ((u32)id != tgid)
+        return 0;  // a thread, not the process
+    plugin_procs.delete(&tgid);
+    return 0;
+}

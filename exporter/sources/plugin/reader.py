@@ -1,0 +1,200 @@
+"""The plugin source: bpf/plugin.c loaded, attached to profiler plugin files,
+and its maps as records (GpuSeries, GpuInflight, PluginProcess).
+
+nccl-exporter's NCCL profiler plugin (plugin/, docs/plugin.md) calls empty
+hook functions with a fixed-layout record; uprobes on them, by file path,
+cover every process that loaded that file. The files: the plugin this
+installation builds (exporter/sources/plugin/build.py) and any
+libnccl-profiler*.so that running processes have mapped and that exports the
+hooks (a copy placed on a hostPath, say). Needs bpf/nccl.c loaded first
+(Program). Reading never writes kernel state; `forget_dead_processes` is for
+the agent's loop.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from exporter.records import contract
+from exporter.records.events import GpuInflight, GpuSeries, PluginProcess
+from exporter.sources.bpf import Program, ProbeError, forget_dead
+from exporter.sources.nccl import elf
+
+# hook symbol -> BPF function of bpf/plugin.c
+HOOKS = {
+    "nccl_exporter_coll_queued": "on_coll_queued",
+    "nccl_exporter_gpu_start": "on_gpu_start",
+    "nccl_exporter_gpu_done": "on_gpu_done",
+    "nccl_exporter_abandoned": "on_abandoned",
+    "nccl_exporter_comm_init": "on_comm_init",
+    "nccl_exporter_comm_fini": "on_comm_fini",
+}
+STATES = {1: "queued", 2: "running"}
+# Slots of plugin_drops (PD_* in bpf/plugin.c)
+DROPS = {"gpu_series_full": 0, "gpu_inflight_full": 1, "bad_record": 2, "plugin_procs_full": 3,
+         "no_gpu_time": 4}
+# Capacity of each map this program owns, for nccl_exporter_map_capacity.
+MAP_CAPACITY = {
+    "gpu_series": contract.GPU_MAX_SERIES,
+    "gpu_inflight": contract.GPU_MAX_INFLIGHT,
+    "plugin_procs": contract.PLUGIN_MAX_PROCS,
+}
+# (drop slot, map) as exported by nccl_exporter_map_full_total{map=...}
+MAP_FULL = (("gpu_series_full", "gpu_series"), ("gpu_inflight_full", "gpu_inflight"),
+            ("plugin_procs_full", "plugin_procs"))
+NAME_PREFIX = "libnccl-profiler"
+
+
+def built_plugin() -> str | None:
+    """The plugin this installation builds: the existing file, else built now
+    (needs gcc); None when neither works."""
+    from exporter.sources.plugin import build
+
+    lib = build.default_outdir() / build.LIB_NAME
+    if lib.is_file():
+        return str(lib.resolve())
+    try:
+        return str(build.build_plugin())
+    except Exception:
+        return None
+
+
+def mapped_plugins(pids=None, proc: str = "/proc") -> dict[str, set[int]]:
+    """libnccl-profiler*.so files mapped by processes (all, or `pids`): path -> pids."""
+    out: dict[str, set[int]] = {}
+    if pids is None:
+        pids = [int(d) for d in os.listdir(proc) if d.isdigit()]
+    for pid in pids:
+        try:
+            with open(f"{proc}/{pid}/maps") as f:
+                for line in f:
+                    if NAME_PREFIX not in line:
+                        continue
+                    path = line.split(None, 5)[-1].strip()
+                    if path.startswith("/") and os.path.basename(path).startswith(NAME_PREFIX) \
+                            and ".so" in os.path.basename(path):
+                        # the process's view of the file (containers: its mount namespace)
+                        out.setdefault(f"{proc}/{pid}/root{path}" if proc != "/" else path, set()).add(pid)
+        except OSError:
+            continue
+    return out
+
+
+def has_hooks(path: str) -> bool:
+    """Does the file export the plugin's hooks (ours, possibly renamed)?"""
+    try:
+        return "nccl_exporter_gpu_done" in elf.exported_functions(path)
+    except Exception:
+        return False
+
+
+class PluginSource(Program):
+    """bpf/plugin.c: GPU histograms, GPU in-flight collectives, processes with the plugin."""
+
+    def __init__(self):
+        super().__init__("plugin", extra_cflags=(
+            f"-DGPU_MAX_SERIES={contract.GPU_MAX_SERIES}",
+            f"-DGPU_MAX_INFLIGHT={contract.GPU_MAX_INFLIGHT}",
+            f"-DPLUGIN_MAX_PROCS={contract.PLUGIN_MAX_PROCS}",
+        ))
+        self.attached: dict[str, tuple[int, int]] = {}  # path -> (st_dev, st_ino)
+        self.paths: list[str] = []
+
+    # --- attaching ---------------------------------------------------------------
+
+    def attach(self, path: str) -> bool:
+        """Uprobes on every hook of the plugin file `path`; False when that file
+        (the same inode) is attached already. ProbeError when it has no hooks."""
+        real = os.path.realpath(path)
+        try:
+            st = os.stat(real)
+        except OSError as e:
+            raise ProbeError(f"cannot attach to the profiler plugin {path}: {e.strerror}") from None
+        ident = (st.st_dev, st.st_ino)
+        if ident in self.attached.values():
+            return False
+        done = []
+        try:
+            for sym, fn in HOOKS.items():
+                self.bpf.attach_uprobe(name=real, sym=sym, fn_name=fn)
+                done.append(sym)
+        except Exception as e:
+            for sym in done:
+                try:
+                    self.bpf.detach_uprobe(name=real, sym=sym)
+                except Exception:
+                    pass
+            raise ProbeError(f"cannot attach to the profiler plugin {path}: {e}".splitlines()[0]) from None
+        self.attached[real] = ident
+        self.paths.append(real)
+        return True
+
+    def discover(self, pids=None, proc: str = "/proc") -> list[str]:
+        """Attach to plugin files mapped by processes (all, or `pids`) not yet
+        attached; returns the paths attached now."""
+        new = []
+        for path in sorted(mapped_plugins(pids, proc)):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in self.attached.values() or not has_hooks(path):
+                continue
+            try:
+                if self.attach(path):
+                    new.append(path)
+            except ProbeError:
+                continue
+        return new
+
+    # --- reading -----------------------------------------------------------------
+
+    def series(self) -> list[GpuSeries]:
+        return [
+            GpuSeries(op=contract.op_name(k.op), nccl_hash=k.comm_hash, rank=k.rank, nranks=k.nranks,
+                      calls=v.count, bytes=v.bytes, sum_ns=v.sum_ns, buckets=tuple(v.buckets))
+            for k, v in self["gpu_series"].items()
+        ]
+
+    def inflight(self) -> list[GpuInflight]:
+        out = []
+        for k, v in self["gpu_inflight"].items():
+            state = STATES.get(v.state)
+            if state is None:
+                continue
+            out.append(GpuInflight(
+                pid=k.tgid, id=k.id, op=contract.op_name(v.op), nccl_hash=v.comm_hash, rank=v.rank,
+                nranks=v.nranks, seq=v.seq, state=state,
+                since_ns=v.start_ns if state == "running" else v.enqueue_ns))
+        return out
+
+    def processes(self) -> list[PluginProcess]:
+        return [
+            PluginProcess(pid=k.value, first_seen_ns=v.first_seen_ns, last_seen_ns=v.last_seen_ns,
+                          records=v.records, comms=v.comms, dropped=v.dropped,
+                          iface_version=v.iface_version)
+            for k, v in self["plugin_procs"].items()
+        ]
+
+    def drops(self) -> dict[str, int]:
+        table = self["plugin_drops"]
+        return {name: table[table.Key(slot)].value for name, slot in DROPS.items()}
+
+    def forget_dead_processes(self, proc: str = "/proc") -> int:
+        """Drop in-flight entries and process entries of processes that are gone."""
+        n = forget_dead(self["gpu_inflight"], proc)
+        table = self["plugin_procs"]
+        for k in [k for k in table.keys() if not os.path.exists(f"{proc}/{k.value}")]:
+            try:
+                del table[k]
+                n += 1
+            except KeyError:
+                pass
+        return n
+
+
+def plugin_paths() -> list[str]:
+    """The plugin files to attach at start: the built one, if any."""
+    p = built_plugin()
+    return [p] if p and Path(p).is_file() else []

@@ -1,0 +1,271 @@
+"""The agent side of the profiler plugin: bpf/plugin.c + PluginSource + the
+Prometheus families, driven by tests/plugin/driver.c acting as NCCL.
+
+GPU behaviour here is verified against NCCL's profiler interface and a
+simulated caller (the driver's synthetic GPU), not on GPU hardware.
+
+Every test loads BPF: run under `flock /tmp/nccl-heavy.lock`. Each uses a
+private copy of the plugin (its own inode), so other jobs running the shared
+build do not reach these uprobes.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import subprocess
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from conftest import parse_metrics, require_root, running_exporter, sample_value, sample_values
+from exporter.records import histogram
+from exporter.records.events import Communicator
+from exporter.sources.plugin.build import build_plugin
+
+REPO = Path(__file__).resolve().parent.parent
+OPS = {"AllReduce": "ALL_REDUCE", "AllGather": "ALL_GATHER", "ReduceScatter": "REDUCE_SCATTER",
+       "Broadcast": "BROADCAST", "Send": "SEND", "Recv": "RECV"}
+NRANKS = {"0x1111222233334444": 4, "0x5555666677778888": 2, "0xabcdef0123456789": 4}
+HOLD_ANCHOR = "    comm_fini(&a);                                   /* destroy purges pending work */\n"
+
+
+def parse_kv(line: str) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
+
+
+@pytest.fixture(scope="module")
+def bins(tmp_path_factory):
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc not installed")
+    d = tmp_path_factory.mktemp("plugin-agent")
+    # A copy of the driver that can hold the process before the finalize of
+    # its `pending` scenario (DRIVER_HOLD_MS), so in-flight state is observable.
+    src = (REPO / "tests/plugin/driver.c").read_text()
+    assert src.count(HOLD_ANCHOR) == 1, "driver.c's pending scenario changed: update HOLD_ANCHOR"
+    src = src.replace(HOLD_ANCHOR, '    if (getenv("DRIVER_HOLD_MS")) { printf("holding\\n"); fflush(stdout); '
+                                   'usleep(1000 * atoi(getenv("DRIVER_HOLD_MS"))); }\n' + HOLD_ANCHOR)
+    (d / "driver.c").write_text(src)
+    subprocess.run(["gcc", "-O2", "-g", "-pthread", "-I", str(REPO / "plugin"), "-o", str(d / "driver"),
+                    str(d / "driver.c"), "-ldl"], check=True)
+    plugin = d / "libnccl-profiler-agenttest.so"
+    shutil.copy2(build_plugin(), plugin)
+    return {"driver": d / "driver", "plugin": plugin, "dir": d}
+
+
+@pytest.fixture
+def sources(bins):
+    require_root()
+    from exporter.sources.nccl.probes import NcclProbes
+    from exporter.sources.plugin.reader import PluginSource
+
+    probes = NcclProbes()
+    plugin = None
+    try:
+        plugin = PluginSource()
+        assert plugin.attach(str(bins["plugin"]))
+        assert not plugin.attach(str(bins["plugin"]))  # the same file once
+        yield probes, plugin
+    finally:
+        if plugin is not None:
+            plugin.close()
+        probes.close()
+
+
+def driver_env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_EXPORTER_", "DRIVER_"))}
+
+
+def run_ops(bins, version: int, n: int) -> list[dict]:
+    p = subprocess.run([str(bins["driver"]), str(bins["plugin"]), str(version), "ops", str(n)],
+                       capture_output=True, text=True, env=driver_env(), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    truth = [parse_kv(l) for l in p.stdout.splitlines() if l.startswith("truth ")]
+    assert len(truth) == n
+    return truth
+
+
+def expected_series(truth) -> dict[tuple, tuple[Counter, int]]:
+    """(op, comm hash, rank, nranks) -> (bucket counts, sum ns) from the driver's truth."""
+    out: dict[tuple, list] = defaultdict(lambda: [Counter(), 0])
+    for t in truth:
+        d = int(t["gpu_stop_timer"]) - int(t["gpu_start_timer"])
+        k = (OPS[t["op"]], int(t["comm"], 16), int(t["rank"]), NRANKS[t["comm"]])
+        out[k][0][histogram.bucket_of(d)] += 1
+        out[k][1] += d
+    return {k: (c, s) for k, (c, s) in out.items()}
+
+
+@pytest.mark.parametrize("version", (4, 7))
+def test_gpu_histograms_equal_the_drivers_truth(bins, sources, version):
+    from exporter.sinks.prometheus import gpu_families
+
+    _probes, plugin = sources
+    truth = run_ops(bins, version, 60)
+    want = expected_series(truth)
+    got = {(s.op, s.nccl_hash, s.rank, s.nranks): s for s in plugin.series()}
+    assert set(got) == set(want)
+    for k, (buckets, sum_ns) in want.items():
+        s = got[k]
+        assert s.calls == sum(buckets.values())
+        assert s.sum_ns == sum_ns
+        assert {i: n for i, n in enumerate(s.buckets) if n} == dict(buckets), k
+    assert plugin.inflight() == []  # every one done
+    drops = plugin.drops()
+    assert drops["bad_record"] == 0 and drops["no_gpu_time"] == 0 and drops["gpu_series_full"] == 0
+
+    # as Prometheus sees it: the comm label is NCCL's commHash (no communicator known)
+    text = _exposition(gpu_families("n1", plugin, [], set()))
+    total = sample_value(text, "nccl_collective_gpu_duration_seconds_count", op="ALL_REDUCE",
+                         comm="1111222233334444", rank="2", nranks="4")
+    assert total == sum(want[("ALL_REDUCE", 0x1111222233334444, 2, 4)][0].values())
+    # one more truth check through the exposition: cumulative count at every le
+    b = want[("ALL_REDUCE", 0x1111222233334444, 2, 4)][0]
+    for i, bound in enumerate(histogram.UPPER_BOUNDS_NS):
+        le = [s for s in parse_metrics(text) if s.name == "nccl_collective_gpu_duration_seconds_bucket"
+              and s.labels["comm"] == "1111222233334444" and s.labels["op"] == "ALL_REDUCE"
+              and float(s.labels["le"]) == bound / 1e9]
+        assert le and le[0].value == sum(n for j, n in b.items() if j <= i)
+
+
+def _exposition(families) -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class _C:
+        def collect(self):
+            return families
+
+    r = CollectorRegistry(auto_describe=False)
+    r.register(_C())
+    return generate_latest(r).decode()
+
+
+def _hold(bins, ms: int):
+    env = driver_env()
+    env["DRIVER_HOLD_MS"] = str(ms)
+    p = subprocess.Popen([str(bins["driver"]), str(bins["plugin"]), "7", "pending"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 30
+    lines = []
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([p.stdout], [], [], 1)
+        if r:
+            line = p.stdout.readline()
+            lines.append(line)
+            if line.startswith("holding"):
+                return p, lines
+    p.kill()
+    raise AssertionError(f"the driver did not reach its hold: {lines}")
+
+
+def test_inflight_ages_queued_running_and_abandoned(bins, sources):
+    from exporter.sinks.prometheus import gpu_families
+
+    _probes, plugin = sources
+    p, _ = _hold(bins, 1500)
+    try:
+        flights = {f.state: f for f in plugin.inflight()}
+        assert set(flights) == {"queued", "running"}, plugin.inflight()
+        run, q = flights["running"], flights["queued"]
+        assert (run.op, run.nccl_hash, run.rank, run.nranks, run.pid) == \
+            ("ALL_REDUCE", 0xABCDEF0123456789, 1, 4, p.pid)
+        assert (q.op, q.seq, q.pid) == ("ALL_GATHER", 0, p.pid)
+        assert run.seq == 1  # the second AllReduce: the first completed
+        me = os.getpid()  # a "traced" process without the plugin
+        ages = []
+        for _ in range(2):
+            text = _exposition(gpu_families("n1", plugin, [], {me, p.pid}))
+            ages.append((sample_value(text, "nccl_gpu_inflight_oldest_seconds", op="ALL_REDUCE",
+                                      comm="abcdef0123456789", rank="1", state="running"),
+                         sample_value(text, "nccl_gpu_inflight_oldest_seconds", op="ALL_GATHER",
+                                      comm="abcdef0123456789", rank="1", state="queued")))
+            assert sample_value(text, "nccl_profiler_plugin_active", pid=str(p.pid)) == 1
+            assert sample_value(text, "nccl_profiler_plugin_active", pid=str(me)) == 0
+            time.sleep(0.4)
+        (r0, q0), (r1, q1) = ages
+        assert 0 < r0 < r1 and 0 < q0 < q1, ages
+        assert r1 - r0 >= 0.35 and q1 - q0 >= 0.35
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    # finalize abandoned both (hook nccl_exporter_abandoned): nothing in flight;
+    # the process is gone: no longer listed as having the plugin
+    assert plugin.inflight() == []
+    assert [x for x in plugin.processes() if x.pid == p.pid] == []
+    assert plugin.series()  # the one completed AllReduce
+    assert sum(s.calls for s in plugin.series()) == 1
+
+
+def test_comm_label_is_the_host_series_id_when_known():
+    from exporter.sinks.prometheus import gpu_comm_labels, gpu_families
+    from exporter.records.events import GpuInflight, GpuSeries, PluginProcess
+
+    comms = [Communicator(pid=1, handle=0x10, comm_hash=0x0123456789ABCDEF, nccl_hash=0x1111222233334444,
+                          rank=2, nranks=4),
+             Communicator(pid=1, handle=0x20, comm_hash=0xFEDC, nccl_hash=0, rank=0, nranks=2)]
+    assert gpu_comm_labels(comms) == {0x1111222233334444: "0123456789abcdef"}
+
+    class FakePlugin:
+        def series(self):
+            return [GpuSeries("ALL_REDUCE", 0x1111222233334444, 2, 4, 1, 4096, 3000, (0, 1) + (0,) * 200),
+                    GpuSeries("ALL_REDUCE", 0x5555666677778888, 0, 2, 1, 4096, 3000, (0, 1))]
+
+        def inflight(self):
+            return [GpuInflight(os.getpid(), 7, "ALL_REDUCE", 0x1111222233334444, 2, 4, 3, "running",
+                                time.clock_gettime_ns(time.CLOCK_MONOTONIC) - 2_000_000_000)]
+
+        def processes(self):
+            return [PluginProcess(os.getpid(), 0, 0, 1, 1, 0, 7)]
+
+    text = _exposition(gpu_families("n1", FakePlugin(), comms, {os.getpid()}))
+    assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="0123456789abcdef") == 1
+    assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="5555666677778888") == 1
+    assert sample_value(text, "nccl_gpu_inflight_oldest_seconds", comm="0123456789abcdef",
+                        state="running") >= 1.9
+    assert sample_values(text, "nccl_profiler_plugin_active") == [1]
+    # no plugin source at all: every traced process is 0
+    text = _exposition(gpu_families("n1", None, comms, {os.getpid()}))
+    assert sample_values(text, "nccl_profiler_plugin_active") == [0]
+
+
+def test_exporter_serves_gpu_metrics(bins, tmp_path):
+    """The real `nccl-exporter run`: attaches the plugin it builds (here a private
+    build dir), counts the driver's collectives, shows the held one in flight."""
+    require_root()
+    build_dir = tmp_path / "pb"
+    lib = build_plugin(build_dir)
+    env = dict(os.environ)
+    env["NCCL_EXPORTER_PLUGIN_BUILD"] = str(build_dir)
+    with running_exporter(env=env) as ex:
+        assert "attached the profiler plugin's hooks in " + str(lib) in ex.output()
+        p = subprocess.run([str(bins["driver"]), str(lib), "6", "ops", "40"], capture_output=True, text=True,
+                           env=driver_env(), timeout=120)
+        assert p.returncode == 0
+        truth = [parse_kv(l) for l in p.stdout.splitlines() if l.startswith("truth ")]
+        want = Counter((OPS[t["op"]], t["comm"][2:]) for t in truth)
+        text = ex.scrape()
+        for (op, comm), n in want.items():
+            got = sample_values(text, "nccl_collective_gpu_duration_seconds_count", op=op, comm=comm)
+            assert sum(got) == n, (op, comm, got)
+        bins_local = dict(bins, plugin=lib)
+        h, _ = _hold(bins_local, 1500)
+        try:
+            text = ex.scrape()
+            assert sample_value(text, "nccl_profiler_plugin_active", pid=str(h.pid)) == 1, [l for l in text.splitlines() if "plugin" in l or "gpu_inflight" in l]
+            assert sample_value(text, "nccl_gpu_inflight_oldest_seconds", op="ALL_REDUCE",
+                                comm="abcdef0123456789", rank="1", state="running") > 0
+            assert sample_value(text, "nccl_gpu_inflight_oldest_seconds", op="ALL_GATHER",
+                                comm="abcdef0123456789", rank="1", state="queued") > 0
+            assert h.wait(30) == 0
+        finally:
+            if h.poll() is None:
+                h.kill()
+                h.wait()
+        text = ex.scrape()
+        assert sample_values(text, "nccl_gpu_inflight_oldest_seconds") == []
+        assert sample_value(text, "nccl_exporter_map_entries", map="gpu_inflight") == 0
