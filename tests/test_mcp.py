@@ -95,6 +95,12 @@ def metrics_url():
     srv.shutdown()
 
 
+def dead_url():
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sk.getsockname()[1]}"
+
+
 def payload(result):
     assert not result.is_error, result.content[0].text
     return json.loads(result.content[0].text)
@@ -116,7 +122,7 @@ async def session_checks(s, cluster, metrics_url, node_url):
     assert out["columns"] == ["node", "n"]
     assert sorted(map(tuple, out["rows"])) == [("gpu-a", 160), ("gpu-all", 320), ("gpu-b", 160),
                                                ("live-b", 160)]
-    assert out["warnings"] == []
+    assert len(out["warnings"]) == 1 and "connection refused" in out["warnings"][0]  # the dead node
     out = payload(await s.call_tool("fleet_query", {"sql": "SELECT 1 AS one", "source": "nodes"}))
     assert out["rows"] == [["live-b", 1]]
     out = payload(await s.call_tool("fleet_query", {"sql": "SELECT seq FROM nccl_events", "max_rows": 5,
@@ -177,7 +183,7 @@ def test_mcp_over_stdio(cluster, metrics_url, tmp_path):
         params = StdioServerParameters(
             command=sys.executable, cwd=str(REPO),
             args=["-m", "exporter", "mcp", "--db", cluster["a"], "--db", cluster["b"], "--db", cluster["whole"],
-                  "--nodes", ep.url, "--token-file", str(token)])
+                  "--nodes", f"{ep.url},{dead_url()}", "--token-file", str(token)])
 
         async def main():
             async with stdio_client(params) as (r, w):
