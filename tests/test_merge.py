@@ -206,3 +206,22 @@ def test_failed_merge_leaves_out_as_it_was(tmp_path, nodes):
     p = cli("merge", "-o", out, nodes[1], clash)  # node1 goes in first, then the clash stops it
     assert p.returncode == 2 and "node0" in p.stderr, p.stderr
     assert out.read_bytes() == before and not (tmp_path / "m.db.partial").exists()
+
+
+def test_no_query_indexes_keeps_the_rows_and_the_skew(tmp_path, nodes):
+    full, lean = tmp_path / "full.db", tmp_path / "lean.db"
+    assert cli("merge", "-o", full, *nodes).returncode == 0
+    assert cli("merge", "-o", lean, "--no-query-indexes", *nodes).returncode == 0
+
+    def indexes(db):
+        conn = sqlite3.connect(db)
+        try:
+            return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")}
+        finally:
+            conn.close()
+
+    assert {"nccl_events_time", "nccl_events_op_duration", "nccl_events_comm_seq"} <= indexes(full)
+    assert "nccl_events_comm_seq" in indexes(lean) and "nccl_events_time" not in indexes(lean)
+    assert counts(full) == counts(lean)
+    skew_rows = "SELECT node, offset_ns FROM clock_skew ORDER BY node"
+    assert sqlite3.connect(full).execute(skew_rows).fetchall() == sqlite3.connect(lean).execute(skew_rows).fetchall()

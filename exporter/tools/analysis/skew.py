@@ -46,7 +46,7 @@ from exporter.records import contract
 # Collectives every rank of a communicator takes part in (not SEND/RECV).
 SYNC_OPS = tuple(op for op in contract.COLLECTIVE_OPS.values() if op not in ("SEND", "RECV"))
 MIN_COLLECTIVES = 3
-MAX_COLLECTIVES = 2000  # per (comm, op): more are sampled by sequence number (every k-th)
+MAX_COLLECTIVES = 500  # per (comm, op): more are sampled by sequence number (every k-th)
 
 
 @dataclass

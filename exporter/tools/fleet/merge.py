@@ -140,7 +140,7 @@ def _mapping(renames, label: str) -> dict:
     return {old: new for f, old, new in renames if f is None or os.path.abspath(f) == os.path.abspath(label)}
 
 
-def merge(out: str, inputs: list[str], renames=(), align: bool = True) -> Report:
+def merge(out: str, inputs: list[str], renames=(), align: bool = True, query_indexes: bool = True) -> Report:
     """Merge `inputs` into `out`. Every input is checked (readable, schema, node identities) before
     anything is written, so a refused merge leaves `out` as it was. A new `out` is built in
     `out`.partial and renamed at the end; an existing one is added to in place, one transaction per
@@ -206,10 +206,14 @@ def merge(out: str, inputs: list[str], renames=(), align: bool = True) -> Report
             rep.inputs += 1
         rep.nodes = conn.execute("SELECT COUNT(DISTINCT node) FROM nodes").fetchone()[0]
         rep.phases["rows"] = time.monotonic() - t0 - sum(rep.phases.values())
+        # The (comm_id_hash, op, seq) index serves the skew estimate and stragglers; the others
+        # serve time-window and slow-call queries (they answer without, by scanning).
         for _, sql in later:
-            conn.execute(sql)
+            if query_indexes or "nccl_events_comm_seq" in sql:
+                conn.execute(sql)
         for sql in DEFERRED_INDEXES:
-            conn.execute(sql)
+            if query_indexes or "nccl_events_comm_seq" in sql:
+                conn.execute(sql)
         rep.phases["indexes"] = time.monotonic() - t0 - sum(rep.phases.values())
         conn.execute("BEGIN")
         conn.execute("DELETE FROM clock_skew")
