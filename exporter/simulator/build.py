@@ -14,8 +14,37 @@ CFLAGS = ["-O2", "-g", "-fPIC", "-shared", "-pthread"]
 
 
 def default_outdir() -> pathlib.Path:
+    """$NCCL_SIM_BUILD, else build/sim in a checkout, else a writable cache dir."""
     env = os.environ.get("NCCL_SIM_BUILD")
-    return pathlib.Path(env) if env else REPO_ROOT / "build" / "sim"
+    if env:
+        return pathlib.Path(env)
+    if (REPO_ROOT / "pyproject.toml").is_file() and _writable(REPO_ROOT / "build" / "sim"):
+        return REPO_ROOT / "build" / "sim"
+    return cache_dir("sim")
+
+
+def _writable(path: pathlib.Path) -> bool:
+    """path exists and is writable, or can be created."""
+    while not path.exists():
+        if path.parent == path:
+            return False
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def cache_dir(name: str) -> pathlib.Path:
+    """Where an installed wheel builds: $XDG_CACHE_HOME or ~/.cache, else
+    /var/cache, else the temporary directory (each + nccl-exporter/NAME)."""
+    candidates = []
+    if os.environ.get("XDG_CACHE_HOME"):
+        candidates.append(pathlib.Path(os.environ["XDG_CACHE_HOME"]))
+    if os.environ.get("HOME"):
+        candidates.append(pathlib.Path(os.environ["HOME"]) / ".cache")
+    candidates += [pathlib.Path("/var/cache"), pathlib.Path(tempfile.gettempdir())]
+    for base in candidates:
+        if _writable(base / "nccl-exporter" / name):
+            return base / "nccl-exporter" / name
+    return pathlib.Path(tempfile.gettempdir()) / "nccl-exporter" / name
 
 
 def build_library(outdir: str | os.PathLike | None = None) -> pathlib.Path:

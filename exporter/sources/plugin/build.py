@@ -39,9 +39,33 @@ def default_outdir() -> pathlib.Path:
     env = os.environ.get("NCCL_EXPORTER_PLUGIN_BUILD")
     if env:
         return pathlib.Path(env)
-    if (REPO_ROOT / "plugin" / "nccl_profiler.c").is_file():
+    if (REPO_ROOT / "plugin" / "nccl_profiler.c").is_file() and _writable(REPO_ROOT / "build" / "plugin"):
         return REPO_ROOT / "build" / "plugin"
-    return pathlib.Path.home() / ".cache" / "nccl-exporter" / "plugin"
+    return cache_dir("plugin")
+
+
+def _writable(path: pathlib.Path) -> bool:
+    """path exists and is writable, or can be created."""
+    while not path.exists():
+        if path.parent == path:
+            return False
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def cache_dir(name: str) -> pathlib.Path:
+    """Where an installed wheel builds: $XDG_CACHE_HOME or ~/.cache, else
+    /var/cache, else the temporary directory (each + nccl-exporter/NAME)."""
+    candidates = []
+    if os.environ.get("XDG_CACHE_HOME"):
+        candidates.append(pathlib.Path(os.environ["XDG_CACHE_HOME"]))
+    if os.environ.get("HOME"):
+        candidates.append(pathlib.Path(os.environ["HOME"]) / ".cache")
+    candidates += [pathlib.Path("/var/cache"), pathlib.Path(tempfile.gettempdir())]
+    for base in candidates:
+        if _writable(base / "nccl-exporter" / name):
+            return base / "nccl-exporter" / name
+    return pathlib.Path(tempfile.gettempdir()) / "nccl-exporter" / name
 
 
 def _sources(src: pathlib.Path) -> list[pathlib.Path]:
