@@ -9,6 +9,7 @@ Also: one version string, in one place (exporter/__init__.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,11 @@ def expected_data_files() -> set[str]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    p = subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "-w", str(out), "--no-deps",
+    # from a clean copy: setuptools' build/ in the checkout may hold stale files
+    src = out / "src"
+    shutil.copytree(REPO, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "__pycache__", "*.egg-info", ".pytest_cache"))
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "-w", str(out), "--no-deps",
                         "-q"], capture_output=True, text=True, timeout=300, cwd=str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     (whl,) = out.glob("nccl_exporter-*.whl")
