@@ -20,6 +20,9 @@ Configurations (R repetitions interleaved in a rotating order, median kept):
   agent   the same plugin, a private copy of it, with uprobes on its three
           per-record hooks running a BPF program like the agent's would
           (copy the 144-byte record, bump a log2 histogram in a hash map)
+  agent-real  the same plugin, another copy, with the real agent program
+          (bpf/plugin.c via PluginSource, after bpf/nccl.c): uprobes on all
+          six hooks, GPU histogram + in-flight map updates
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def main() -> int:
         plugin = build_plugin()
         configs = {"none": "none", "noop": str(noop), "plugin": str(plugin)}
         bpf = None
+        real: list = []
         if not a.no_agent:
             agent_copy = tmp / "libnccl-profiler-exporter-agent.so"
             shutil.copy2(plugin, agent_copy)
@@ -109,6 +113,17 @@ def main() -> int:
                 configs["agent"] = str(agent_copy)
             except Exception as e:  # no root / no BCC: report without that row
                 print(f"agent row skipped: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+            real_copy = tmp / "libnccl-profiler-exporter-real.so"
+            shutil.copy2(plugin, real_copy)
+            try:
+                from exporter.sources.nccl.probes import NcclProbes
+                from exporter.sources.plugin.reader import PluginSource
+                real = [NcclProbes()]
+                real.append(PluginSource())
+                real[1].attach(str(real_copy))
+                configs["agent-real"] = str(real_copy)
+            except Exception as e:
+                print(f"agent-real row skipped: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
         for ch in a.channels:
             results: dict[str, list[float]] = {k: [] for k in configs}
             names = list(configs)
@@ -125,11 +140,15 @@ def main() -> int:
                         extra += f", +{med[k] - med['noop']:.1f} ns over noop, x{med[k] / med['noop']:.2f} noop"
                     extra += ")"
                 spread = f"[{min(results[k]):.1f}..{max(results[k]):.1f}]"
-                print(f"  {k:7s} {med[k]:8.1f} ns  {spread}{extra}")
+                print(f"  {k:10s} {med[k]:8.1f} ns  {spread}{extra}")
         if bpf is not None:
             total = sum(v.value for v in bpf["hist"].values())
             print(f"\nagent BPF program saw {total} records")
             bpf.cleanup()
+        if len(real) == 2:
+            print(f"agent-real GPU histograms counted {sum(x.calls for x in real[1].series())} collectives")
+        for prog in reversed(real):
+            prog.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

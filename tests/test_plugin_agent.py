@@ -144,21 +144,26 @@ def _exposition(families) -> str:
 
 
 def _hold(bins, ms: int):
+    """Start the driver's `pending` scenario; return once it holds (one collective
+    running on its "GPU", one queued) for `ms` before finalizing."""
     env = driver_env()
     env["DRIVER_HOLD_MS"] = str(ms)
     p = subprocess.Popen([str(bins["driver"]), str(bins["plugin"]), "7", "pending"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+                         stderr=subprocess.DEVNULL, env=env, bufsize=0)
+    fd = p.stdout.fileno()
     deadline = time.monotonic() + 30
-    lines = []
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([p.stdout], [], [], 1)
+    out = b""
+    while time.monotonic() < deadline:  # unbuffered: a line is seen when it is written
+        r, _, _ = select.select([fd], [], [], 1)
         if r:
-            line = p.stdout.readline()
-            lines.append(line)
-            if line.startswith("holding"):
-                return p, lines
+            chunk = os.read(fd, 65536)
+            out += chunk
+            if b"holding\n" in out:
+                return p, out.decode().splitlines()
+            if not chunk:
+                break
     p.kill()
-    raise AssertionError(f"the driver did not reach its hold: {lines}")
+    raise AssertionError(f"the driver did not reach its hold: {out[-2000:]!r}")
 
 
 def test_inflight_ages_queued_running_and_abandoned(bins, sources):
@@ -256,7 +261,7 @@ def test_exporter_serves_gpu_metrics(bins, tmp_path):
         h, _ = _hold(bins_local, 1500)
         try:
             text = ex.scrape()
-            assert sample_value(text, "nccl_profiler_plugin_active", pid=str(h.pid)) == 1, [l for l in text.splitlines() if "plugin" in l or "gpu_inflight" in l]
+            assert sample_value(text, "nccl_profiler_plugin_active", pid=str(h.pid)) == 1, text
             assert sample_value(text, "nccl_gpu_inflight_oldest_seconds", op="ALL_REDUCE",
                                 comm="abcdef0123456789", rank="1", state="running") > 0
             assert sample_value(text, "nccl_gpu_inflight_oldest_seconds", op="ALL_GATHER",
