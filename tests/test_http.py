@@ -147,3 +147,17 @@ def test_metrics_gzip_when_asked(served):
     assert names(unzipped) == names(plain.decode())
     assert READY_METRIC in unzipped
     assert len(body) < len(plain)
+
+
+def test_not_ready_while_a_library_failed_to_attach():
+    from types import SimpleNamespace
+
+    from exporter.tools.cli.run import attach_problems
+
+    ok = SimpleNamespace(path="/a/libnccl.so.2", attached={"ncclAllReduce": "ALL_REDUCE"},
+                         failed={}, missing=["ncclGather"])
+    bad = SimpleNamespace(path="/b/libnccl.so.2", attached={"ncclAllReduce": "ALL_REDUCE"},
+                          failed={"ncclBroadcast": "Failed to attach BPF to uprobe"}, missing=[])
+    assert attach_problems([ok]) == []
+    (line,) = attach_problems([ok, bad])
+    assert "1 of 2 NCCL functions in /b/libnccl.so.2" in line and "uprobe" in line

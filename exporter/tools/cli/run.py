@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from exporter import __version__
@@ -68,6 +69,7 @@ def main(args) -> int:
     from prometheus_client import CollectorRegistry
 
     from exporter.sinks.http import HttpServer, notify_systemd
+    from exporter.sinks.recording.schema import StoreError
 
     cfg = load_config(args.config)
     setup_logging(args.log_level or cfg.get("log_level") or "info")
@@ -104,11 +106,16 @@ def main(args) -> int:
             server.shutdown()
             raise
         recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
+        # Writing failed (disk full, read-only, locked): one line; the agent keeps
+        # serving, and every event not recorded counts in nccl_exporter_recording_dropped_total.
+        recorder.on_error = lambda message: logging.getLogger("nccl_exporter").error(
+            "%s; metrics are still served, events not recorded are counted in "
+            "nccl_exporter_recording_dropped_total", message)
         agent.listeners.append(recorder)
         serve_queries(queries, node)  # the node query endpoint, on the recording
     registry.register(NcclCollector(node, agent.reader, agent.processes, tcp=agent.tcp,
                                     sched=agent.sched, spans=spans, lock=agent.lock,
-                                    plugin=agent.plugin))
+                                    plugin=agent.plugin, recorder=recorder))
     shown = "localhost" if host in ("0.0.0.0", "::") else host
     print(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics",
           flush=True)
@@ -127,24 +134,45 @@ def main(args) -> int:
             spans.close()
         server.shutdown()
         if recorder is not None:
-            recorder.close()
+            try:
+                recorder.close()
+            except StoreError:
+                pass  # already logged when it happened
             print(f"nccl-exporter: {recorder.summary()}", flush=True)
     print("nccl-exporter: stopped", flush=True)
     return 0
 
 
+def attach_problems(reports) -> list[str]:
+    """Libraries found at start whose functions did not all attach (one line each)."""
+    out = []
+    for r in reports:
+        if r.failed:
+            first = next(iter(r.failed.values()))
+            out.append(f"{len(r.failed)} of {len(r.failed) + len(r.attached)} NCCL functions in "
+                       f"{r.path} could not be attached ({first})")
+    return out
+
+
 def when_ready(agent, server, node) -> None:
-    """Once the agent counts: /-/ready says 200, one log line, and sd_notify READY=1."""
-    import logging
+    """Once the agent counts: /-/ready says 200, one log line, and sd_notify READY=1.
+    Not ready while a library found at start is not fully attached (logged once)."""
     import threading
 
     from exporter.sinks.http import notify_systemd
 
+    log = logging.getLogger("nccl_exporter")
+
     def wait() -> None:
         agent.ready.wait()
+        problems = attach_problems(list(getattr(agent.probes, "reports", ())))
+        if problems:
+            log.error("not ready: %s; calls there are not counted (capabilities: "
+                      "docs/deploy.md)", "; ".join(problems))
+            notify_systemd("STATUS=not ready: " + "; ".join(problems))
+            return
         server.set_ready()
-        logging.getLogger("nccl_exporter").info(
-            "ready: probes loaded and attached on node %s, counting NCCL calls", node)
+        log.info("ready: probes loaded and attached on node %s, counting NCCL calls", node)
         notify_systemd("READY=1\nSTATUS=counting NCCL calls")
 
     if agent.ready.is_set():
@@ -200,7 +228,9 @@ def start_tracing(args, cfg, agent, node):
         exporter = make_otlp_exporter(protocol, endpoint)
     except ValueError as e:
         raise CliError(str(e)) from None
-    sink = SpanSink(node, exporter, agent.processes)
+    # With --db the kernel sends every call: the sink keeps the slow ones itself.
+    sink = SpanSink(node, exporter, agent.processes,
+                    slow=agent.slow.is_slow if agent.config.record_all else None)
     agent.listeners.append(sink)
     print(f"spans of slow calls -> {endpoint} (OTLP {protocol})", flush=True)
     return sink
