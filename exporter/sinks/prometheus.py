@@ -103,7 +103,7 @@ class NcclCollector:
     """
 
     def __init__(self, node: str, nccl, processes, tcp=None, sched=None, spans=None, lock=None,
-                 plugin=None):
+                 plugin=None, recorder=None):
         self.lock = lock or threading.Lock()  # held while reading: BCC objects are shared
         self.node = node
         self.nccl = nccl
@@ -112,6 +112,7 @@ class NcclCollector:
         self.sched = sched
         self.spans = spans
         self.plugin = plugin  # exporter.sources.plugin.reader.PluginSource, None when not loaded
+        self.recorder = recorder  # run --db's Recorder: its drops, by reason
 
     def collect(self):
         started = time.perf_counter()
@@ -248,6 +249,9 @@ class NcclCollector:
         yield filled(metrics.EXPORTER_BPF_MISSES, misses)
         if self.spans is not None:
             yield filled(metrics.EXPORTER_SPANS, {(node, o): n for o, n in self.spans.counts().items()})
+        if self.recorder is not None:
+            yield filled(metrics.EXPORTER_RECORDING_DROPPED,
+                         {(node, reason): n for reason, n in self.recorder.drops().items()})
 
 
 def _rank_label(rank_of, pid: int) -> str:
