@@ -35,7 +35,9 @@ class ProcessTable:
         who["command"] = process_command(pid)
         with self._lock:
             self._known[pid] = who
-        if self.probes is not None:
+        # A process already gone (a short job's events read after it exited) is
+        # not traced again: its kernel entries were deleted at its exit.
+        if self.probes is not None and os.path.exists(f"{self.proc}/{pid}"):
             try:
                 self.probes.trace_process(pid, who.get("rank"), proc=self.proc)
             except Exception:  # map full: counted by the kernel side; rank stays unknown

@@ -134,8 +134,20 @@ class NcclReader:
         ]
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
-        """Drop communicators of processes that are gone; returns how many."""
-        return forget_dead(self.probes["communicators"], proc)
+        """Drop communicators of processes that are gone; returns how many.
+        Also the traced_processes and proxy_wait entries of processes that are
+        gone: the kernel deletes them at the process's exit, but user space may
+        add a process again after that (it learns a short job's processes from
+        events it reads after they exited)."""
+        n = forget_dead(self.probes["communicators"], proc)
+        for name in ("traced_processes", "proxy_wait"):
+            table = self.probes[name]
+            for k in [k for k in table.keys() if not os.path.exists(f"{proc}/{k.value}")]:
+                try:
+                    del table[k]
+                except KeyError:
+                    pass
+        return n
 
     def inflight(self) -> list[InflightCall]:
         return [
