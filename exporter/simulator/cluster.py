@@ -378,10 +378,13 @@ class Job:
 def start_job(cluster: Cluster, lib, workload: str, iterations: int, rendezvous_dir, truth_dir,
               count: int = 1024, compute_delay_ms: dict[int, int] | None = None, startup_delay_ms=0,
               python: str = sys.executable, ipv6: bool = False, extra_env: dict | None = None,
-              nranks: int | None = None) -> Job:
+              nranks: int | None = None, extra_args: list[str] | None = None,
+              rank_env: dict[int, dict] | None = None) -> Job:
     """Start one rank per host (rank i on host i) and return at once.
 
     startup_delay_ms: an int for every rank, or a dict rank -> ms.
+    extra_args: more arguments for every rank (e.g. ["--sync-every", "0"]);
+    rank_env: rank -> more environment for that rank only.
     """
     nranks = nranks or cluster.nhosts
     rdv = pathlib.Path(rendezvous_dir)
@@ -402,7 +405,7 @@ def start_job(cluster: Cluster, lib, workload: str, iterations: int, rendezvous_
                 "--rank", str(i), "--nranks", str(nranks), "--rendezvous", str(rdv.resolve()),
                 "--workload", workload, "--iterations", str(iterations), "--count", str(count),
                 "--compute-delay-ms", str(compute_delay_ms.get(i, 0)), "--startup-delay-ms", str(sd),
-                "--seed", str(i), "--truth", str(truth.resolve())]
+                "--seed", str(i), "--truth", str(truth.resolve()), *(extra_args or [])]
         env = {"NCCL_SIM_ADDR": h.addr6 if ipv6 else h.addr,
                # What torchrun sets for one process per host.
                "RANK": str(i), "WORLD_SIZE": str(nranks), "LOCAL_RANK": "0", "GROUP_RANK": str(i),
@@ -410,6 +413,8 @@ def start_job(cluster: Cluster, lib, workload: str, iterations: int, rendezvous_
                "PYTHONUNBUFFERED": "1"}
         if extra_env:
             env.update(extra_env)
+        if rank_env and i in rank_env:
+            env.update(rank_env[i])
         o, e = tdir / f"rank{i}.out", tdir / f"rank{i}.err"
         with open(o, "wb") as fo, open(e, "wb") as fe:
             procs.append(cluster.popen(i, argv, env=env, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
@@ -421,9 +426,10 @@ def start_job(cluster: Cluster, lib, workload: str, iterations: int, rendezvous_
 def run_job(cluster: Cluster, lib, workload: str, iterations: int, rendezvous_dir, truth_dir,
             count: int = 1024, compute_delay_ms: dict[int, int] | None = None, startup_delay_ms=0,
             timeout: float = 120, python: str = sys.executable, ipv6: bool = False,
-            extra_env: dict | None = None) -> JobResult:
+            extra_env: dict | None = None, nranks: int | None = None, extra_args: list[str] | None = None,
+            rank_env: dict[int, dict] | None = None) -> JobResult:
     """Run a job to completion (or `timeout`) and collect exit codes, output and truth."""
     job = start_job(cluster, lib, workload, iterations, rendezvous_dir, truth_dir, count=count,
                     compute_delay_ms=compute_delay_ms, startup_delay_ms=startup_delay_ms, python=python,
-                    ipv6=ipv6, extra_env=extra_env)
+                    ipv6=ipv6, extra_env=extra_env, nranks=nranks, extra_args=extra_args, rank_env=rank_env)
     return job.wait(timeout=timeout)

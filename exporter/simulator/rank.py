@@ -42,6 +42,12 @@ class NcclError(RuntimeError):
     pass
 
 
+# Position of the communicator argument of each collective (GPU-like mode syncs on it).
+COMM_ARG = {"ncclAllReduce": 5, "ncclAllReduceConfig": 5, "ncclReduceScatter": 5, "ncclAllGather": 4,
+            "ncclAlltoAll": 4, "ncclBroadcast": 5, "ncclBcast": 4, "ncclReduce": 6, "ncclGather": 5,
+            "ncclScatter": 5, "ncclSend": 4, "ncclRecv": 4}
+
+
 def _f32(x: float) -> float:
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
@@ -166,6 +172,16 @@ class Nccl:
         L.ncclGetErrorString.argtypes = [c_i]
         L.ncclGetErrorString.restype = ctypes.c_char_p
         self.ncalls = 0
+        # GPU-like mode (NCCL_SIM_GPU=1): calls only enqueue; results are there after
+        # simStreamSynchronize (the simulator's cudaStreamSynchronize). With autosync
+        # every collective is followed by one, so the checking workloads stay correct.
+        self.gpu = os.environ.get("NCCL_SIM_GPU", "0") not in ("", "0") and hasattr(L, "simStreamSynchronize")
+        self.autosync = self.gpu
+        self._group_comms: list = []
+        self._group_depth = 0
+        if self.gpu:
+            L.simStreamSynchronize.argtypes = [c_p]
+            L.simStreamSynchronize.restype = c_i
         # An opaque, per-rank "stream" handle (host memory stands in for the GPU).
         self._stream_obj = ctypes.create_string_buffer(64)
         self.stream = c_p(ctypes.addressof(self._stream_obj))
@@ -176,6 +192,30 @@ class Nccl:
         if rc != 0:
             msg = self.lib.ncclGetErrorString(rc).decode()
             raise NcclError(f"{name} -> {rc} ({msg})")
+        if self.autosync:
+            if name == "ncclGroupStart":
+                self._group_depth += 1
+            elif name == "ncclGroupEnd":
+                self._group_depth -= 1
+                if self._group_depth == 0:
+                    comms, self._group_comms = self._group_comms, []
+                    for c in comms:
+                        self.sync(c)
+            elif name in COMM_ARG:
+                comm = args[COMM_ARG[name]]
+                if self._group_depth:
+                    if all(comm is not c for c in self._group_comms):
+                        self._group_comms.append(comm)
+                else:
+                    self.sync(comm)
+
+    def sync(self, comm) -> None:
+        """Wait for the communicator's stream (GPU-like mode; a no-op otherwise)."""
+        if not self.gpu:
+            return
+        rc = self.lib.simStreamSynchronize(comm)
+        if rc != 0:
+            raise NcclError(f"simStreamSynchronize -> {rc} ({self.lib.ncclGetErrorString(rc).decode()})")
 
 
 # --------------------------------------------------------------- rendezvous --
@@ -424,6 +464,58 @@ class Rank:
         self.nccl("ncclCommDestroy", half)
         self.nccl("ncclCommDestroy", world)
 
+    def run_gpu(self):
+        """For the GPU-like mode (NCCL_SIM_GPU=1): a 1-rank communicator (split by
+        rank: NCCL gives no profiler events for it), then --iterations of an
+        AllReduce on the world communicator and, every third iteration, a
+        Send/Recv ring, enqueued WITHOUT waiting; the stream is synchronized and
+        results checked every --sync-every iterations (0: only at the end).
+        --finish abort: ncclCommAbort right after the last enqueue (no sync)."""
+        r, n, cnt = self.rank, self.n, self.a.count
+        L = self.nccl
+        world = self.comm_init("world")
+        solo = c_p()
+        L("ncclCommSplit", world, r, 0, ctypes.byref(solo), None)
+        self.allreduce(solo, 0, 1, FLOAT32, SUM, 0, cnt)
+        L.sync(solo)
+        L("ncclCommDestroy", solo)
+        L.autosync = False
+        pending = []
+
+        def settle():
+            L.sync(world)
+            for what, dt, b, c, want in pending:
+                if what != "keep":  # "keep": a send buffer held until the stream is done with it
+                    self.check(what, dt, self.read(dt, b, c), want)
+            pending.clear()
+
+        for it in range(self.a.iterations):
+            self.delay()
+            vals = [self.values(FLOAT32, SUM, q, it, cnt) for q in range(n)]
+            sb, rb = self.buf(FLOAT32, vals[r]), self.buf(FLOAT32, count=cnt)
+            L("ncclAllReduce", sb, rb, cnt, FLOAT32, SUM, world, L.stream)
+            pending.append((f"ncclAllReduce#{it}", FLOAT32, rb, cnt, reduce_expected(FLOAT32, SUM, vals)))
+            pending.append(("keep", FLOAT32, sb, 0, []))
+            if n > 1 and it % 3 == 2:
+                nxt, prv = (r + 1) % n, (r - 1) % n
+                ssb = self.buf(INT32, [((r * 13 + i + it) % 97) for i in range(cnt)])
+                rrb = self.buf(INT32, count=cnt)
+                L("ncclGroupStart")
+                L("ncclSend", ssb, cnt, INT32, nxt, world, L.stream)
+                L("ncclRecv", rrb, cnt, INT32, prv, world, L.stream)
+                L("ncclGroupEnd")
+                pending.append((f"ncclRecv#{it}", INT32, rrb, cnt, [((prv * 13 + i + it) % 97) for i in range(cnt)]))
+                pending.append(("keep", INT32, ssb, 0, []))
+            if self.a.sync_every > 0 and (it + 1) % self.a.sync_every == 0:
+                settle()
+        if self.a.finish == "abort":
+            if self.a.finish_delay_ms > 0:
+                time.sleep(self.a.finish_delay_ms / 1000.0)
+            L("ncclCommAbort", world)
+            return
+        settle()
+        L("ncclCommDestroy", world)
+
     def run_hang(self):
         world = self.comm_init("world")
         if self.rank == 0:
@@ -456,7 +548,7 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--nranks", type=int, required=True)
     p.add_argument("--rendezvous", required=True, help="directory shared by all ranks (<name>.uid files)")
-    p.add_argument("--workload", choices=["mixed", "allreduce", "hang", "train"], default="allreduce")
+    p.add_argument("--workload", choices=["mixed", "allreduce", "hang", "train", "gpu"], default="allreduce")
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--count", type=int, default=1024, help="elements per collective")
     p.add_argument("--compute-delay-ms", type=float, default=0.0, help="sleep before every collective")
@@ -464,6 +556,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration-s", type=float, default=float(os.environ.get("NCCL_SIM_DURATION_S") or 0),
                    help="train: stop after this long (default $NCCL_SIM_DURATION_S; 0 = only --iterations)")
+    p.add_argument("--sync-every", type=int, default=10,
+                   help="gpu: synchronize the stream and check results every N iterations (0: only at the end)")
+    p.add_argument("--finish", choices=["destroy", "abort"], default="destroy",
+                   help="gpu: end with sync + ncclCommDestroy, or ncclCommAbort with work still pending")
+    p.add_argument("--finish-delay-ms", type=float, default=0.0, help="gpu: sleep before --finish abort")
     p.add_argument("--truth", default=None, help="append ground truth (JSON lines) to this file")
     a = p.parse_args(argv)
     if not (0 <= a.rank < a.nranks):

@@ -53,9 +53,39 @@ def calls(records: Iterable[dict], op: str | None = None, fn: str | None = None)
 
 
 def lifecycle(records: Iterable[dict], op: str | None = None, fn: str | None = None) -> list[dict]:
-    """Everything that is not a collective: init, split, destroy, group, queries."""
-    return [r for r in records if r.get("op") not in COLLECTIVE_OPS
+    """Everything that is not a collective: init, split, destroy, group, queries
+    (not the GPU-like mode's own records: see gpu_kernels / gpu_events)."""
+    return [r for r in records if r.get("op") not in COLLECTIVE_OPS and r.get("op") not in GPU_OPS
             and (op is None or r["op"] == op) and (fn is None or r["fn"] == fn)]
+
+
+# Records only the GPU-like mode (NCCL_SIM_GPU=1) writes.
+GPU_OPS = frozenset({"GPU_KERNEL", "GPU_STALL", "GPU_COMM_READY", "PROFILER_INIT", "PROFILER_FINALIZE"})
+
+
+def gpu_kernels(records: Iterable[dict], op: str | None = None, state: str | None = "done") -> list[dict]:
+    """The GPU-like mode's per-operation truth, one record per collective / p2p op
+    run on a communicator's stream: `coll_op` (ALL_REDUCE, SEND, ...), `seq`
+    (coll: NCCL seqNumber per comm and op; p2p: order per comm, peer and op),
+    `comm_hash` (NCCL's commHash, hex), `enqueue_mono_ns` (host enqueue),
+    `gpu_start_mono_ns` / `gpu_stop_mono_ns` (CLOCK_MONOTONIC; also start/end_mono_ns),
+    `gpu_start_timer` / `gpu_stop_timer` (the simulated GPU timer NCCL hands the
+    plugin), `nchannels`, `late` (KernelCh starts delivered after the kernel
+    ended), `profiled` (a Coll/P2p handle existed), `state` (done, error,
+    purged by abort, skipped after an error). state=None: every state."""
+    return [r for r in records if r.get("op") == "GPU_KERNEL"
+            and (op is None or r.get("coll_op") == op) and (state is None or r.get("state") == state)]
+
+
+def gpu_events(records: Iterable[dict], op: str) -> list[dict]:
+    """The GPU-like mode's other records: GPU_COMM_READY (a communicator and its
+    comm_hash), PROFILER_INIT / PROFILER_FINALIZE (plugin iface, mask, callback
+    counts), GPU_STALL (a stalled stream)."""
+    return [r for r in records if r.get("op") == op]
+
+
+def gpu_duration_ns(rec: dict) -> int:
+    return rec["gpu_stop_mono_ns"] - rec["gpu_start_mono_ns"]
 
 
 def duration_ns(rec: dict) -> int:
