@@ -298,13 +298,17 @@ def test_retransmit_rows_equal_an_independent_observer(rec):
                                    "AND timestamp_ns >= ?", since_mono + offset)
     ours = [r for r in ours if r[0] in pids]
     states = Counter(re.search(r"state=(\S+)", line).group(1) for line in observed)
-    # Target: equal. Seen on this machine: 0 to 3 of ~280 hits (all ESTABLISHED,
-    # after set-up) that bpf/tcp.c did not deliver and did not count as lost
-    # (TCP_EVENTS_LOST 0): an open question for the TCP probes, tolerated here
-    # up to 2 %, never more recorded than observed.
+    # Equal, but for the hits the kernel did not run bpf/tcp.c for: another BPF
+    # program (the scheduler probes, or the NCCL uprobes) was running on that
+    # CPU when a softirq retransmitted (recursion protection). The kernel counts
+    # them per program (recursion_misses), the recording keeps the count in meta
+    # (lost_kernel_skipped_retransmits): every missing row is accounted for.
+    skipped = int(rows(rec["dbs"]["all"], "SELECT value FROM meta "
+                                          "WHERE key = 'lost_kernel_skipped_retransmits'")[0][0])
     assert 0 < len(ours) <= len(observed), f"observed by state: {dict(states)}"
-    assert len(observed) - len(ours) <= max(3, len(observed) // 50), \
-        f"recorded {len(ours)}, tracefs saw {len(observed)} ({dict(states)})"
+    assert len(observed) - len(ours) <= skipped, \
+        f"recorded {len(ours)}, tracefs saw {len(observed)}, kernel skipped {skipped} ({dict(states)})"
+    print(f"retransmits: tracefs {len(observed)}, recorded {len(ours)}, kernel skipped {skipped}")
     assert count["COUNT(*)"] >= sum(1 for r in ours if r[1] == "tcp_retransmit_skb") > 0
     by_link = query(rec["dbs"]["all"], documented_queries()["retransmits-by-link"])
     assert any("198.18.0.6" in (r["local"] + r["remote"]) for r in by_link[:3])
