@@ -275,7 +275,8 @@ def test_cluster_gpu_time_matches_truth(lib, plugin, tmp_path, capsys):
         k = (t["rank"], "p2p" if p2p else "coll", t["coll_fn"], t["seq"], t["peer"] if p2p else -1)
         r = done[k]
         assert int(r["gpu_start_timer"]) == t["gpu_start_timer"] and int(r["gpu_stop_timer"]) == t["gpu_stop_timer"]
-        assert int(r["enqueue_mono_ns"]) - t["enqueue_mono_ns"] < 200_000
+        # the call records its enqueue; NCCL starts Coll/P2p at ncclGroupEnd for grouped ops
+        assert 0 <= int(r["enqueue_mono_ns"]) - t["enqueue_mono_ns"] < 5_000_000
         start_err.append(abs(int(r["gpu_start_mono_ns"]) - t["gpu_start_mono_ns"]) / 1e3)
         stop_err.append(abs(int(r["gpu_stop_mono_ns"]) - t["gpu_stop_mono_ns"]) / 1e3)
         late += t["late"]
@@ -295,6 +296,7 @@ def test_cluster_gpu_time_matches_truth(lib, plugin, tmp_path, capsys):
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
 def test_cluster_stalled_stream_host_keeps_returning(lib, plugin, tmp_path):
     env = {"NCCL_SIM_GPU": "1", "NCCL_SIM_GPU_KERNEL_US": "500", "NCCL_SIM_GPU_STALL_RANK": "1",
+           "NCCL_SIM_GPU_LATE_EVERY": "0",  # the blocked kernel's KernelCh must have been delivered
            "NCCL_SIM_GPU_STALL_AFTER": "5", "NCCL_PROFILER_PLUGIN": str(plugin),
            "NCCL_EXPORTER_PROFILER_LOG": str(tmp_path / "plugin.%p.log")}
     with Cluster(2) as c:

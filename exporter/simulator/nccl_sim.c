@@ -1150,21 +1150,24 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   pthread_mutex_lock(&s->mu);
   int aborted = s->abort;
   pthread_mutex_unlock(&s->mu);
-  if (aborted) {          /* destroy/abort purges pending KernelCh work: no stopEvent */
+  if (res != ncclSuccess && !aborted && c->async_err == ncclSuccess) c->async_err = res;
+  if (aborted || res != ncclSuccess) {
+    /* abort purges pending KernelCh work: no stopEvent.  A kernel whose peers
+     * failed never ends on a GPU either: no stopEvent, the communicator carries
+     * the async error, and its abort/destroy finalizes the plugin. */
     for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) {
       int started = 0;
       for (int ch = 0; ch < ops[i].nch; ch++) if (kh[k + ch]) { started++; __atomic_fetch_add(&g_prof_purged_kch, 1, __ATOMIC_RELAXED); }
       __atomic_fetch_add(&g_prof_purged_ops, 1, __ATOMIC_RELAXED);
-      gpu_truth(c, &ops[i], ts, 0, late, "purged", started);
+      gpu_truth(c, &ops[i], ts, 0, late, aborted ? "purged" : "error", started);
     }
     free(kh);
     return;
   }
-  if (res != ncclSuccess && c->async_err == ncclSuccess) c->async_err = res;
   if (late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, ts);
   for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) {
     kch_stop(&ops[i], kh + k, te);
-    gpu_truth(c, &ops[i], ts, te, late, res == ncclSuccess ? "done" : "error", ops[i].h ? ops[i].nch : 0);
+    gpu_truth(c, &ops[i], ts, te, late, "done", ops[i].h ? ops[i].nch : 0);
   }
   free(kh);
 }
