@@ -326,3 +326,22 @@ def test_cluster_stalled_stream_host_keeps_returning(lib, plugin, tmp_path):
                and r["channels"].startswith("2/0/") for r in ab)
     assert all(int(r["flags"], 16) & F_FINALIZED for r in ab)
     assert {int(r["seq"]) for r in ab if pid_rank[int(r["pid"])] == 1 and r["kind"] == "coll"} == set(range(k, 20))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
+def test_cluster_mixed_workload_correct_in_gpu_mode(lib, plugin, tmp_path):
+    """Every op of the checking workload (splits, Bcast through the PLT, groups,
+    AlltoAll, Gather, ...) is enqueued, run on the stream and checked after a
+    sync (rank.py's autosync); one GPU record and one plugin record per op."""
+    env = {"NCCL_SIM_GPU": "1", "NCCL_PROFILER_PLUGIN": str(plugin),
+           "NCCL_EXPORTER_PROFILER_LOG": str(tmp_path / "plugin.%p.log")}
+    with Cluster(4) as c:
+        res = run_job(c, lib, "mixed", 2, tmp_path / "rdv", tmp_path / "truth", count=64, timeout=60,
+                      extra_env=env)
+    assert res.ok, res.summary()
+    host, gpu = calls(res.truth), gpu_kernels(res.truth, state=None)
+    assert len(host) == len(gpu) > 0 and all(r["state"] == "done" for r in gpu)
+    assert all("seq" in r and "comm_hash" in r for r in host)
+    log = parse_log(tmp_path.glob("plugin.*.log"))
+    ev = collections.Counter(r["event"] for r in log)
+    assert ev["done"] == len(gpu) and ev["init"] == ev["finalize"] == 12 and "abandoned" not in ev

@@ -1518,10 +1518,17 @@ EXPORT ncclResult_t pncclBcast(void *buff, size_t count, ncclDataType_t datatype
                                cudaStream_t stream) {
   ENTER();
   int rk_ = c_rank(comm), nr_ = c_nranks(comm);
+  tl_gpu_seq_valid = 0;
   ncclResult_t res = ncclBroadcast(buff, buff, count, datatype, root, comm, stream);
   LEAVE();
   if (outer_) {
     REC_INIT("ncclBcast", "BROADCAST");
+    char gx_[96];
+    if (tl_gpu_seq_valid) { /* GPU-like mode: the seq the inner ncclBroadcast got */
+      snprintf(gx_, sizeof gx_, ",\"seq\":%llu,\"comm_hash\":\"%016llx\"", (unsigned long long)tl_gpu_seq,
+               (unsigned long long)comm->nccl_hash);
+      rec_.extra = gx_;
+    }
     rec_.comm = (uint64_t)(uintptr_t)comm; rec_.rank = rk_; rec_.nranks = nr_;
     rec_.count = count; rec_.datatype = datatype; rec_.root = root;
     rec_.stream = (uint64_t)(uintptr_t)stream; rec_.result = res;
