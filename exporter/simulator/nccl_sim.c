@@ -1145,7 +1145,11 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   uint64_t min_ns = (uint64_t)env_int("NCCL_SIM_GPU_KERNEL_US", 0) * 1000ull;
   uint64_t spread = (uint64_t)nch * 500 + 1000;
   if (min_ns < spread) min_ns = spread;
-  while (now_ns(CLOCK_MONOTONIC) - ts < min_ns) { }
+  for (;;) {   /* sleep most of it (a spinning "GPU" would starve the host threads of small machines) */
+    uint64_t el = now_ns(CLOCK_MONOTONIC) - ts;
+    if (el >= min_ns) break;
+    if (min_ns - el > 200000) { struct timespec sl = {0, (long)(min_ns - el - 100000)}; nanosleep(&sl, NULL); }
+  }
   uint64_t te = now_ns(CLOCK_MONOTONIC);
   pthread_mutex_lock(&s->mu);
   int aborted = s->abort;
