@@ -75,3 +75,54 @@ def test_a_dlopen_is_reported_with_its_pid_and_the_library_found(loader, tmp_pat
         child.stdin.close()
         child.wait()
         waiter.close()
+
+
+JOB = """
+import ctypes, sys, time
+from ctypes import c_int, c_size_t, c_void_p, byref
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+L = ctypes.CDLL(sys.argv[1])           # libnccl is mapped here ...
+time.sleep(float(sys.argv[2]))         # ... and the first call comes this much later
+uid = UniqueId()
+assert L.ncclGetUniqueId(byref(uid)) == 0
+comm = c_void_p()
+L.ncclCommInitRank.argtypes = [ctypes.POINTER(c_void_p), c_int, UniqueId, c_int]
+assert L.ncclCommInitRank(byref(comm), 1, uid, 0) == 0
+buf = (ctypes.c_float * 16)()
+L.ncclAllReduce.argtypes = [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]
+for _ in range(int(sys.argv[3])):
+    assert L.ncclAllReduce(buf, buf, 16, 7, 0, comm, None) == 0
+L.ncclCommDestroy(comm)
+print("done", flush=True)
+"""
+
+
+def test_a_job_calling_100ms_after_loading_libnccl_is_counted_from_its_first_call(tmp_path):
+    """Default discovery (no --nccl-lib): a library file no process had mapped
+    is attached as a reaction to its mapping, before a first call 100 ms later."""
+    require_root()
+    from conftest import running_exporter, sample_value
+    from exporter.simulator.build import build_library
+
+    calls = 50
+    with running_exporter("--node", "t", "--log-level", "info") as exporter:
+        for attempt in range(3):  # three fresh files: every one counted from its first call
+            lib = tmp_path / f"job{attempt}" / "libnccl.so.2"
+            lib.parent.mkdir()
+            shutil.copy(build_library(), lib)
+            out = subprocess.run([sys.executable, "-c", JOB, str(lib), "0.1", str(calls)],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0 and "done" in out.stdout, out.stderr
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            samples = exporter.samples()
+            got = sample_value(samples, "nccl_lifecycle_duration_seconds_count", op="GET_UNIQUE_ID")
+            if got == 3:
+                break
+            time.sleep(0.2)
+        assert got == 3, exporter.output()
+        total = sum(s.value for s in samples if s.name == "nccl_collective_duration_seconds_count"
+                    and s.labels.get("op") == "ALL_REDUCE")
+        assert total == 3 * calls, exporter.output()
+        assert "falls back" not in exporter.output()

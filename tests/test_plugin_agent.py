@@ -30,7 +30,6 @@ REPO = Path(__file__).resolve().parent.parent
 OPS = {"AllReduce": "ALL_REDUCE", "AllGather": "ALL_GATHER", "ReduceScatter": "REDUCE_SCATTER",
        "Broadcast": "BROADCAST", "Send": "SEND", "Recv": "RECV"}
 NRANKS = {"0x1111222233334444": 4, "0x5555666677778888": 2, "0xabcdef0123456789": 4}
-HOLD_ANCHOR = "    comm_fini(&a);                                   /* destroy purges pending work */\n"
 
 
 def parse_kv(line: str) -> dict[str, str]:
@@ -42,15 +41,10 @@ def bins(tmp_path_factory):
     if shutil.which("gcc") is None:
         pytest.skip("gcc not installed")
     d = tmp_path_factory.mktemp("plugin-agent")
-    # A copy of the driver that can hold the process before the finalize of
-    # its `pending` scenario (DRIVER_HOLD_MS), so in-flight state is observable.
-    src = (REPO / "tests/plugin/driver.c").read_text()
-    assert src.count(HOLD_ANCHOR) == 1, "driver.c's pending scenario changed: update HOLD_ANCHOR"
-    src = src.replace(HOLD_ANCHOR, '    if (getenv("DRIVER_HOLD_MS")) { printf("holding\\n"); fflush(stdout); '
-                                   'usleep(1000 * atoi(getenv("DRIVER_HOLD_MS"))); }\n' + HOLD_ANCHOR)
-    (d / "driver.c").write_text(src)
+    # The driver holds before the finalize of its `pending` scenario when
+    # DRIVER_HOLD_MS is set, so in-flight state is observable.
     subprocess.run(["gcc", "-O2", "-g", "-pthread", "-I", str(REPO / "plugin"), "-o", str(d / "driver"),
-                    str(d / "driver.c"), "-ldl"], check=True)
+                    str(REPO / "tests/plugin/driver.c"), "-ldl"], check=True)
     plugin = d / "libnccl-profiler-agenttest.so"
     shutil.copy2(build_plugin(), plugin)
     return {"driver": d / "driver", "plugin": plugin, "dir": d}

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exporter.records.contract import SERIES_OVERFLOW_COMM
+
 
 def format_comm(h: int) -> str:
-    """Label value of a communicator hash; 'unknown' when the agent never saw it made."""
+    """Label value of a communicator hash; 'unknown' when the agent never saw it
+    made; 'overflow' for the series that count calls once the map is full."""
+    if h == SERIES_OVERFLOW_COMM:
+        return "overflow"
     return f"{h:016x}" if h else "unknown"
 
 

@@ -29,7 +29,13 @@ from exporter.sources import tcp as tcp_source
 from exporter.sources.nccl import probes as nccl_probes
 from exporter.sources.plugin import reader as plugin_reader
 
-COLLECTIVE_BOUNDS_S = [b / 1e9 for b in histogram.UPPER_BOUNDS_NS]
+
+
+def duration_bounds_s() -> list[float]:
+    """Upper bounds of the duration histograms, in seconds, of the layout the
+    agent selected at start (records/histogram.py: coarse or fine)."""
+    return [b / 1e9 for b in histogram.UPPER_BOUNDS_NS]
+
 SRTT_BOUNDS_S = [(1 << i) * 1e-6 for i in range(contract.SRTT_FINITE)]
 
 
@@ -139,8 +145,8 @@ class NcclCollector:
 
     def _collectives(self):
         node = self.node
-        durations = Histograms(metrics.COLLECTIVE_DURATION, COLLECTIVE_BOUNDS_S)
-        lifecycle = Histograms(metrics.LIFECYCLE_DURATION, COLLECTIVE_BOUNDS_S)
+        durations = Histograms(metrics.COLLECTIVE_DURATION, duration_bounds_s())
+        lifecycle = Histograms(metrics.LIFECYCLE_DURATION, duration_bounds_s())
         nbytes: dict[tuple, int] = defaultdict(int)
         for s in self.nccl.series():
             if s.op in contract.COLLECTIVE_OPS.values():
@@ -319,7 +325,7 @@ def gpu_families(node: str, plugin, comms, traced_pids, proc: str = "/proc") -> 
     def comm_of(nccl_hash: int) -> str:
         return labels.get(nccl_hash) or f"{nccl_hash:016x}"
 
-    durations = Histograms(metrics.GPU_DURATION, COLLECTIVE_BOUNDS_S)
+    durations = Histograms(metrics.GPU_DURATION, duration_bounds_s())
     oldest: dict[tuple, float] = {}
     with_plugin: set[int] = set()
     if plugin is not None:

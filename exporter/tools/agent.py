@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from exporter.records import contract, histogram
 from exporter.records.events import format_comm
-from exporter.sources.bpf import ClockOffset
+from exporter.sources.bpf import ClockOffset, RingWaiter
+from exporter.sources.loader import LoaderSource
 from exporter.sources.nccl import libfind
 from exporter.sources.nccl.probes import NcclProbes
 from exporter.sources.nccl.reader import NcclReader
@@ -40,7 +41,7 @@ class AgentConfig:
     nccl_libs: list[str] = field(default_factory=list)  # empty: discover
     record_all: bool = False  # a ring-buffer event for every NCCL call, not only slow ones
     runq_event_min_ns: int = 0  # run-queue waits at least this long become events; 0: none
-    rescan_interval: float = 0.5
+    rescan_interval: float = 0.5  # /proc rescans, only when the loader source cannot load
     prune_interval: float = 2.0  # forget dead processes' map entries this often
     series_ttl: float = contract.DEFAULT_SERIES_TTL  # s an ended communicator's series stay
     series_capacity: int = contract.MAX_SERIES  # series the kernel holds; more: comm="overflow"
@@ -66,6 +67,18 @@ class Agent:
             self.plugin = PluginSource()
         except Exception as e:
             log.warning("GPU time off: the profiler plugin source did not load: %s", str(e).splitlines()[0])
+        # Library discovery as a reaction to mapping (bpf/loader.c); without it
+        # a /proc rescan timer (LibraryWatcher) is the fallback.
+        self.loader = None
+        self._mapped: set[int] = set()  # pids that mapped or exec'd since the last step
+        self._exec: set[int] = set()
+        self._scanner = libfind.ProcessScanner()
+        try:
+            self.loader = LoaderSource()
+            self.loader.on_event(self._loader_event)
+        except Exception as e:
+            log.warning("library discovery falls back to a %.1f s /proc rescan: the loader source did "
+                        "not load: %s", config.rescan_interval, str(e).splitlines()[0])
         self.listeners: list = []  # callables taking a CallEvent, TcpEvent or SchedEvent
         self.slow = None  # exporter.sinks.slow.SlowCallPolicy, set by whoever wants slow-call events
         self._found: queue.Queue = queue.Queue()
@@ -78,6 +91,9 @@ class Agent:
         self.reader.on_event(self._dispatch)
         self.tcp.on_event(self._dispatch_kernel)
         self.sched.on_event(self._dispatch_kernel)
+        self.waiter = RingWaiter()  # one wait over every program's ring buffers
+        for program in self.sources:
+            self.waiter.add(program)
         if config.record_all:
             self.probes.set_record_all(True)
         if config.runq_event_min_ns:
@@ -85,7 +101,7 @@ class Agent:
 
     @property
     def sources(self) -> list:
-        return [self.probes, self.tcp, self.sched] + ([self.plugin] if self.plugin is not None else [])
+        return [p for p in (self.probes, self.tcp, self.sched, self.plugin, self.loader) if p is not None]
 
     # --- libraries ---------------------------------------------------------
 
@@ -96,16 +112,23 @@ class Agent:
                 libraries = libfind.find_libraries(self.config.nccl_libs)
             except libfind.LibraryError as e:
                 raise AgentError(str(e)) from None
+            if self.loader is not None:
+                self.loader.attach_loaders()  # for profiler plugins mapped later
             for lib in libraries:
                 self._attach(lib)
             self._attach_plugins(plugin_reader.plugin_paths(), scan=True)
             self.ready.set()
             return
+        if self.loader is not None:
+            # First the loader probes, then the scan: a library mapped in
+            # between is reported by an event, not lost.
+            self.loader.attach_loaders()
         for lib in libfind.mapped_nccl_libraries():
             self._attach(lib)
         self._attach_plugins(plugin_reader.plugin_paths(), scan=True)
-        self._watcher = libfind.LibraryWatcher(self._found.put, interval=self.config.rescan_interval)
-        self._watcher.start()
+        if self.loader is None:
+            self._watcher = libfind.LibraryWatcher(self._found.put, interval=self.config.rescan_interval)
+            self._watcher.start()
         self.ready.set()
 
     def _attach(self, lib) -> None:
@@ -158,6 +181,31 @@ class Agent:
         for listener in self.listeners:
             listener(event)
 
+    def _loader_event(self, event) -> None:
+        self._mapped.add(event.pid)
+        if event.kind == "EXEC":
+            self._exec.add(event.pid)
+
+    def _attach_mapped(self) -> None:
+        """React to the loader's events: look at the maps of the processes
+        that mapped a library (or exec'd) since the last turn, once each."""
+        pids, self._mapped = self._mapped, set()
+        execs, self._exec = self._exec, set()
+        if execs:
+            for path in self.loader.attach_loaders(execs):  # a container's own ld.so
+                log.info("probing the dynamic loader %s", path)
+        if not self.config.nccl_libs:
+            for lib in self._scanner.scan(pids):
+                self._attach(lib)
+        if self.plugin is not None:
+            try:
+                with self.lock:
+                    found = self.plugin.discover(pids)
+                for path in found:
+                    log.info("attached the profiler plugin's hooks in %s", path)
+            except Exception as e:
+                log.warning("profiler plugin scan: %s", str(e).splitlines()[0])
+
     def _dispatch_kernel(self, event) -> None:
         self.events_seen += 1
         for listener in self.listeners:
@@ -166,10 +214,8 @@ class Agent:
     # --- the loop ----------------------------------------------------------
 
     def poll(self, timeout_ms: int = 100) -> None:
-        """Deliver what the ring buffers hold (waiting up to timeout_ms on the NCCL one)."""
-        self.reader.poll(timeout_ms)
-        self.tcp.poll(0)
-        self.sched.poll(0)
+        """Deliver what every ring buffer holds, waiting up to timeout_ms for the first record."""
+        self.waiter.wait(timeout_ms)
 
     def step(self, timeout_ms: int = 100) -> None:
         """One turn: deliver events, attach newly found libraries, prune when due."""
@@ -183,9 +229,11 @@ class Agent:
             except queue.Empty:
                 break
             self._attach(lib)
+        if self._mapped:
+            self._attach_mapped()
         now = time.monotonic()
-        if self.plugin is not None and now >= self._next_plugin_scan:
-            self._next_plugin_scan = now + 5.0
+        if self.loader is None and self.plugin is not None and now >= self._next_plugin_scan:
+            self._next_plugin_scan = now + 5.0  # no loader events: look again now and then
             self._attach_plugins()
         if now >= self._next_prune:
             self._next_prune = now + self.config.prune_interval
@@ -223,8 +271,11 @@ class Agent:
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
+        self.waiter.close()
         with self.lock:
             # Dependents first: they hold references to the NCCL program's maps.
+            if self.loader is not None:
+                self.loader.close()
             if self.plugin is not None:
                 self.plugin.close()
             self.sched.close()

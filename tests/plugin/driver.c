@@ -375,6 +375,11 @@ int main(int argc, char **argv) {
     pthread_mutex_lock(&qm); gpu_paused = 1; pthread_mutex_unlock(&qm);
     struct work q = {.dur_ns = 50000};
     api_call(&a, 0, 1, 4096, -1, 2, &q);             /* queued, never started */
+    if (getenv("DRIVER_HOLD_MS")) {  /* hold here so an agent can see the work in flight */
+        printf("holding\n");
+        fflush(stdout);
+        usleep(1000 * atoi(getenv("DRIVER_HOLD_MS")));
+    }
     comm_fini(&a);                                   /* destroy purges pending work */
     pthread_mutex_lock(&qm); qdone += qtail - qhead; qhead = qtail; gpu_paused = 0; pthread_mutex_unlock(&qm);
   } else if (!strcmp(scen, "nranks1")) {
