@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from exporter.sources.plugin.build import build_plugin
-from tests.helpers import require_real_nccl
+from conftest import require_real_nccl
 
 REPO = Path(__file__).resolve().parent.parent
 VERSIONS = (4, 5, 6, 7)
