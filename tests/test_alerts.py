@@ -37,6 +37,19 @@ def alert_rules() -> list[dict]:
     return [r for f in RULE_FILES for g in load_yaml(f)["groups"] for r in g["rules"] if "alert" in r]
 
 
+def recording_rules() -> list[dict]:
+    return [r for f in RULE_FILES for g in load_yaml(f)["groups"] for r in g["rules"] if "record" in r]
+
+
+def recorded_names() -> set[str]:
+    return {r["record"] for r in recording_rules()}
+
+
+def names_of_recorded(expr: str) -> set[str]:
+    """The recording-rule names (level:metric:operations) an expression reads."""
+    return set(re.findall(r"\b(nccl:[a-z0-9_]+:[a-z0-9_]+)\b", expr))
+
+
 def github_anchor(heading: str) -> str:
     s = heading.strip().lower()
     s = re.sub(r"[^\w\- ]", "", s)
@@ -105,11 +118,74 @@ def test_alerts_name_rank_node_and_link_where_relevant():
 
 
 def test_alert_expressions_use_contract_names_and_labels():
-    """Every metric and label an alert reads is in exporter/records/metrics.py."""
+    """Every metric and label an alert or recording rule reads is in
+    exporter/records/metrics.py; every recorded series it reads is recorded."""
     read = set()
-    for r in alert_rules():
-        read |= check_promql(r["expr"], r["alert"])
-    assert "nccl_collective_duration_seconds" in read and "nccl_tcp_retransmits" in read
+    recorded = recorded_names()
+    for r in alert_rules() + recording_rules():
+        where = r.get("alert") or r["record"]
+        read |= check_promql(r["expr"], where)
+        missing = names_of_recorded(r["expr"]) - recorded
+        assert not missing, f"{where} reads series no rule records: {missing}"
+    for m in ("nccl_collective_duration_seconds", "nccl_collective_gpu_duration_seconds",
+              "nccl_inflight_oldest_seconds", "nccl_gpu_inflight_oldest_seconds",
+              "nccl_profiler_plugin_active", "nccl_collective_bytes", "nccl_tcp_retransmits"):
+        assert m in read, m
+
+
+def test_gpu_time_where_the_plugin_is_active_else_host_time():
+    """One `or` per series, GPU first, for the collective time, and the alerts
+    that judge durations read it (issue 11: p99, straggler, hang)."""
+    rec = {r["record"]: r["expr"] for r in recording_rules()}
+    for part in ("bucket", "sum", "count"):
+        expr = rec[f"nccl:collective_time_seconds_{part}:rate5m"]
+        gpu, host = expr.index(f"nccl_collective_gpu_duration_seconds_{part}"), \
+            expr.index(f"nccl_collective_duration_seconds_{part}")
+        assert gpu < expr.index("or on (job, node, op, comm, rank, nranks") < host, part
+    for q in ("p50_5m", "p99_5m"):
+        assert "nccl:collective_time_seconds_bucket:rate5m" in rec[f"nccl:collective_duration_seconds:{q}"]
+    alerts = {r["alert"]: r["expr"] for r in alert_rules()}
+    assert "nccl:collective_time_seconds_bucket:rate5m" in alerts["NcclAllReduceP99High"]
+    assert "nccl:collective_duration_seconds:p50_5m" in alerts["NcclStragglerRank"]
+    hung = alerts["NcclCollectiveHung"]
+    assert hung.index('nccl_gpu_inflight_oldest_seconds{state="running"}') < hung.index("or on (") \
+        < hung.index("nccl_inflight_oldest_seconds)")
+    assert 'nccl_gpu_inflight_oldest_seconds{state="queued"}' in alerts["NcclGpuQueueStalled"]
+    assert "nccl_profiler_plugin_active" in alerts["NcclProfilerPluginMissing"]
+    assert "== 0" in alerts["NcclProfilerPluginMissing"]
+
+
+def test_bandwidth_rules_follow_nccl_tests():
+    rec = {r["record"]: r["expr"] for r in recording_rules()}
+    size = rec["nccl:collective_size_bytes:rate5m"]
+    assert "ALL_GATHER|REDUCE_SCATTER|ALL_TO_ALL|GATHER|SCATTER" in size
+    assert "nccl:communicator_ranks:5m" in size
+    assert "nccl:collective_time_seconds_sum:rate5m" in rec["nccl:collective_algbw_bytes_per_second:5m"]
+    busbw = rec["nccl:collective_busbw_bytes_per_second:5m"]
+    assert '{op="ALL_REDUCE"}' in busbw and "2 * (nccl:communicator_ranks:5m - 1)" in busbw
+    assert "(nccl:communicator_ranks:5m - 1) / nccl:communicator_ranks:5m" in busbw
+    assert 'op=~"BROADCAST|REDUCE|SEND|RECV"' in busbw
+    # every op nccl-tests defines a bandwidth for has a factor (one-sided ops
+    # such as PUT_SIGNAL have no nccl-tests definition and no busbw)
+    from exporter.records import contract
+    ops = set()
+    for m in re.findall(r'op=~?"([A-Z_|]+)"', busbw):
+        ops |= set(m.split("|"))
+    assert ops <= set(contract.COLLECTIVE_OPS.values())
+    assert ops == {"ALL_REDUCE", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL", "GATHER", "SCATTER",
+                   "BROADCAST", "REDUCE", "SEND", "RECV"}
+
+
+def test_both_cases_are_unit_tested():
+    """promtool cases where the plugin is active (GPU series) and absent (host
+    series only) for the p99 and hang alerts."""
+    text = "\n".join(f.read_text() for f in TEST_FILES)
+    for alert in ("NcclAllReduceP99High", "NcclCollectiveHung"):
+        fired = [case for f in TEST_FILES for t in load_yaml(f)["tests"]
+                 for case in t.get("alert_rule_test", []) if case["alertname"] == alert and case.get("exp_alerts")]
+        clocks = {a["exp_labels"].get("clock") for c in fired for a in c["exp_alerts"]}
+        assert {"gpu", "host"} <= clocks, (alert, clocks)
+    assert "promql_expr_test" in text and "nccl:collective_busbw_bytes_per_second:5m" in text
 
 
 def test_required_alerts_and_metric_names():
