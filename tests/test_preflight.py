@@ -127,3 +127,72 @@ def test_bpf_probe_for_real():
         pytest.skip("needs root")
     ok, detail = preflight.bpf_map_create_works()
     assert ok, detail
+
+
+# --- the profiler plugin -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def built_plugin(tmp_path_factory):
+    from exporter.sources.plugin import build
+    try:
+        return build.build_plugin(tmp_path_factory.mktemp("plugin"))
+    except RuntimeError as e:
+        pytest.skip(f"cannot build the plugin here: {e}")
+
+
+def test_plugin_built_loads_and_exports_v7_to_v4(built_plugin):
+    by = _by_name(preflight.check_plugin(str(built_plugin)))
+    assert by["plugin build"].ok and by["plugin build"].detail.startswith(str(built_plugin))
+    assert by["plugin load"].ok and by["plugin load"].detail == "dlopen ok"
+    assert by["plugin ifaces"].ok
+    assert by["plugin ifaces"].detail == "v7, v6, v5, v4 (NCCL uses the newest one it knows)"
+    assert not any(c.required for c in by.values()), "GPU time is optional: the agent runs on host time"
+
+
+def test_plugin_missing(tmp_path):
+    checks = preflight.check_plugin(str(tmp_path / "libnccl-profiler-exporter.so"))
+    assert [c.name for c in checks] == ["plugin build", "plugin load", "plugin ifaces"]
+    assert not any(c.ok or c.required for c in checks)
+    assert "missing — GPU time off (host time only)" in checks[0].detail
+    assert "nccl-exporter plugin-path" in checks[0].detail
+
+
+def test_plugin_that_does_not_load(tmp_path):
+    bad = tmp_path / "libnccl-profiler-exporter.so"
+    bad.write_text("not an ELF file\n")
+    by = _by_name(preflight.check_plugin(str(bad)))
+    assert by["plugin build"].ok
+    assert not by["plugin load"].ok and by["plugin load"].detail.startswith("dlopen failed: ")
+    assert not by["plugin ifaces"].ok and "does not load" in by["plugin ifaces"].detail
+
+
+def test_library_without_profiler_interfaces(plain_lib):
+    by = _by_name(preflight.check_plugin(str(plain_lib)))
+    assert by["plugin load"].ok
+    assert not by["plugin ifaces"].ok and "exports none of ncclProfiler_v7" in by["plugin ifaces"].detail
+
+
+def test_plugin_lines_in_the_report(built_plugin, fake_tracefs, fake_modules, tmp_path):
+    status = tmp_path / "status"
+    status.write_text("CapEff:\t000000c000000000\n")
+    out = io.StringIO()
+    rc = preflight.main(out=out, tracefs_roots=[str(fake_tracefs)], modules_root=str(fake_modules),
+                        kernel_release="6.99.0-test", euid=1000, status_path=str(status),
+                        bpf_probe=lambda: (True, "fine"), plugin_path=str(built_plugin))
+    lines = out.getvalue().splitlines()
+    assert f"ok    plugin build    {built_plugin}" in lines
+    assert "ok    plugin load     dlopen ok" in lines
+    assert "ok    plugin ifaces   v7, v6, v5, v4 (NCCL uses the newest one it knows)" in lines
+    # a missing plugin is optional: a warning, never a failure of `check`
+    out = io.StringIO()
+    rc2 = preflight.main(out=out, tracefs_roots=[str(fake_tracefs)], modules_root=str(fake_modules),
+                         kernel_release="6.99.0-test", euid=1000, status_path=str(status),
+                         bpf_probe=lambda: (True, "fine"), plugin_path=str(tmp_path / "absent.so"))
+    text = out.getvalue()
+    assert "warn  plugin build    " in text and "plugin build" in text.splitlines()[-1]
+    assert rc2 == rc
+
+
+def test_default_plugin_path_is_the_build_output():
+    from exporter.sources.plugin import build
+    assert preflight.plugin_library() == str(build.default_outdir() / build.LIB_NAME)

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, TextIO
 
 from exporter.sources.nccl import libfind
 
-__all__ = ["Check", "run_checks", "main", "bpf_map_create_works"]
+__all__ = ["Check", "run_checks", "main", "bpf_map_create_works", "plugin_library", "check_plugin"]
 
 TRACEFS_ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 TRACEPOINTS = ("tcp/tcp_retransmit_skb", "sched/sched_process_exit")
@@ -194,6 +194,77 @@ def check_nccl(nccl_libs: Iterable[str] = (), proc: str = "/proc") -> Check:
     return Check("nccl libraries", True, False, "; ".join(parts) + scan_err)
 
 
+# --- the NCCL profiler plugin (GPU time; docs/plugin.md) ------------------------------
+
+# Interface versions with GPU timers, newest first: NCCL probes them in this order.
+PLUGIN_INTERFACES = ("ncclProfiler_v7", "ncclProfiler_v6", "ncclProfiler_v5", "ncclProfiler_v4")
+_PLUGIN_HINT = "run 'nccl-exporter plugin-path' (builds it; needs gcc)"
+
+
+def plugin_library() -> str:
+    """Where the built plugin is (or would be), without building it."""
+    from exporter.sources.plugin import build
+    return str(build.default_outdir() / build.LIB_NAME)
+
+
+def _dlopen(path: str):
+    """ctypes handle of the library (RTLD_LOCAL: nothing leaks into this
+    process's symbol namespace), or raises OSError with dlerror's text."""
+    return ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOW)
+
+
+def _stale_note(path: str) -> str:
+    """' (older than its sources: ...)' when a source file is newer, else ''."""
+    try:
+        from exporter.sources.plugin import build
+        newest = max(f.stat().st_mtime for f in build._sources(build.source_dir()))
+        if os.stat(path).st_mtime < newest:
+            return f" (older than its sources: {_PLUGIN_HINT} to rebuild)"
+    except Exception:  # no sources (installed elsewhere): nothing to compare
+        pass
+    return ""
+
+
+def check_plugin(path: str | None = None) -> list[Check]:
+    """Three facts, one line each (all optional: without the plugin the agent
+    runs on host time): is the plugin built, does it load (dlopen), which
+    interface versions it exports (dlsym of ncclProfiler_v7 .. v4)."""
+    if path is None:
+        try:
+            path = plugin_library()
+        except Exception as e:  # sources missing in an odd install: report, do not crash
+            return [Check("plugin build", False, False, f"cannot locate the profiler plugin: {e}"),
+                    Check("plugin load", False, False, "not built"),
+                    Check("plugin ifaces", False, False, "not built")]
+    if not os.path.isfile(path):
+        return [Check("plugin build", False, False,
+                      f"{path} missing — GPU time off (host time only); {_PLUGIN_HINT}"),
+                Check("plugin load", False, False, "not built"),
+                Check("plugin ifaces", False, False, "not built")]
+    built = Check("plugin build", True, False, path + _stale_note(path))
+    try:
+        lib = _dlopen(path)
+    except OSError as e:
+        return [built, Check("plugin load", False, False, f"dlopen failed: {e} — rebuild: {_PLUGIN_HINT}"),
+                Check("plugin ifaces", False, False, "unknown: the library does not load")]
+    loaded = Check("plugin load", True, False, "dlopen ok")
+    found = []
+    for name in PLUGIN_INTERFACES:
+        try:
+            ctypes.c_void_p.in_dll(lib, name)
+        except ValueError:  # dlsym: undefined symbol
+            continue
+        found.append(name.rsplit("_", 1)[1])
+    if found:
+        ifaces = Check("plugin ifaces", True, False,
+                       f"{', '.join(found)} (NCCL uses the newest one it knows)")
+    else:
+        ifaces = Check("plugin ifaces", False, False,
+                       f"exports none of {', '.join(PLUGIN_INTERFACES)} — not an NCCL profiler plugin "
+                       f"with GPU timers; {_PLUGIN_HINT}")
+    return [built, loaded, ifaces]
+
+
 def run_checks(
     nccl_libs: Iterable[str] = (),
     *,
@@ -206,6 +277,7 @@ def run_checks(
     proc: str = "/proc",
     bcc_module: str = "bcc",
     bpf_probe: Callable[[], tuple[bool, str]] = bpf_map_create_works,
+    plugin_path: str | None = None,
 ) -> list[Check]:
     tracefs_roots = tuple(tracefs_roots)
     return [
@@ -218,6 +290,7 @@ def run_checks(
         check_kernel_headers(modules_root, kernel_release),
         check_bcc(bcc_module),
         check_nccl(nccl_libs, proc),
+        *check_plugin(plugin_path),
     ]
 
 
