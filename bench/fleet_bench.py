@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/fleet-bench")
     ap.add_argument("--export-events", type=int, default=1_000_000)
     ap.add_argument("--reuse", action="store_true", help="keep the recordings made by a previous run")
-    ap.add_argument("--no-query-indexes", action="store_true", help="merge --no-query-indexes")
+    ap.add_argument("--query-indexes", action="store_true", help="merge --query-indexes")
     a = ap.parse_args()
     from exporter.tools.export import perfetto
     from exporter.tools.fleet import merge
@@ -128,11 +128,11 @@ def main() -> int:
 
     out = d / "merged.db"
     t = time.monotonic()
-    rep = merge.merge(str(out), [str(f) for f in files], query_indexes=not a.no_query_indexes)
+    rep = merge.merge(str(out), [str(f) for f in files], query_indexes=a.query_indexes)
     merge_s = time.monotonic() - t
     ref = shift_of(int(rep.skew[0].reference[4:]))
     worst = max(abs(o.offset_ns - (shift_of(int(o.node[4:])) - ref)) for o in rep.skew)
-    print(f"merge{' --no-query-indexes' if a.no_query_indexes else ''}: {a.nodes} nodes x {a.events} events -> {sum(rep.added.values())} rows in {merge_s:.1f} s "
+    print(f"merge{' --query-indexes' if a.query_indexes else ''}: {a.nodes} nodes x {a.events} events -> {sum(rep.added.values())} rows in {merge_s:.1f} s "
           f"({sum(rep.added.values()) / merge_s:,.0f} rows/s; goal < 60 s); skew: worst error "
           f"{worst / 1e6:.3f} ms; {os.path.getsize(out) / 1e6:.0f} MB; phases "
           + ", ".join(f"{k} {v:.1f} s" for k, v in rep.phases.items()), flush=True)

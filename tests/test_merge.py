@@ -208,10 +208,10 @@ def test_failed_merge_leaves_out_as_it_was(tmp_path, nodes):
     assert out.read_bytes() == before and not (tmp_path / "m.db.partial").exists()
 
 
-def test_no_query_indexes_keeps_the_rows_and_the_skew(tmp_path, nodes):
+def test_query_indexes_are_opt_in_and_change_no_row(tmp_path, nodes):
     full, lean = tmp_path / "full.db", tmp_path / "lean.db"
-    assert cli("merge", "-o", full, *nodes).returncode == 0
-    assert cli("merge", "-o", lean, "--no-query-indexes", *nodes).returncode == 0
+    assert cli("merge", "-o", full, "--query-indexes", *nodes).returncode == 0
+    assert cli("merge", "-o", lean, *nodes).returncode == 0
 
     def indexes(db):
         conn = sqlite3.connect(db)

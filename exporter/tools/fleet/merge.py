@@ -140,7 +140,7 @@ def _mapping(renames, label: str) -> dict:
     return {old: new for f, old, new in renames if f is None or os.path.abspath(f) == os.path.abspath(label)}
 
 
-def merge(out: str, inputs: list[str], renames=(), align: bool = True, query_indexes: bool = True) -> Report:
+def merge(out: str, inputs: list[str], renames=(), align: bool = True, query_indexes: bool = False) -> Report:
     """Merge `inputs` into `out`. Every input is checked (readable, schema, node identities) before
     anything is written, so a refused merge leaves `out` as it was. A new `out` is built in
     `out`.partial and renamed at the end; an existing one is added to in place, one transaction per
