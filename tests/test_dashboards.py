@@ -13,6 +13,7 @@ import pytest
 
 from conftest import check_promql
 from exporter.records import contract, metrics
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD_DIR = REPO / "dashboards" / "grafana"
@@ -21,6 +22,16 @@ DASHBOARDS = sorted(DASHBOARD_DIR.glob("*.json"))
 # Variables every dashboard has; comm/op only where the panels are per call.
 COMMON_VARS = {"datasource", "tempo", "job", "node", "rank"}
 PER_CALL_VARS = {"comm", "op"}
+
+def recorded_names() -> set[str]:
+    """Series the recording rules of alerts/*.yml record (a contract too)."""
+    return {r["record"] for f in sorted((REPO / "alerts").glob("*.yml"))
+            for g in yaml.safe_load(f.read_text())["groups"] for r in g["rules"] if "record" in r}
+
+
+def recorded_read(expr: str) -> set[str]:
+    return set(re.findall(r"\b(nccl:[a-z0-9_]+:[a-z0-9_]+)\b", expr))
+
 
 def load(path: Path) -> dict:
     return json.loads(path.read_text())
@@ -104,7 +115,9 @@ def test_expressions_use_contract_names_and_variables(path):
         for t in p["targets"]:
             expr = t["expr"]
             names = check_promql(expr, p["title"])  # names and labels of exporter/records/metrics.py
-            assert names, f"{p['title']}: reads an nccl_* metric"
+            recorded = recorded_read(expr)
+            assert recorded <= recorded_names(), f"{p['title']}: no rule records {recorded - recorded_names()}"
+            assert names or recorded, f"{p['title']}: reads an nccl_* metric or recording rule"
             assert 'job=~"$job"' in expr, f"{p['title']}: filtered by $job"
             if "[" in expr:
                 assert "$__rate_interval" in expr, f"{p['title']}: uses $__rate_interval"
@@ -123,6 +136,7 @@ def test_required_panels_exist():
     busbw = [p for p in panels(load(DASHBOARD_DIR / "nccl-fleet-overview.json")) if "busbw" in p["title"]][0]
     for formula in ("2(n−1)/n", "(n−1)/n", "× 1"):
         assert formula in busbw["description"]
+    assert "nccl:collective_busbw_bytes_per_second:5m" in " ".join(t["expr"] for t in busbw["targets"])
     assert any(p["type"] == "heatmap" for p in panels(load(DASHBOARD_DIR / "nccl-stragglers.json")))
     assert "quantile by (op, comm) (0.5" in exprs["nccl-stragglers.json"]
     for m in (metrics.TCP_RETRANSMITS, metrics.TCP_RESETS, metrics.TCP_SRTT):
@@ -175,3 +189,21 @@ def test_the_contract_check_can_fail():
             check_promql(bad, "test")
     assert check_promql('sum by (op, le) (rate(nccl_collective_duration_seconds_bucket{job="x"}[5m]))',
                         "test") == {"nccl_collective_duration_seconds"}
+
+
+def test_gpu_time_panels():
+    """Issue 11: GPU vs host time per op and rank, busbw from the recording
+    rules, and the processes without the profiler plugin visible."""
+    fleet = panels(load(DASHBOARD_DIR / "nccl-fleet-overview.json"))
+    by_title = {p["title"]: p for p in fleet}
+    gvh = " ".join(t["expr"] for t in by_title["GPU time vs host time per op and rank"]["targets"])
+    assert metrics.GPU_DURATION + "_bucket" in gvh and metrics.COLLECTIVE_DURATION + "_bucket" in gvh
+    assert '"clock", "gpu"' in gvh and '"clock", "host"' in gvh
+    for t in by_title["GPU time vs host time per op and rank"]["targets"]:
+        assert "sum by (op, comm, rank, le)" in t["expr"] and "{{clock}}" in t["legendFormat"]
+    plugin = by_title["Profiler plugin per traced process"]
+    assert plugin["type"] == "table" and metrics.PROFILER_PLUGIN_ACTIVE in plugin["targets"][0]["expr"]
+    texts = {o["text"] for m in plugin["fieldConfig"]["defaults"]["mappings"] for o in m["options"].values()}
+    assert texts == {"host time only", "GPU time (plugin)"}
+    assert "1 - nccl_profiler_plugin_active" in by_title["Traced processes without the profiler plugin"]["targets"][0]["expr"]
+    assert "not on GPU hardware" in by_title["GPU time vs host time per op and rank"]["description"]
