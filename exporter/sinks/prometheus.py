@@ -270,35 +270,38 @@ def _rank_label(rank_of, pid: int) -> str:
 
 def tcp_families(node: str, tcp, rank_of) -> list:
     """The TCP families of a TcpSource; rank_of(pid) -> rank or None labels each owner.
-    Links of owners with the same rank are summed."""
+    Links of owners with the same rank are summed; an owner that is gone keeps
+    the rank it had, and the retired totals of expired owners are included
+    (TcpSource.labelled, OwnerExpiry): a label set never goes backwards."""
     retrans: dict[tuple, int] = defaultdict(int)
     failures: dict[tuple, int] = defaultdict(int)
     resets: dict[tuple, int] = defaultdict(int)
-    for link in tcp.links():
-        labels = (node, link.saddr, link.daddr, str(link.port), _rank_label(rank_of, link.owner))
+    links, srtt_recs = tcp.labelled(lambda pid: _rank_label(rank_of, pid))
+    for lset, link in links:
+        labels = (node, *lset)
         if link.retransmits:
             retrans[labels] += link.retransmits
         if link.failures:
             failures[labels] += link.failures
         if link.resets_sent:
-            resets[(node, "sent", *labels[1:])] += link.resets_sent
+            resets[(node, "sent", *lset)] += link.resets_sent
         if link.resets_received:
-            resets[(node, "received", *labels[1:])] += link.resets_received
+            resets[(node, "received", *lset)] += link.resets_received
     srtt = Histograms(metrics.TCP_SRTT, SRTT_BOUNDS_S)
-    for s in tcp.srtt():
-        labels = (node, s.saddr, s.daddr, str(s.port), _rank_label(rank_of, s.owner))
-        srtt.add(labels, s.buckets, s.sum_us * 1e-6)
+    for lset, s in srtt_recs:
+        srtt.add((node, *lset), s.buckets, s.sum_us * 1e-6)
     return [filled(metrics.TCP_RETRANSMITS, retrans), filled(metrics.TCP_RETRANSMIT_FAILURES, failures),
             filled(metrics.TCP_RESETS, resets), srtt.family()]
 
 
 def sched_families(node: str, sched, rank_of) -> list:
     """nccl_runqueue_delay_seconds and nccl_offcpu_seconds_total of a SchedSource,
-    labelled {node, rank, thread}; processes with the same rank and kind are summed."""
+    labelled {node, rank, thread}; processes with the same rank and kind are summed
+    (with the retired totals of expired processes: SchedSource.labelled)."""
     runq = Histograms(metrics.RUNQUEUE_DELAY, list(sched_source.RUNQ_BOUNDS))
     offcpu: dict[tuple, float] = defaultdict(float)
-    for s in sched.stats():
-        labels = (node, _rank_label(rank_of, s.pid), s.thread)
+    for lset, s in sched.labelled(lambda pid: _rank_label(rank_of, pid)):
+        labels = (node, *lset)
         runq.add(labels, s.buckets, s.sum_ns / 1e9)
         offcpu[labels] += s.offcpu_ns / 1e9
     return [runq.family(), filled(metrics.OFFCPU, offcpu)]

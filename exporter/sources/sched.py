@@ -9,9 +9,12 @@ threads): without it nothing is traced and this source reports nothing.
 
 from __future__ import annotations
 
+import time
+
 from exporter.records import contract
 from exporter.records.events import SchedEvent, SchedStats
 from exporter.sources.bpf import ClockOffset, Program, forget_dead
+from exporter.sources.tcp import OwnerExpiry, delete_keys
 
 KINDS = contract.THREAD_KINDS
 KIND_CODES = {name: code for code, name in KINDS.items()}
@@ -55,6 +58,7 @@ class SchedSource(Program):
     def __init__(self, clock: ClockOffset | None = None):
         super().__init__("sched")
         self.clock = clock or ClockOffset()
+        self.expiry = OwnerExpiry()
 
     def set_runq_event_min(self, min_wait_ns: int) -> None:
         """Run-queue waits of traced threads at least this long become events; 0: none."""
@@ -81,20 +85,34 @@ class SchedSource(Program):
 
     # --- plain accessors ---------------------------------------------------
 
+    @staticmethod
+    def _stats(k, v) -> SchedStats:
+        return SchedStats(pid=k.tgid, thread=KINDS.get(k.kind, f"kind{k.kind}"), count=v.count,
+                          sum_ns=v.sum_ns, offcpu_ns=v.offcpu_ns, buckets=tuple(v.buckets))
+
     def stats(self) -> list[SchedStats]:
-        out = []
-        for k, v in self["sched_stats"].items():
-            out.append(
-                SchedStats(
-                    pid=k.tgid,
-                    thread=KINDS.get(k.kind, f"kind{k.kind}"),
-                    count=v.count,
-                    sum_ns=v.sum_ns,
-                    offcpu_ns=v.offcpu_ns,
-                    buckets=tuple(v.buckets),
-                )
-            )
+        """Entries of sched_stats (kernel only, no retired totals)."""
+        return [self._stats(k, v) for k, v in self["sched_stats"].items()]
+
+    def labelled(self, rank_label) -> list:
+        """((rank, thread), SchedStats) pairs as the sink exports them: kernel
+        entries (the frozen rank of a process that is gone) and the retired
+        totals of label sets (OwnerExpiry). rank_label(pid) -> str."""
+        out = [((self.expiry.label_of(s.pid, rank_label), s.thread), s) for s in self.stats()]
+        out += [((lset[1], lset[0]), kept["sched_stats"]) for lset, kept in self.expiry.retired.items()]
         return out
+
+    def expire_owners(self, ttl: float, rank_label, now: float | None = None, proc: str = "/proc") -> int:
+        """Apply OwnerExpiry to sched_stats: a gone process's entries leave
+        the map `ttl` after it was found gone, their counts kept in the label
+        set's retired total while another process shares (rank, thread).
+        Returns the entries deleted. For the agent's loop."""
+        now = time.monotonic() if now is None else now
+        entries = []
+        for k, v in self["sched_stats"].items():
+            s = self._stats(k, v)
+            entries.append(("sched_stats", k, s.pid, (s.thread,), s))
+        return delete_keys(self, self.expiry.expire(entries, ttl, now, rank_label, proc))
 
     def by_process(self, pid: int) -> dict[str, SchedStats]:
         """thread kind -> stats of one process."""
@@ -115,5 +133,7 @@ class SchedSource(Program):
         return {k.value for k in self["thread_sched"].keys()}
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
-        """Drop sched_stats of processes that are gone; returns how many entries."""
+        """Drop sched_stats of processes that are gone at once; returns how
+        many entries. Not for the agent (that lowers a shared label set's
+        counters): it uses expire_owners."""
         return forget_dead(self["sched_stats"], proc)

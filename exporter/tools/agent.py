@@ -242,11 +242,23 @@ class Agent:
     def prune(self) -> None:
         """Forget the map entries and Python state of processes that are gone."""
         with self.lock:
+            # Per-owner TCP and sched entries first, while the communicators and
+            # the process table still know a just-ended process's rank (frozen
+            # then). Entries of an ended process leave after the TTL; their
+            # counts stay in a retired total while a living process shares the
+            # label set (OwnerExpiry): no counter goes backwards.
+            comms = self.reader.communicators()
+
+            def rank_label(pid: int) -> str:  # as the Prometheus sink's _rank_label
+                r = self.processes.rank_of(pid, comms) if pid else None
+                return "" if r is None or r == -1 else str(r)
+
+            self.tcp.expire_owners(self.config.series_ttl, rank_label)
+            self.sched.expire_owners(self.config.series_ttl, rank_label)
             self.reader.forget_dead_processes()
             freed = self.reader.expire_series(self.config.series_ttl)
             if freed and self.slow is not None:
                 self.slow.forget(freed)
-            self.sched.forget_dead_processes()
             if self.plugin is not None:
                 self.plugin.forget_dead_processes()
         self.processes.forget_dead()
