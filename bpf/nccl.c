@@ -70,10 +70,33 @@ struct comm_info {
     u64 comm_hash;
     u64 nccl_hash;  // NCCL's commHash; 0: unknown (a split of a parent never seen made)
     u64 splits;     // ncclCommSplit calls made on this comm (child id input)
+    u64 shrinks;    // ncclCommShrink / ncclCommGrow calls made on this comm (child id input)
     s32 rank;
     s32 nranks;
 };
 
+
+// The last ncclCommGetAsyncError result of a communicator (issue 11 §3). The
+// watchdog of PyTorch polls it many times a second: each poll only updates
+// this entry (no event); user space exports the result and the poll count.
+struct async_state {
+    u64 comm_hash;   // the communicator's identity at the last poll (0: unknown)
+    u64 nccl_hash;
+    s32 rank;
+    s32 nranks;
+    s32 result;      // *asyncError of the last successful poll (ncclResult_t)
+    u32 pad;
+    u64 polls;       // successful polls
+    u64 changes;     // times the result changed
+    u64 changed_ns;  // CLOCK_MONOTONIC of the last change (first poll: its time)
+    u64 last_ns;     // CLOCK_MONOTONIC of the last poll
+};
+
+// Inputs of the ids of communicators made by ncclCommShrink / ncclCommGrow
+// (exporter/sources/nccl/hashing.py shrink_comm_id_hash, grow_comm_id_hash).
+#define SHRINK_TAG 0x5348524E4B434F4DULL  // "SHRNKCOM"
+#define GROW_TAG 0x47524F57434F4D4DULL    // "GROWCOMM"
+#define MAX_SHRINK_EXCLUDE 64             // excludeRanksList entries read (more: new rank unknown)
 
 struct event {
     u64 start_ns;    // CLOCK_MONOTONIC
@@ -114,6 +137,8 @@ BPF_QUEUE(series_free, u32, SERIES_CAPACITY);
 BPF_ARRAY(series_threshold, u64, SERIES_SLOTS);
 BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
 BPF_HASH(communicators, struct comm_key, struct comm_info, MAX_COMMS);
+// (process, communicator pointer) -> its async error state (ncclCommGetAsyncError).
+BPF_HASH(async_errors, struct comm_key, struct async_state, MAX_COMMS);
 // Traced processes: those that use NCCL. Value: the process's rank (launcher
 // RANK/SLURM_PROCID/..., else its world communicator rank; -1 unknown),
 // written by user space; a process is added here by its first NCCL call too.
@@ -514,6 +539,109 @@ static __always_inline int enter_no_args(struct pt_regs *ctx, u32 op) {
     return 0;
 }
 
+// ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
+//                ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags)
+// The child's rank is known here: the parent rank minus the excluded ranks
+// below it (NCCL fills the gaps in order). Kept in root/peer until the return.
+static __always_inline int enter_shrink(struct pt_regs *ctx, u32 op) {
+    u32 tid;
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    u64 parent = PT_REGS_PARM1(ctx);
+    u64 list = PT_REGS_PARM2(ctx);
+    s32 excluded = PT_REGS_PARM3(ctx);
+    struct comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent};
+    c->comm = parent;
+    c->out = PT_REGS_PARM4(ctx);
+    c->count = excluded > 0 ? excluded : 0;
+    struct comm_info *info = communicators.lookup(&k);
+    if (info) {
+        c->comm_hash = info->comm_hash;  // the parent's, until the return
+        c->nccl_hash = info->nccl_hash;
+        c->rank = info->rank;
+        c->nranks = info->nranks;
+        c->aux = info->shrinks;  // collective over the parent's survivors: never concurrent
+        info->shrinks++;
+    }
+    s32 below = 0, out = 0, known = excluded >= 0 && excluded <= MAX_SHRINK_EXCLUDE;
+    #pragma unroll
+    for (int i = 0; i < MAX_SHRINK_EXCLUDE; i++) {
+        if (i >= excluded || !known)
+            break;
+        s32 r = 0;
+        if (bpf_probe_read_user(&r, sizeof(r), (void *)(list + 4 * i)) != 0) {
+            known = 0;
+            break;
+        }
+        if (r < c->rank)
+            below++;
+        else if (r == c->rank)
+            out = 1;
+    }
+    c->root = (known && !out && c->rank >= 0) ? c->rank - below : -1;  // the child's rank
+    c->peer = (known && c->nranks > 0) ? c->nranks - excluded : -1;   // the child's size
+    c->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+// ncclCommGrow(ncclComm_t comm, int nRanks, const ncclUniqueId* uniqueId, int rank,
+//              ncclComm_t* newcomm, ncclConfig_t* config)
+// Existing ranks: comm, rank -1 (uniqueId only on the root); new ranks: comm
+// NULL, the id and their rank.
+static __always_inline int enter_grow(struct pt_regs *ctx, u32 op) {
+    u32 tid;
+    struct call *c = begin(op, &tid);
+    if (!c)
+        return 0;
+    u64 parent = PT_REGS_PARM1(ctx);
+    s32 rank = PT_REGS_PARM4(ctx);
+    c->comm = parent;
+    c->out = PT_REGS_PARM5(ctx);
+    c->peer = PT_REGS_PARM2(ctx);  // the child's size, until the return
+    c->root = rank;
+    if (parent) {
+        struct comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent};
+        struct comm_info *info = communicators.lookup(&k);
+        if (info) {
+            c->comm_hash = info->comm_hash;
+            c->nccl_hash = info->nccl_hash;
+            c->rank = info->rank;
+            c->nranks = info->nranks;
+            c->aux = info->shrinks;
+            info->shrinks++;
+            if (rank < 0)
+                c->root = info->rank;  // an existing rank keeps its rank
+        }
+    } else if (PT_REGS_PARM3(ctx)) {
+        hash_unique_id(c, (void *)PT_REGS_PARM3(ctx));
+        c->aux = ~0ULL;  // the id names the child
+    }
+    c->start_ns = bpf_ktime_get_ns();
+    return 0;
+}
+
+// ncclPutSignal(localbuff, count, datatype, peer, peerWin, peerWinOffset,
+//               sigIdx, ctx, flags, comm, stream): comm and stream are the
+// 10th and 11th arguments (stack arguments 4 and 5).
+static __always_inline int enter_put_signal(struct pt_regs *ctx, u32 op) {
+    return collective(ctx, op, PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx), -1, -1,
+                      PT_REGS_PARM4(ctx), stack_arg(ctx, 4), 0, 5);
+}
+
+// ncclSignal(int peer, int sigIdx, int ctx, unsigned int flags, ncclComm_t comm, cudaStream_t stream)
+static __always_inline int enter_signal(struct pt_regs *ctx, u32 op) {
+    return collective(ctx, op, 0, -1, -1, -1, PT_REGS_PARM1(ctx), PT_REGS_PARM5(ctx),
+                      PT_REGS_PARM6(ctx), 0);
+}
+
+// ncclWaitSignal(int nDesc, ncclWaitSignalDesc_t* signalDescs, ncclComm_t comm, cudaStream_t stream)
+// count = nDesc (no datatype: no bytes).
+static __always_inline int enter_wait_signal(struct pt_regs *ctx, u32 op) {
+    return collective(ctx, op, (u32)PT_REGS_PARM1(ctx), -1, -1, -1, -1, PT_REGS_PARM3(ctx),
+                      PT_REGS_PARM4(ctx), 0);
+}
+
 // ---- Return: communicator bookkeeping ---------------------------------------
 
 static __always_inline void remember_comm(u64 comm, u64 hash, u64 nccl_hash,
@@ -525,6 +653,7 @@ static __always_inline void remember_comm(u64 comm, u64 hash, u64 nccl_hash,
                              .rank = rank, .nranks = nranks};
     if (communicators.update(&k, &info) != 0)
         count_up(CNT_COMMS_FULL);
+    async_errors.delete(&k);  // a new communicator at a reused address: no stale state
     bump_generation();
 }
 
@@ -533,6 +662,73 @@ static __always_inline u64 read_user_u64(u64 addr) {
     if (addr)
         bpf_probe_read_user(&v, sizeof(v), (void *)addr);
     return v;
+}
+
+// ncclCommGetAsyncError returned ncclSuccess: keep *asyncError per communicator.
+static __always_inline void async_update(struct call *c) {
+    s32 v = 0;
+    if (!c->out || bpf_probe_read_user(&v, sizeof(v), (void *)c->out) != 0)
+        return;
+    u64 now = bpf_ktime_get_ns();
+    struct comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = c->comm};
+    struct async_state *st = async_errors.lookup(&k);
+    if (!st) {
+        struct async_state fresh = {.comm_hash = c->comm_hash, .nccl_hash = c->nccl_hash,
+                                    .rank = c->rank, .nranks = c->nranks, .result = v,
+                                    .polls = 1, .changed_ns = now, .last_ns = now};
+        if (async_errors.insert(&k, &fresh) != 0) {
+            st = async_errors.lookup(&k);  // another thread of the process polled first
+            if (!st) {
+                count_up(CNT_ASYNC_FULL);
+                return;
+            }
+        } else {
+            return;
+        }
+    }
+    __sync_fetch_and_add(&st->polls, 1);
+    if (st->result != v) {
+        st->result = v;
+        st->changes++;
+        st->changed_ns = now;
+    }
+    st->last_ns = now;
+    st->comm_hash = c->comm_hash;  // learnt since (a split child's rank, ...)
+    st->nccl_hash = c->nccl_hash;
+    st->rank = c->rank;
+    st->nranks = c->nranks;
+}
+
+// ncclCommShrink / ncclCommGrow returned: name the child (equal on every rank).
+static __always_inline void shrink_grow_return(struct call *c, s32 result) {
+    s32 child_rank = c->root, child_nranks = c->peer;
+    c->root = -1;
+    c->peer = -1;
+    if (result != NCCL_SUCCESS && result != NCCL_IN_PROGRESS)
+        return;
+    u64 child = read_user_u64(c->out);
+    if (c->op == OP_COMM_SHRINK) {
+        if (!c->comm_hash)
+            return;
+        // Same as exporter/sources/nccl/hashing.py shrink_comm_id_hash().
+        c->comm_hash = splitmix64(splitmix64(c->comm_hash ^ SHRINK_TAG) ^ (c->aux << 32));
+        // NCCL names a shrink child as a split with count 0 and color 0.
+        c->nccl_hash = c->nccl_hash ? nccl_split_hash(c->nccl_hash, 0, 0) : 0;
+    } else if (c->aux != ~0ULL) {  // grow, an existing rank: from the parent
+        if (!c->comm_hash)
+            return;
+        c->comm_hash = splitmix64(splitmix64(c->comm_hash ^ GROW_TAG) ^ (c->aux << 32));
+        c->nccl_hash = 0;  // NCCL's derivation for grow is not reproduced
+    } else {  // grow, a new rank: the id it was given
+        if (!c->comm_hash)
+            return;
+        c->comm_hash = splitmix64(c->comm_hash ^ GROW_TAG);
+        c->nccl_hash = 0;
+    }
+    c->comm = child;
+    c->rank = child_rank;
+    c->nranks = child_nranks;
+    remember_comm(child, c->comm_hash, c->nccl_hash, child_rank, child_nranks);
 }
 
 static __always_inline void lifecycle_return(struct call *c, s32 result) {
@@ -573,6 +769,8 @@ static __always_inline void lifecycle_return(struct call *c, s32 result) {
     } else if (op == OP_COMM_DESTROY || op == OP_COMM_ABORT) {
         struct comm_key k = {.tgid = tgid, .comm = c->comm};
         communicators.delete(&k);
+        if (op == OP_COMM_DESTROY)  // an aborted one keeps its error until its process exits
+            async_errors.delete(&k);
         bump_generation();
     } else if (op == OP_COMM_COUNT || op == OP_COMM_USER_RANK) {
         if (result != NCCL_SUCCESS)
@@ -592,11 +790,17 @@ static __always_inline void lifecycle_return(struct call *c, s32 result) {
     } else if (op == OP_GET_UNIQUE_ID) {
         if (result == NCCL_SUCCESS)
             hash_unique_id(c, (void *)c->out);
+    } else if (op == OP_COMM_GET_ASYNC_ERROR) {
+        if (result == NCCL_SUCCESS)
+            async_update(c);
+    } else if (op == OP_COMM_SHRINK || op == OP_COMM_GROW) {
+        shrink_grow_return(c, result);
     }
 }
 
 static __always_inline int is_rare_lifecycle(u32 op) {
-    return op >= OP_GET_UNIQUE_ID && op <= OP_COMM_ABORT;
+    return (op >= OP_GET_UNIQUE_ID && op <= OP_COMM_ABORT) ||
+           (op >= OP_COMM_SHRINK && op <= OP_COMM_RESUME);
 }
 
 static __always_inline void emit(struct call *c, u32 kind, u32 tid, u64 end, s32 result) {

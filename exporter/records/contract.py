@@ -65,6 +65,11 @@ COLLECTIVE_OPS = {
     8: "ALL_TO_ALL",
     9: "GATHER",
     10: "SCATTER",
+    # One-sided ops on registered windows (NCCL >= 2.28/2.29: nccl.h "Device API"
+    # host calls): counted and timed per communicator like collectives.
+    11: "PUT_SIGNAL",
+    12: "SIGNAL",
+    13: "WAIT_SIGNAL",
 }
 
 LIFECYCLE_OPS = {
@@ -81,6 +86,19 @@ LIFECYCLE_OPS = {
     26: "GROUP_END",
     27: "COMM_COUNT",
     28: "COMM_USER_RANK",
+    # NCCL 2.28-2.32 additions (issue 11 section 3). COMM_GET_ASYNC_ERROR is
+    # polled (PyTorch's watchdog): its series counts the polls; its result is
+    # kept per communicator in the kernel (async_errors), never sent as an event.
+    29: "COMM_GET_ASYNC_ERROR",
+    30: "COMM_SHRINK",
+    31: "COMM_GROW",
+    32: "COMM_REVOKE",
+    33: "COMM_SUSPEND",
+    34: "COMM_RESUME",
+    35: "COMM_REGISTER",
+    36: "COMM_DEREGISTER",
+    37: "COMM_WINDOW_REGISTER",
+    38: "COMM_WINDOW_DEREGISTER",
 }
 
 OPS = {**COLLECTIVE_OPS, **LIFECYCLE_OPS}
@@ -127,6 +145,20 @@ NCCL_FUNCTIONS = {
     "ncclGroupEnd": ("GROUP_END", "no_args"),
     "ncclCommCount": ("COMM_COUNT", "comm_query"),
     "ncclCommUserRank": ("COMM_USER_RANK", "comm_query"),
+    # (comm, ncclResult_t* asyncError): the same shape as ncclCommUserRank.
+    "ncclCommGetAsyncError": ("COMM_GET_ASYNC_ERROR", "comm_query"),
+    "ncclCommShrink": ("COMM_SHRINK", "shrink"),
+    "ncclCommGrow": ("COMM_GROW", "grow"),
+    "ncclCommRevoke": ("COMM_REVOKE", "comm_only"),     # (comm, int revokeFlags)
+    "ncclCommSuspend": ("COMM_SUSPEND", "comm_only"),   # (comm, int flags)
+    "ncclCommResume": ("COMM_RESUME", "comm_only"),     # (comm)
+    "ncclCommRegister": ("COMM_REGISTER", "comm_only"),  # (comm, buff, size, void** handle)
+    "ncclCommDeregister": ("COMM_DEREGISTER", "comm_only"),  # (comm, handle)
+    "ncclCommWindowRegister": ("COMM_WINDOW_REGISTER", "comm_only"),  # (comm, buff, size, win*, flags)
+    "ncclCommWindowDeregister": ("COMM_WINDOW_DEREGISTER", "comm_only"),  # (comm, win)
+    "ncclPutSignal": ("PUT_SIGNAL", "put_signal"),
+    "ncclSignal": ("SIGNAL", "signal"),
+    "ncclWaitSignal": ("WAIT_SIGNAL", "wait_signal"),
 }
 
 
@@ -140,7 +172,7 @@ MAX_SERIES = 2048      # (op, comm, rank, nranks) series: series_index / series_
 # (one series per op, exported as comm="overflow"; STATS_FULL counts them).
 SERIES_OVERFLOW_COMM = (1 << 64) - 1
 DEFAULT_SERIES_TTL = 300.0  # s: `run --series-ttl`, how long an ended communicator's series stay
-MAX_COMMS = 4096       # live communicators, all processes
+MAX_COMMS = 4096       # live communicators, all processes (also async_errors' size)
 MAX_THREADS = 16384    # threads that have called NCCL (inflight slots)
 MAX_ERRORS = 512       # (op, result) pairs
 MAX_PROCESSES = 4096   # traced processes
@@ -154,7 +186,7 @@ GPU_MAX_SERIES = 2048   # (op, NCCL commHash, rank, nranks) GPU histograms (bpf/
 GPU_MAX_INFLIGHT = 65536  # (pid, record id) collectives queued/running on the GPU (bpf/plugin.c)
 PLUGIN_MAX_PROCS = 4096  # processes that loaded the profiler plugin (bpf/plugin.c)
 
-OP_COUNT = 32  # op codes are < 32; event_config[OP_COUNT] = record every call
+OP_COUNT = 64  # op codes are < 64 (a power of two); event_config[OP_COUNT] = record every call
 
 # Slots of the shared `counters` array (bpf/traced.h), as CNT_<name>.
 COUNTERS = {
@@ -168,6 +200,7 @@ COUNTERS = {
     "TCP_EVENTS_LOST": 7,
     "SCHED_FULL": 8,
     "SCHED_EVENTS_LOST": 9,
+    "ASYNC_FULL": 10,
 }
 COUNTER_SLOTS = 16
 
@@ -181,6 +214,7 @@ MAP_FULL_COUNTERS = (
     ("SOCKETS_FULL", "sock_owner"),
     ("LINKS_FULL", "tcp_links"),
     ("SCHED_FULL", "thread_sched"),
+    ("ASYNC_FULL", "async_errors"),
 )
 # Ring buffer losses by source: (counter, source).
 EVENTS_LOST_COUNTERS = (

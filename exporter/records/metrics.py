@@ -65,6 +65,16 @@ COMMUNICATOR_INFO = _m(
     ("node", "comm", "nccl_comm_hash", "rank", "nranks", "pid", "launcher", "launcher_rank", "world_size"),
     "One per live communicator of a traced process (value 1).")
 
+COMMUNICATOR_ASYNC_ERROR = _m(
+    "nccl_communicator_async_error", "gauge", ("node", "comm", "rank", "result"),
+    "1 for the ncclResult_t that ncclCommGetAsyncError last returned in *asyncError for a "
+    "communicator of a live traced process (ncclSuccess; ncclInProgress, normal for "
+    "non-blocking communicators; anything else is an asynchronous error, e.g. ncclRemoteError).")
+COMMUNICATOR_ASYNC_POLLS = _m(
+    "nccl_communicator_async_error_polls_total", "counter", ("node", "comm", "rank"),
+    "Successful ncclCommGetAsyncError calls per communicator (PyTorch's watchdog polls it), "
+    "counted in the kernel.")
+
 # --- GPU time from the profiler plugin (bpf/plugin.c, docs/plugin.md) -------------------
 
 GPU_DURATION = _m(

@@ -133,6 +133,7 @@ class NcclCollector:
                 *self._errors(),
                 *self._inflight(),
                 *self._communicators(comms),
+                *self._async_errors(alive),
                 *self._tcp(comms),
                 *self._sched(comms),
                 *self._gpu(comms),
@@ -194,6 +195,20 @@ class NcclCollector:
                 1,
             )
         yield f
+
+    def _async_errors(self, alive):
+        """nccl_communicator_async_error{node, comm, rank, result} = 1 for the last
+        result of each communicator's ncclCommGetAsyncError, and its polls."""
+        state: dict[tuple, int] = {}
+        polls: dict[tuple, int] = defaultdict(int)
+        for a in self.nccl.async_errors():
+            if not alive.setdefault(a.pid, os.path.exists(f"/proc/{a.pid}")):
+                continue
+            comm, rank = format_comm(a.comm_hash), label(a.rank)
+            state[(self.node, comm, rank, a.result)] = 1
+            polls[(self.node, comm, rank)] += a.polls
+        yield filled(metrics.COMMUNICATOR_ASYNC_ERROR, state)
+        yield filled(metrics.COMMUNICATOR_ASYNC_POLLS, polls)
 
     # --- the kernel side ---------------------------------------------------------------
 

@@ -93,6 +93,31 @@ def split_comm_id_hash(parent_hash: int, color: int, split_seq: int) -> int:
     return splitmix64(mixed ^ (((split_seq & 0xFFFFFFFF) << 32) | (color & 0xFFFFFFFF)))
 
 
+SHRINK_TAG = 0x5348524E4B434F4D  # "SHRNKCOM" (bpf/nccl.c SHRINK_TAG)
+GROW_TAG = 0x47524F57434F4D4D    # "GROWCOMM" (bpf/nccl.c GROW_TAG)
+
+
+def shrink_comm_id_hash(parent_hash: int, seq: int) -> int:
+    """Our id of the child of the seq-th (from 0) ncclCommShrink/ncclCommGrow on
+    a parent in this process: equal on every surviving rank, as for a split."""
+    return splitmix64(splitmix64(parent_hash ^ SHRINK_TAG) ^ ((seq << 32) & MASK64))
+
+
+def shrink_nccl_comm_hash(parent_nccl_hash: int) -> int:
+    """NCCL's commHash of a shrink child: a split with count 0 and color 0."""
+    return split_nccl_comm_hash(parent_nccl_hash, 0, 0)
+
+
+def grow_comm_id_hash(parent_hash: int, seq: int) -> int:
+    """Our id of a grown communicator on an existing rank (from its parent)."""
+    return splitmix64(splitmix64(parent_hash ^ GROW_TAG) ^ ((seq << 32) & MASK64))
+
+
+def grow_new_rank_comm_id_hash(unique_id: bytes) -> int:
+    """Our id of a grown communicator on a new rank (from the id it joined with)."""
+    return splitmix64(comm_id_hash(unique_id) ^ GROW_TAG)
+
+
 def format_hash(h: int) -> str:
     return f"{h & MASK64:016x}"
 

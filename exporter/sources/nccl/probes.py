@@ -38,6 +38,7 @@ MAP_CAPACITY = {
     "inflight": contract.MAX_THREADS,
     "call_errors": contract.MAX_ERRORS,
     "traced_processes": contract.MAX_PROCESSES,
+    "async_errors": contract.MAX_COMMS,
 }
 
 

@@ -10,11 +10,29 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 from exporter.records import contract
 from exporter.records.events import CallEvent, Communicator, InflightCall, Series
 from exporter.sources.bpf import ClockOffset, forget_dead
 from exporter.sources.nccl.probes import MAP_CAPACITY
+
+
+@dataclass(frozen=True)
+class AsyncState:
+    """A communicator's async error state, as its last ncclCommGetAsyncError saw it."""
+
+    pid: int
+    handle: int       # the ncclComm_t pointer in that process
+    comm_hash: int    # 0: unknown to the agent
+    nccl_hash: int
+    rank: int
+    nranks: int
+    result: str       # ncclResult_t name (ncclInProgress is normal for non-blocking comms)
+    polls: int        # successful polls
+    changes: int      # times the result changed
+    changed_ns: int   # CLOCK_MONOTONIC of the last change
+    last_ns: int      # CLOCK_MONOTONIC of the last poll
 
 
 class NcclReader:
@@ -133,6 +151,15 @@ class NcclReader:
             for k, v in self.probes["communicators"].items()
         ]
 
+    def async_errors(self) -> list[AsyncState]:
+        """The last ncclCommGetAsyncError result of every polled communicator."""
+        return [
+            AsyncState(pid=k.tgid, handle=k.comm, comm_hash=v.comm_hash, nccl_hash=v.nccl_hash,
+                       rank=v.rank, nranks=v.nranks, result=contract.result_name(v.result),
+                       polls=v.polls, changes=v.changes, changed_ns=v.changed_ns, last_ns=v.last_ns)
+            for k, v in self.probes["async_errors"].items()
+        ]
+
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop communicators of processes that are gone; returns how many.
         Also the traced_processes and proxy_wait entries of processes that are
@@ -140,6 +167,7 @@ class NcclReader:
         add a process again after that (it learns a short job's processes from
         events it reads after they exited)."""
         n = forget_dead(self.probes["communicators"], proc)
+        forget_dead(self.probes["async_errors"], proc)
         for name in ("traced_processes", "proxy_wait"):
             table = self.probes[name]
             for k in [k for k in table.keys() if not os.path.exists(f"{proc}/{k.value}")]:
