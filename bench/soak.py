@@ -7,7 +7,10 @@ what the overflow series gained during it) must equal the simulator's own
 truth. Every --every jobs it prints the agent's RSS, the entries of each BPF
 map (nccl_exporter_map_entries), the /metrics size and scrape time, and
 whether the latest job was exact. Goal: flat RSS, bounded map entries and
-scrape size, every job exact.
+scrape size, every job exact. At the end it waits --series-ttl (+ the
+loop's prune) and prints the per-owner maps of ended jobs (tcp_links,
+tcp_srtt, sched_stats; sock_owner): tcp_srtt and sched_stats must be empty
+again (every traced process ended), else exit 1.
 
 As root, under the heavy-test lock:
 
@@ -155,6 +158,22 @@ def main(argv=None) -> int:
                     print("soak: the exporter died", file=sys.stderr)
                     return 1
         print(f"{args.jobs - bad}/{args.jobs} jobs exact")
+        # Every job ended: after the TTL their per-owner entries leave the maps.
+        from exporter.tools.cli.options import parse_duration
+
+        owner_maps = ("tcp_links", "tcp_srtt", "sched_stats", "sock_owner")
+        deadline = time.monotonic() + parse_duration(args.series_ttl) + 15
+        while True:
+            end = Scrape(url)
+            left = {m: end.entries.get(m, 0) for m in owner_maps}
+            if (left["tcp_srtt"] == 0 and left["sched_stats"] == 0) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        print(f"after --series-ttl {args.series_ttl}: " + " ".join(f"{m}={n}" for m, n in left.items())
+              + f"; /metrics {end.bytes / 1e3:.1f} KB, RSS {rss_kb(agent.pid) / 1024:.1f} MB")
+        if left["tcp_srtt"] or left["sched_stats"]:
+            print("soak: entries of ended jobs still in tcp_srtt/sched_stats", file=sys.stderr)
+            return 1
         return 0 if bad == 0 else 1
     finally:
         if agent.poll() is None:

@@ -1,6 +1,7 @@
-"""Many short jobs under one agent (issue 12): series leave the kernel maps
-and /metrics after --series-ttl, a full series map counts calls in the
-overflow series (never uncounted), and every job's counts stay exact.
+"""Many short jobs under one agent (issue 12): series (and the jobs'
+tcp_srtt / sched_stats entries) leave the kernel maps and /metrics after
+--series-ttl, a full series map counts calls in the overflow series (never
+uncounted), and every job's counts stay exact.
 
 A small version of bench/soak.py: ~24 two-rank jobs back to back, each with
 a new communicator, against `run --series-capacity 3 --series-ttl 4s`.
@@ -91,10 +92,12 @@ def test_many_short_jobs_exact_bounded_and_expired(tmp_path):
             # Processes of ended jobs leave traced_processes too (the loop prunes
             # what user space re-added after they exited).
             traced = gauge(families, metrics.EXPORTER_MAP_ENTRIES, map="traced_processes")
-            if not left and entries == 0 and traced == 0:
+            # Per-owner TCP and sched entries of the ended jobs go after the TTL too.
+            owned = {m: gauge(families, metrics.EXPORTER_MAP_ENTRIES, map=m) for m in ("tcp_srtt", "sched_stats")}
+            if not left and entries == 0 and traced == 0 and not any(owned.values()):
                 break
             assert time.monotonic() < deadline, (f"still there after the TTL: {left}, {entries} series, "
-                                                 f"{traced} traced processes")
+                                                 f"{traced} traced processes, {owned}")
             time.sleep(0.5)
         assert not left & seen_comms
 

@@ -16,6 +16,7 @@ processes in a netns cluster, the agent's rule applied with a short TTL
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -30,9 +31,10 @@ from exporter.simulator.cluster import Cluster
 from exporter.sinks.prometheus import sched_families, tcp_families
 from exporter.sources.nccl.probes import NcclProbes
 from exporter.sources.sched import SchedSource
-from exporter.sources.tcp import TcpSource
+from exporter.records.events import TcpLink
+from exporter.sources.tcp import OwnerExpiry, TcpSource
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
 
 TTL = 5.0
 BASE_PORT = 5101  # outside the ephemeral range: the link's port label
@@ -177,6 +179,7 @@ def assert_not_lower(before: dict, after: dict, where: str) -> None:
     assert not lower, f"{where}: series went down or vanished: {lower}"
 
 
+@needs_root
 def test_ended_owners_expire_after_ttl_and_stay_bounded(probes, tcp, sched):
     ranks = Ranks()
     per_job, left = [], []
@@ -212,6 +215,7 @@ def test_ended_owners_expire_after_ttl_and_stay_bounded(probes, tcp, sched):
     assert not tcp.expiry.retired and not tcp.expiry.gone
 
 
+@needs_root
 def test_label_set_shared_with_a_living_owner_never_decreases(probes, tcp, sched):
     ranks = Ranks()
     port = BASE_PORT + 10
@@ -255,3 +259,59 @@ def test_label_set_shared_with_a_living_owner_never_decreases(probes, tcp, sched
     assert sched_values(sched, ranks, "1") == {}
     assert owned(tcp, {living.pid, ended.pid, c0.pid, c1.pid}) == []
     assert not tcp.expiry.retired and not sched.expiry.retired
+
+
+def test_owner_expiry_rule_without_bpf(tmp_path):
+    """OwnerExpiry alone, on a fake /proc: owner 0 expires when idle for the TTL, an expired
+    owner of a living set is folded into the retired total, a set whose
+    owners are all gone for the TTL vanishes whole, and an entry that comes
+    back for a forgotten owner starts a new series."""
+    proc = tmp_path
+    for pid in (10, 11):
+        (proc / str(pid)).mkdir()
+
+    def link(owner, n):
+        return TcpLink(family=2, saddr="a", daddr="b", port=1, owner=owner, retransmits=n, failures=0,
+                       resets_sent=0, resets_received=0)
+
+    class Key(ctypes.Structure):  # as BCC's map keys: ctypes, bytes() of it
+        _fields_ = [("value", ctypes.c_uint32)]
+
+    e = OwnerExpiry()
+    ranks = {10: "1", 11: "1", 12: "2"}.get
+    kernel = {10: link(10, 5), 11: link(11, 3), 12: link(12, 7), 0: link(0, 1)}
+
+    def step(now):
+        entries = [("tcp_links", Key(o), o, ("a", "b", "1"), r) for o, r in kernel.items()]
+        for _name, k in e.expire(entries, 10.0, now, lambda pid: ranks(pid) or "", proc=str(proc)):
+            del kernel[k.value]
+        out = {}
+        for o, r in kernel.items():
+            lset = ("a", "b", "1", e.label_of(o, lambda pid: ranks(pid) or ""))
+            out[lset] = out.get(lset, 0) + r.retransmits
+        for lset, kept in e.retired.items():
+            out[lset] = out.get(lset, 0) + kept["tcp_links"].retransmits
+        return {k[3]: v for k, v in out.items()}
+
+    assert step(0) == {"1": 8, "2": 7, "": 1}           # 12 found gone: rank "2" frozen
+    (proc / "11").rmdir()
+    assert step(1) == {"1": 8, "2": 7, "": 1}          # 11 found gone, its rank frozen
+    ranks = {10: "1"}.get                              # then the process table forgets 11 and 12
+    kernel[0] = link(0, 2)                             # untraced traffic counts again
+    assert step(10.5) == {"1": 8, "": 2}               # 12 expired, nobody shares rank 2: gone whole
+    assert 12 not in kernel and 12 not in e.gone
+    assert step(11.5) == {"1": 8, "": 2} and 11 not in kernel   # 11 folded: 10 still lives
+    kernel[11] = link(11, 2)                           # an orphaned socket of 11 counts again
+    assert step(12) == {"1": 8, "": 4}                 # forgotten owner: its rank is now ""
+    (proc / "10").rmdir()
+    assert step(13) == {"1": 8, "": 4}
+    # Rank 1's last owner gone for the TTL: the set goes whole, retired total
+    # included; 11's late entry is folded into the "" set, which owner 0 keeps
+    # alive (it counted at 14: not idle for the TTL yet).
+    kernel[0] = link(0, 4)
+    assert step(14) == {"1": 8, "": 6}
+    assert step(23.5) == {"": 6} and set(kernel) == {0}
+    assert list(e.retired) == [("a", "b", "1", "")] and not e.gone
+    # Owner 0 idle for the TTL: the "" set goes whole too.
+    assert step(24.5) == {}
+    assert not kernel and not e.retired and not e.idle

@@ -71,8 +71,10 @@ class OwnerExpiry:
     * An owner is *gone* from the first prune that finds its /proc entry
       missing; its rank label is frozen then (later the process table no
       longer knows it, and its entries would otherwise move to rank "").
-    * An entry *expires* `ttl` seconds after its owner was found gone
-      (owner 0, unattributed, never does).
+    * An entry *expires* `ttl` seconds after its owner was found gone. An
+      entry of owner 0 (unattributed: untraced sockets) has no process to
+      outlive: it expires when it has counted nothing for `ttl` (as a
+      comm="unknown" series does).
     * A label set *lives* while at least one of its entries has not expired.
       Expired entries of a living set are folded into the set's retired total
       here (one record per label set, not per owner) and deleted from the
@@ -88,6 +90,7 @@ class OwnerExpiry:
     def __init__(self):
         self.gone: dict[int, tuple[float, str]] = {}  # owner -> (found gone, frozen rank label)
         self.retired: dict[tuple, dict[str, object]] = {}  # label set -> {map name: summed record}
+        self.idle: dict[tuple, tuple[object, float]] = {}  # owner 0's (map, key bytes) -> (record, since)
 
     def label_of(self, owner: int, rank_label) -> str:
         g = self.gone.get(owner)
@@ -96,15 +99,29 @@ class OwnerExpiry:
     def expire(self, entries, ttl: float, now: float, rank_label, proc: str = "/proc"):
         """entries: (map name, key, owner, labels without rank, record) of every
         kernel entry. Returns the (map name, key) pairs to delete."""
+        ranks: dict[int, str] = {}
+
+        def rank_label_once(owner: int) -> str:  # one rank_of per owner and prune
+            if owner not in ranks:
+                ranks[owner] = rank_label(owner)
+            return ranks[owner]
+
         owners = {e[2] for e in entries if e[2]}
         for o in owners:
             if o not in self.gone and not os.path.exists(f"{proc}/{o}"):
-                self.gone[o] = (now, rank_label(o))
+                self.gone[o] = (now, rank_label_once(o))
         groups: dict[tuple, list] = {}
+        idle: dict[tuple, tuple[object, float]] = {}
         for name, key, owner, labels, rec in entries:
-            lset = (*labels, self.label_of(owner, rank_label))
-            g = self.gone.get(owner)
-            expired = g is not None and now - g[0] >= ttl
+            lset = (*labels, self.label_of(owner, rank_label_once))
+            if owner == 0:
+                ident = (name, bytes(key))
+                prev = self.idle.get(ident)
+                idle[ident] = (rec, prev[1] if prev is not None and prev[0] == rec else now)
+                expired = now - idle[ident][1] >= ttl
+            else:
+                g = self.gone.get(owner)
+                expired = g is not None and now - g[0] >= ttl
             groups.setdefault(lset, []).append((name, key, expired, rec))
         delete = []
         for lset, items in groups.items():
@@ -123,6 +140,8 @@ class OwnerExpiry:
         deleted = {id(k) for _n, k in delete}  # map keys are ctypes structs: not hashable
         left = {e[2] for e in entries if id(e[1]) not in deleted}
         self.gone = {o: g for o, g in self.gone.items() if o in left}
+        gone_keys = {(n, bytes(k)) for n, k in delete}
+        self.idle = {i: v for i, v in idle.items() if i not in gone_keys}
         return delete
 
 
