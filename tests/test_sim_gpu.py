@@ -312,7 +312,9 @@ def test_cluster_stalled_stream_host_keeps_returning(lib, plugin, tmp_path):
     assert [pid_rank[r["pid"]] for r in stall] == [1]
     # the stalled rank's host calls all returned in microseconds, long after its GPU stopped
     h1 = [r for r in host if r["rank"] == 1]
-    assert len(h1) == 20 and max(r["end_mono_ns"] - r["start_mono_ns"] for r in h1) < 5_000_000
+    durations = sorted(r["end_mono_ns"] - r["start_mono_ns"] for r in h1)
+    assert len(h1) == 20 and durations[len(durations) // 2] < 1_000_000  # median: enqueue only
+    assert durations[-1] < 50_000_000  # none waited for the (stalled) GPU; preemption aside
     done1 = [r for r in log if r["event"] == "done" and pid_rank[int(r["pid"])] == 1 and r["kind"] == "coll"]
     # 5 kernels ran on its stream: AllReduce seq 0..3 and the Send/Recv batch of iteration 2
     k = len(done1)

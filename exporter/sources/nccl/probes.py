@@ -76,6 +76,13 @@ class NcclProbes(Program):
             free.push(free.Leaf(slot))
         me = self["agent_tgid"]
         me[me.Key(0)] = me.Leaf(os.getpid())
+        # Load (verify) every uprobe program now instead of at the first attach:
+        # a library mapped later is attached in the time its perf events take.
+        from bcc import BPF
+
+        for fn in sorted({entry_stub(op, layout) for op, layout in contract.NCCL_FUNCTIONS.values()}):
+            self.bpf.load_func(fn, BPF.KPROBE)
+        self.bpf.load_func("on_return", BPF.KPROBE)
 
     def attach(self, path: str) -> AttachReport | None:
         """Probe every public NCCL function of `path`; None if already done."""
