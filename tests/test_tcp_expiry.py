@@ -32,7 +32,8 @@ from exporter.sinks.prometheus import sched_families, tcp_families
 from exporter.sources.nccl.probes import NcclProbes
 from exporter.sources.sched import SchedSource
 from exporter.records.events import TcpLink
-from exporter.sources.tcp import OwnerExpiry, TcpSource
+from exporter.sources.expiry import OwnerExpiry
+from exporter.sources.tcp import TcpSource
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
 

@@ -14,7 +14,7 @@ import time
 from exporter.records import contract
 from exporter.records.events import SchedEvent, SchedStats
 from exporter.sources.bpf import ClockOffset, Program, forget_dead
-from exporter.sources.tcp import OwnerExpiry, delete_keys
+from exporter.sources.expiry import OwnerExpiry, delete_keys
 
 KINDS = contract.THREAD_KINDS
 KIND_CODES = {name: code for code, name in KINDS.items()}
