@@ -44,7 +44,9 @@ from dataclasses import dataclass
 from exporter.records import contract
 
 # Collectives every rank of a communicator takes part in (not SEND/RECV).
-SYNC_OPS = tuple(op for op in contract.COLLECTIVE_OPS.values() if op not in ("SEND", "RECV"))
+# Synchronous collectives only: not point-to-point, not one-sided (put/signal/wait).
+SYNC_OPS = tuple(op for op in contract.COLLECTIVE_OPS.values()
+                 if op not in ("SEND", "RECV", "PUT_SIGNAL", "SIGNAL", "WAIT_SIGNAL"))
 MIN_COLLECTIVES = 3
 MAX_COLLECTIVES = 500  # per (comm, op): more are sampled by sequence number (every k-th)
 
