@@ -335,3 +335,25 @@ def test_bad_input_is_one_line(tmp_path):
         (tmp_path / "junk.db").write_text("not sqlite")
         p = _cli(cmd, tmp_path / "junk.db")
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+
+
+@needs_root
+def test_explain_asks_live_agents_and_gives_the_recordings_verdict(sleeping, tmp_path):
+    """explain --nodes: each node's window fetched from its real query endpoint,
+    merged with clocks aligned, and explained: the same verdict as offline."""
+    from exporter.tools.fleet.endpoint import QueryEndpoint
+
+    parts = split_by_rank(sleeping, tmp_path / "nodes", {r: 0 for r in range(NRANKS)})
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    eps = [QueryEndpoint(str(p), p.stem, "s3cret").start() for p in parts]
+    try:
+        p = _cli("explain", "--nodes", ",".join(e.url for e in eps), "--token-file", token,
+                 "--since", "1h", "--format", "json")
+    finally:
+        for e in eps:
+            e.close()
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["verdict"].startswith(f"straggler: rank {SLEEPER} on node{SLEEPER} arrives late"), out
+    assert f"{NRANKS} of {NRANKS} nodes" in p.stderr

@@ -42,6 +42,7 @@ class AgentConfig:
     record_all: bool = False  # a ring-buffer event for every NCCL call, not only slow ones
     runq_event_min_ns: int = 0  # run-queue waits at least this long become events; 0: none
     rescan_interval: float = 0.5  # /proc rescans, only when the loader source cannot load
+    clock_interval: float = 60.0  # re-sample CLOCK_REALTIME - CLOCK_MONOTONIC this often
     prune_interval: float = 2.0  # forget dead processes' map entries this often
     series_ttl: float = contract.DEFAULT_SERIES_TTL  # s an ended communicator's series stay
     series_capacity: int = contract.MAX_SERIES  # series the kernel holds; more: comm="overflow"
@@ -87,6 +88,7 @@ class Agent:
         self.ready = threading.Event()
         self._watcher = None
         self._next_prune = 0.0
+        self._next_clock = time.monotonic() + config.clock_interval
         self.events_seen = 0
         self.reader.on_event(self._dispatch)
         self.tcp.on_event(self._dispatch_kernel)
@@ -232,6 +234,12 @@ class Agent:
         if self._mapped:
             self._attach_mapped()
         now = time.monotonic()
+        if now >= self._next_clock:
+            # Wall-clock time of the kernel's monotonic stamps: sampled again
+            # now and then, so an NTP step moves later timestamps with it
+            # (recordings store each sample in clock_samples).
+            self._next_clock = now + self.config.clock_interval
+            self.clock.refresh()
         if self.loader is None and self.plugin is not None and now >= self._next_plugin_scan:
             self._next_plugin_scan = now + 5.0  # no loader events: look again now and then
             self._attach_plugins()
