@@ -904,10 +904,11 @@ static __always_inline s32 account(struct call *c, u64 duration) {
     u32 b = bucket_of(duration);
     if (b >= HIST_SLOTS)
         b = HIST_SLOTS - 1;
-    // The running count is this rank's sequence number for (comm, op): every
-    // rank of a communicator makes the same sequence of collectives on it.
-    __sync_fetch_and_add(&s->calls, 1);
-    c->seq = s->calls;  // (two threads on one series at once may share a number)
+    // The count before this call is this rank's sequence number for (comm, op),
+    // from 0 like NCCL's seqNumber: every rank of a communicator makes the same
+    // sequence of collectives on it. The fetch-and-add returns it, so two
+    // threads on one series never share a number.
+    c->seq = __sync_fetch_and_add(&s->calls, 1);
     __sync_fetch_and_add(&s->bytes, c->count * datatype_size(c->datatype));
     __sync_fetch_and_add(&s->sum_ns, duration);
     __sync_fetch_and_add(&s->buckets[b], 1);

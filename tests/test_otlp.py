@@ -126,8 +126,12 @@ def test_grpc_spans_match_ground_truth(simlib, tmp_path):
     seen = {id(best) for _, _, _, best in matched}
     assert len(seen) == len(matched), "two spans for one call"
     assert all(id(r) in seen for r in slow)
-    for _, span, _, best in matched:
-        assert best["end_mono_ns"] - best["start_mono_ns"] >= THRESHOLD_NS - SLACK_NS
+    for _, span, _, best in matched:  # slow by the probes' own clock (entry to return)
+        assert span.end_time_unix_nano - span.start_time_unix_nano >= THRESHOLD_NS
+    # ... and by the library's, but for the odd call preempted between the
+    # uprobe and the library's own clock read on a loaded 2-core machine.
+    near = [b for *_, b in matched if b["end_mono_ns"] - b["start_mono_ns"] >= THRESHOLD_NS - SLACK_NS]
+    assert len(near) >= 0.9 * len(matched), (len(near), len(matched))
 
     # Timestamps: the kernel's monotonic clock converted to wall clock. The
     # probe fires at the call's first instruction, the library reads its clock

@@ -130,7 +130,7 @@ def rec(tmp_path_factory):
     lib = build_library()
     dbs = {name: tmp / f"{name}.db" for name in ("lossy", "clean", "all", "tiny", "killed")}
     with Cluster(8) as cluster, Observer() as observer:
-        cluster.set_loss(LOSSY, 3)
+        cluster.set_loss(LOSSY, 5)  # 3 % left a run with a single retransmit in the slow calls' windows
         procs = {
             "lossy": start_recorder(dbs["lossy"], lib, "--netns", str(NETNS_DIR / cluster.hosts[LOSSY].netns)),
             "clean": start_recorder(dbs["clean"], lib, "--netns",
@@ -378,7 +378,7 @@ def test_straggler_queries_name_the_slow_rank(rec):
             truth_starts.setdefault(r["pid"], []).append(r)
     by_seq = {}
     for pid, recs in truth_starts.items():
-        for seq, r in enumerate(sorted(recs, key=lambda r: r["start_mono_ns"]), 1):
+        for seq, r in enumerate(sorted(recs, key=lambda r: r["start_mono_ns"])):  # from 0
             by_seq.setdefault(seq, []).append((r["start_real_ns"], r["rank"]))
     checked = 0
     for row in top:

@@ -246,7 +246,7 @@ class SpanSink:
         start = e.start_real_ns
         end = start + e.duration_ns
         tracer = self._provider(e.pid).get_tracer("nccl-exporter", __version__)
-        if e.comm_hash and e.seq:
+        if e.comm_hash:  # seq counts from 0, like NCCL's seqNumber
             self.ids.local.trace_id = trace_id_for(e.comm_hash, e.op, e.seq)
         attributes = render.span_attributes(e)
         span = tracer.start_span(f"nccl.{e.op}", kind=SpanKind.INTERNAL, start_time=start,
