@@ -228,9 +228,7 @@ def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
     lib = build_library()
     db = tmp_path / "sched.db"
     cpu_of = {0: 0, 1: 1, 2: 0, 3: 0}
-    # Every wait is an event here: a queue that cannot overflow, since this test
-    # is about exactness (the writer's rate is bench/store_bench.py's business).
-    recorder = start_recorder(db, lib, "--runq-wait-min", "0", env={"NCCL_EXPORTER_STORE_QUEUE": "2000000"})
+    recorder = start_recorder(db, lib, "--runq-wait-min", "0")
     hog = None
     try:
         wait_started([recorder])

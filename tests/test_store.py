@@ -195,3 +195,20 @@ def test_query_rejects_missing_and_foreign_files(tmp_path):
     p = cli("query", str(junk), "SELECT 1")
     assert p.returncode == 2 and "not an nccl-exporter recording" in p.stderr
     assert p.stderr.count("\n") == 1
+
+
+def test_a_full_batch_is_followed_by_the_next_without_a_pause(tmp_path):
+    """The writer pauses (batch_seconds) only when the queue ran dry: with ten
+    batches queued and a one-minute pause, all ten are written at once."""
+    rows = 100
+    rec = writer.Recorder(str(tmp_path / "r.db"), node="n", batch_rows=rows, batch_seconds=60,
+                          identify_processes=False)
+    try:
+        for i in range(10 * rows):
+            rec(ev(i))
+        deadline = time.monotonic() + 20
+        while rec.total_recorded < 10 * rows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rec.total_recorded == 10 * rows, rec.total_recorded
+    finally:
+        rec.close()

@@ -224,6 +224,7 @@ class Recorder:
             while True:
                 stopping = self._stop.is_set()
                 batch = self._drain()
+                full = len(batch) >= self.batch_rows  # more may be queued: no pause
                 if batch:
                     self._write(batch)
                     batch = []  # written: not lost if what follows fails
@@ -236,7 +237,7 @@ class Recorder:
                     last_prune = now
                 if stopping and not self._q:
                     break
-                if len(batch) < self.batch_rows:
+                if not full:
                     self._wake.wait(self.batch_seconds)
                     self._wake.clear()
         except BaseException as e:  # reported now (on_error) and by close(); drops counted
