@@ -15,12 +15,7 @@
 #define TRACED_OWNER  // this program owns the maps shared in traced.h
 #include "traced.h"
 
-// ---- Histogram layout: HIST_MIN_LOG2, HIST_MAX_LOG2, HIST_SUB come from
-// exporter/records/histogram.py. Bucket 0: d <= 2^MIN ns. Then HIST_SUB linear
-// sub-buckets per power of two up to 2^MAX ns: bucket 1 + SUB*(k-MIN) + s
-// holds 2^k + s*2^k/SUB < d <= 2^k + (s+1)*2^k/SUB. The last is overflow.
-#define HIST_FINITE (1 + (HIST_MAX_LOG2 - HIST_MIN_LOG2) * HIST_SUB)
-#define HIST_SLOTS (HIST_FINITE + 1)
+// The duration histogram's layout (HIST_*, bucket_of) is in bpf/traced.h.
 
 // Series capacity: `run --series-capacity N` (-DSERIES_CAPACITY=N from
 // exporter/sources/nccl/probes.py). Slots SERIES_CAPACITY + op of
@@ -165,17 +160,6 @@ static __always_inline u32 datatype_size(s32 dt) {
     return 0;
 }
 
-static __always_inline u32 bucket_of(u64 d) {
-    if (d <= (1ULL << HIST_MIN_LOG2))
-        return 0;
-    u64 v = d - 1;  // an exact upper bound belongs to its own bucket (Prometheus `le`)
-    u32 k = log2_floor(v);
-    if (k >= HIST_MAX_LOG2)
-        return HIST_FINITE;
-    u32 sub = (v >> (k - HIST_SUB_BITS)) & (HIST_SUB - 1);
-    return 1 + (k - HIST_MIN_LOG2) * HIST_SUB + sub;
-}
-
 static __always_inline u64 splitmix64(u64 x) {
     u64 z = x + 0x9E3779B97F4A7C15ULL;
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -251,12 +235,20 @@ static __always_inline u64 proxy_wait_ns(u32 tgid) {
     return w ? *w : 0;
 }
 
+// Lifecycle calls sent as events on every return (init, split, destroy, ...);
+// the frequent ones (group, count/user rank, async-error polls, registration)
+// are events only when recording or slow.
+static __always_inline int is_rare_lifecycle(u32 op) {
+    return (op >= OP_GET_UNIQUE_ID && op <= OP_COMM_ABORT) ||
+           (op >= OP_COMM_SHRINK && op <= OP_COMM_RESUME);
+}
+
 // Does this call's return look at the event path (slow-call or record-all)?
 static __always_inline int events_wanted(u32 op) {
     u32 all = OP_COUNT;
     u64 *record_all = event_config.lookup(&all);
     u64 *threshold = event_config.lookup(&op);
-    return (record_all && *record_all) || (threshold && *threshold) || op >= OP_GET_UNIQUE_ID;
+    return (record_all && *record_all) || (threshold && *threshold) || is_rare_lifecycle(op);
 }
 
 // Start tracking a call on this thread. Returns 0 when the call is nested in
@@ -482,26 +474,40 @@ static __always_inline int enter_init_scalable(struct pt_regs *ctx, u32 op) {
     return 0;
 }
 
+// A child communicator is being made from `parent` (ncclCommSplit, Shrink,
+// Grow): the call carries the parent's identity until its return, and the
+// parent's count of such children numbers this one (`splits` for Split,
+// `shrinks` for Shrink and Grow; children of one parent are made
+// collectively, never concurrently). NULL when the parent is unknown.
+static __always_inline struct comm_info *from_parent(struct call *c, u64 parent, int split) {
+    struct comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent};
+    c->comm = parent;
+    struct comm_info *info = communicators.lookup(&k);
+    if (!info)
+        return 0;
+    c->comm_hash = info->comm_hash;
+    c->nccl_hash = info->nccl_hash;
+    c->rank = info->rank;
+    c->nranks = info->nranks;
+    if (split) {
+        c->aux = info->splits;
+        info->splits++;
+    } else {
+        c->aux = info->shrinks;
+        info->shrinks++;
+    }
+    return info;
+}
+
 // ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config)
 static __always_inline int enter_split(struct pt_regs *ctx, u32 op) {
     u32 tid;
     struct call *c = begin(op, &tid);
     if (!c)
         return 0;
-    u64 parent = PT_REGS_PARM1(ctx);
-    struct comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent};
-    c->comm = parent;
     c->color = PT_REGS_PARM2(ctx);
     c->out = PT_REGS_PARM4(ctx);
-    struct comm_info *info = communicators.lookup(&k);
-    if (info) {
-        c->comm_hash = info->comm_hash;  // the parent's, until the return
-        c->nccl_hash = info->nccl_hash;
-        c->rank = info->rank;
-        c->nranks = info->nranks;
-        c->aux = info->splits;  // splits of one parent are collective: never concurrent
-        info->splits++;
-    }
+    from_parent(c, PT_REGS_PARM1(ctx), 1);
     c->start_ns = bpf_ktime_get_ns();
     return 0;
 }
@@ -548,22 +554,11 @@ static __always_inline int enter_shrink(struct pt_regs *ctx, u32 op) {
     struct call *c = begin(op, &tid);
     if (!c)
         return 0;
-    u64 parent = PT_REGS_PARM1(ctx);
     u64 list = PT_REGS_PARM2(ctx);
     s32 excluded = PT_REGS_PARM3(ctx);
-    struct comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent};
-    c->comm = parent;
     c->out = PT_REGS_PARM4(ctx);
     c->count = excluded > 0 ? excluded : 0;
-    struct comm_info *info = communicators.lookup(&k);
-    if (info) {
-        c->comm_hash = info->comm_hash;  // the parent's, until the return
-        c->nccl_hash = info->nccl_hash;
-        c->rank = info->rank;
-        c->nranks = info->nranks;
-        c->aux = info->shrinks;  // collective over the parent's survivors: never concurrent
-        info->shrinks++;
-    }
+    from_parent(c, PT_REGS_PARM1(ctx), 0);
     s32 below = 0, out = 0, known = excluded >= 0 && excluded <= MAX_SHRINK_EXCLUDE;
     #pragma unroll
     for (int i = 0; i < MAX_SHRINK_EXCLUDE; i++) {
@@ -601,18 +596,9 @@ static __always_inline int enter_grow(struct pt_regs *ctx, u32 op) {
     c->peer = PT_REGS_PARM2(ctx);  // the child's size, until the return
     c->root = rank;
     if (parent) {
-        struct comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = parent};
-        struct comm_info *info = communicators.lookup(&k);
-        if (info) {
-            c->comm_hash = info->comm_hash;
-            c->nccl_hash = info->nccl_hash;
-            c->rank = info->rank;
-            c->nranks = info->nranks;
-            c->aux = info->shrinks;
-            info->shrinks++;
-            if (rank < 0)
-                c->root = info->rank;  // an existing rank keeps its rank
-        }
+        struct comm_info *info = from_parent(c, parent, 0);
+        if (info && rank < 0)
+            c->root = info->rank;  // an existing rank keeps its rank
     } else if (PT_REGS_PARM3(ctx)) {
         hash_unique_id(c, (void *)PT_REGS_PARM3(ctx));
         c->aux = ~0ULL;  // the id names the child
@@ -796,11 +782,6 @@ static __always_inline void lifecycle_return(struct call *c, s32 result) {
     } else if (op == OP_COMM_SHRINK || op == OP_COMM_GROW) {
         shrink_grow_return(c, result);
     }
-}
-
-static __always_inline int is_rare_lifecycle(u32 op) {
-    return (op >= OP_GET_UNIQUE_ID && op <= OP_COMM_ABORT) ||
-           (op >= OP_COMM_SHRINK && op <= OP_COMM_RESUME);
 }
 
 static __always_inline void emit(struct call *c, u32 kind, u32 tid, u64 end, s32 result) {

@@ -17,14 +17,13 @@
 // agent's loop (forget_dead); the exit tracepoint drops plugin_procs.
 //
 // Compiled on its own after bpf/nccl.c (it owns the maps of traced.h; this
-// program needs only log2_floor from it). GPU_MAX_SERIES, GPU_MAX_INFLIGHT
+// program needs only log2_floor and bucket_of from it). GPU_MAX_SERIES, GPU_MAX_INFLIGHT
 // and PLUGIN_MAX_PROCS come as -D from exporter/records/contract.py.
 #include <uapi/linux/ptrace.h>
 #include "traced.h"
 
-// Same layout as the host histogram, from the generated HIST_* macros only.
-#define GPU_HIST_FINITE (1 + (HIST_MAX_LOG2 - HIST_MIN_LOG2) * HIST_SUB)
-#define GPU_HIST_SLOTS (GPU_HIST_FINITE + 1)
+// GPU durations use the host histogram's layout: HIST_SLOTS and bucket_of
+// of bpf/traced.h.
 
 #define NX_RECORD_VERSION 1   // NCCL_EXPORTER_RECORD_VERSION
 #define NX_RECORD_SIZE 144    // sizeof(struct nccl_exporter_record), version 1
@@ -96,7 +95,7 @@ struct gpu_hist {
     u64 count;
     u64 sum_ns;
     u64 bytes;
-    u64 buckets[GPU_HIST_SLOTS];
+    u64 buckets[HIST_SLOTS];
 };
 
 struct gpu_flight_key {
@@ -146,18 +145,6 @@ static __always_inline void drop(u32 slot) {
         __sync_fetch_and_add(v, 1);
 }
 
-// The host histogram's bucket (bpf/nccl.c bucket_of; exporter/records/histogram.py).
-static __always_inline u32 gpu_bucket_of(u64 d) {
-    if (d <= (1ULL << HIST_MIN_LOG2))
-        return 0;
-    u64 v = d - 1;  // an exact upper bound belongs to its own bucket (Prometheus `le`)
-    u32 k = log2_floor(v);
-    if (k >= HIST_MAX_LOG2)
-        return GPU_HIST_FINITE;
-    u32 sub = (v >> (k - HIST_SUB_BITS)) & (HIST_SUB - 1);
-    return 1 + (k - HIST_MIN_LOG2) * HIST_SUB + sub;
-}
-
 static __always_inline void touch_proc(u32 tgid, u32 iface, int comms, u64 dropped, int is_comm) {
     u64 now = bpf_ktime_get_ns();
     struct plugin_proc *p = plugin_procs.lookup(&tgid);
@@ -183,63 +170,63 @@ static __always_inline void touch_proc(u32 tgid, u32 iface, int comms, u64 dropp
     }
 }
 
-// One copy of the record; 0 when it is not a version-1 record.
-static __always_inline int read_record(struct pt_regs *ctx, struct nx_record *r) {
+// One copy of the record (PARM1 of every record hook) and its in-flight key;
+// the calling process is marked as having the plugin. 0 when it is not a
+// version-1 record.
+static __always_inline int read_record(struct pt_regs *ctx, struct nx_record *r,
+                                       struct gpu_flight_key *k) {
     if (bpf_probe_read_user(r, sizeof(*r), (void *)PT_REGS_PARM1(ctx)) ||
         r->version != NX_RECORD_VERSION || r->size < NX_RECORD_SIZE) {
         drop(PD_BAD_RECORD);
         return 0;
     }
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    touch_proc(tgid, r->iface_version, 0, 0, 0);
+    k->tgid = tgid;
+    k->id = r->id;
     return 1;
+}
+
+// The collective is queued (start_ns 0) or running on the GPU since start_ns.
+static __always_inline void set_flight(struct gpu_flight_key *k, struct nx_record *r, u32 state,
+                                       u64 enqueue_ns, u64 start_ns) {
+    struct gpu_flight f = {
+        .comm_hash = r->comm_hash, .seq = r->seq, .enqueue_ns = enqueue_ns, .start_ns = start_ns,
+        .rank = r->rank, .nranks = r->nranks, .op = r->op, .state = state,
+    };
+    if (gpu_inflight.update(k, &f))
+        drop(PD_INFLIGHT_FULL);
 }
 
 int on_coll_queued(struct pt_regs *ctx) {
     struct nx_record r = {};
-    if (!read_record(ctx, &r))
+    struct gpu_flight_key k = {};
+    if (!read_record(ctx, &r, &k))
         return 0;
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    touch_proc(tgid, r.iface_version, 0, 0, 0);
-    struct gpu_flight_key k = {.tgid = tgid, .id = r.id};
-    struct gpu_flight f = {
-        .comm_hash = r.comm_hash, .seq = r.seq, .enqueue_ns = r.host_enqueue_mono_ns,
-        .rank = r.rank, .nranks = r.nranks, .op = r.op, .state = NX_STATE_QUEUED,
-    };
-    if (!f.enqueue_ns)
-        f.enqueue_ns = r.host_event_mono_ns;
-    if (gpu_inflight.update(&k, &f))
-        drop(PD_INFLIGHT_FULL);
+    u64 enqueue = r.host_enqueue_mono_ns ? r.host_enqueue_mono_ns : r.host_event_mono_ns;
+    set_flight(&k, &r, NX_STATE_QUEUED, enqueue, 0);
     return 0;
 }
 
 int on_gpu_start(struct pt_regs *ctx) {
     struct nx_record r = {};
-    if (!read_record(ctx, &r))
+    struct gpu_flight_key k = {};
+    if (!read_record(ctx, &r, &k))
         return 0;
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    touch_proc(tgid, r.iface_version, 0, 0, 0);
-    struct gpu_flight_key k = {.tgid = tgid, .id = r.id};
     // The mapped GPU start; the hook's own time when there is none or the
     // estimate lies in the future (a coarse offset).
     u64 since = r.gpu_start_mono_ns;
     if (!since || since > r.host_event_mono_ns)
         since = r.host_event_mono_ns;
-    struct gpu_flight f = {
-        .comm_hash = r.comm_hash, .seq = r.seq, .enqueue_ns = r.host_enqueue_mono_ns,
-        .start_ns = since, .rank = r.rank, .nranks = r.nranks, .op = r.op,
-        .state = NX_STATE_RUNNING,
-    };
-    if (gpu_inflight.update(&k, &f))
-        drop(PD_INFLIGHT_FULL);
+    set_flight(&k, &r, NX_STATE_RUNNING, r.host_enqueue_mono_ns, since);
     return 0;
 }
 
 int on_gpu_done(struct pt_regs *ctx) {
     struct nx_record r = {};
-    if (!read_record(ctx, &r))
+    struct gpu_flight_key fk = {};
+    if (!read_record(ctx, &r, &fk))
         return 0;
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    touch_proc(tgid, r.iface_version, 0, 0, 0);
-    struct gpu_flight_key fk = {.tgid = tgid, .id = r.id};
     gpu_inflight.delete(&fk);
     if (!r.gpu_start_mono_ns || !r.gpu_stop_mono_ns || r.gpu_stop_mono_ns < r.gpu_start_mono_ns) {
         drop(PD_NO_GPU_TIME);
@@ -260,9 +247,9 @@ int on_gpu_done(struct pt_regs *ctx) {
             return 0;
         }
     }
-    u32 b = gpu_bucket_of(d);
-    if (b >= GPU_HIST_SLOTS)
-        b = GPU_HIST_SLOTS - 1;
+    u32 b = bucket_of(d);
+    if (b >= HIST_SLOTS)
+        b = HIST_SLOTS - 1;
     __sync_fetch_and_add(&h->count, 1);
     __sync_fetch_and_add(&h->sum_ns, d);
     __sync_fetch_and_add(&h->bytes, r.bytes);
@@ -272,11 +259,9 @@ int on_gpu_done(struct pt_regs *ctx) {
 
 int on_abandoned(struct pt_regs *ctx) {
     struct nx_record r = {};
-    if (!read_record(ctx, &r))
+    struct gpu_flight_key k = {};
+    if (!read_record(ctx, &r, &k))
         return 0;
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    touch_proc(tgid, r.iface_version, 0, 0, 0);
-    struct gpu_flight_key k = {.tgid = tgid, .id = r.id};
     gpu_inflight.delete(&k);
     return 0;
 }

@@ -107,4 +107,23 @@ static __always_inline u32 log2_floor(u64 v) {
     return r;
 }
 
+// ---- The duration histogram (host time in bpf/nccl.c, GPU time in
+// bpf/plugin.c): HIST_MIN_LOG2, HIST_MAX_LOG2, HIST_SUB(_BITS) come from
+// exporter/records/histogram.py. Bucket 0: d <= 2^MIN ns. Then HIST_SUB linear
+// sub-buckets per power of two up to 2^MAX ns: bucket 1 + SUB*(k-MIN) + s
+// holds 2^k + s*2^k/SUB < d <= 2^k + (s+1)*2^k/SUB. The last is overflow.
+#define HIST_FINITE (1 + (HIST_MAX_LOG2 - HIST_MIN_LOG2) * HIST_SUB)
+#define HIST_SLOTS (HIST_FINITE + 1)
+
+static __always_inline u32 bucket_of(u64 d) {
+    if (d <= (1ULL << HIST_MIN_LOG2))
+        return 0;
+    u64 v = d - 1;  // an exact upper bound belongs to its own bucket (Prometheus `le`)
+    u32 k = log2_floor(v);
+    if (k >= HIST_MAX_LOG2)
+        return HIST_FINITE;
+    u32 sub = (v >> (k - HIST_SUB_BITS)) & (HIST_SUB - 1);
+    return 1 + (k - HIST_MIN_LOG2) * HIST_SUB + sub;
+}
+
 #endif
