@@ -58,6 +58,9 @@ class FakeReader:
     def errors(self):
         return {}
 
+    def async_errors(self):
+        return []
+
     def communicators(self):
         return []
 

@@ -119,18 +119,6 @@ def bucket_of(duration_ns: int) -> int:
     return 1 + (k - MIN_LOG2) * SUB + sub
 
 
-def cumulative_buckets(counts) -> list[tuple[str, int]]:
-    """Per-bucket counts -> Prometheus (le in seconds, cumulative count) pairs."""
-    out = []
-    total = 0
-    for bound, n in zip(UPPER_BOUNDS_NS, counts):
-        total += n
-        out.append((repr(bound / 1e9), total))
-    total += sum(counts[FINITE:])
-    out.append(("+Inf", total))
-    return out
-
-
 def quantile(counts, q: float) -> float:
     """histogram_quantile() as Prometheus computes it, in seconds."""
     total = sum(counts)

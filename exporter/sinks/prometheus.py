@@ -8,7 +8,6 @@ only reads: pruning dead processes' entries is the agent loop's job.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import defaultdict
@@ -25,6 +24,7 @@ from exporter import __version__
 from exporter.records import contract, histogram, metrics
 from exporter.records.events import format_comm
 from exporter.sources import sched as sched_source
+from exporter.sources.processes import alive_checker
 from exporter.sources import tcp as tcp_source
 from exporter.sources.nccl import probes as nccl_probes
 from exporter.sources.plugin import reader as plugin_reader
@@ -125,9 +125,8 @@ class NcclCollector:
         with self.lock:
             # Communicators of processes that are gone are not shown; the
             # agent's loop deletes their entries (a scrape only reads).
-            alive: dict[int, bool] = {}
-            comms = [c for c in self.nccl.communicators()
-                     if alive.setdefault(c.pid, os.path.exists(f"/proc/{c.pid}"))]
+            alive = alive_checker()
+            comms = [c for c in self.nccl.communicators() if alive(c.pid)]
             families = [
                 *self._collectives(),
                 *self._errors(),
@@ -136,7 +135,7 @@ class NcclCollector:
                 *self._async_errors(alive),
                 *self._tcp(comms),
                 *self._sched(comms),
-                *self._gpu(comms),
+                *self._gpu(comms, alive),
                 *self._self_metrics(),
             ]
         yield from families
@@ -202,7 +201,7 @@ class NcclCollector:
         state: dict[tuple, int] = {}
         polls: dict[tuple, int] = defaultdict(int)
         for a in self.nccl.async_errors():
-            if not alive.setdefault(a.pid, os.path.exists(f"/proc/{a.pid}")):
+            if not alive(a.pid):
                 continue
             comm, rank = format_comm(a.comm_hash), label(a.rank)
             state[(self.node, comm, rank, a.result)] = 1
@@ -220,13 +219,13 @@ class NcclCollector:
         if self.sched is not None:
             yield from sched_families(self.node, self.sched, lambda pid: self.processes.rank_of(pid, comms))
 
-    def _gpu(self, comms):
+    def _gpu(self, comms, alive):
         traced = set()
         try:
             traced = {k.value for k in self.nccl.probes["traced_processes"].keys()}
         except Exception:
             pass
-        yield from gpu_families(self.node, self.plugin, comms, traced | {c.pid for c in comms})
+        yield from gpu_families(self.node, self.plugin, comms, traced | {c.pid for c in comms}, alive)
 
     # --- the exporter itself -------------------------------------------------------------
 
@@ -328,16 +327,12 @@ def gpu_comm_labels(comms) -> dict[int, str]:
     return {c.nccl_hash: format_comm(c.comm_hash) for c in comms if c.nccl_hash and c.comm_hash}
 
 
-def gpu_families(node: str, plugin, comms, traced_pids, proc: str = "/proc") -> list:
+def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None) -> list:
     """The profiler plugin's families: GPU duration histograms, the oldest GPU
     in-flight ages and nccl_profiler_plugin_active. comm label: the host
     series' id when the agent saw the communicator made, else NCCL's commHash
     (16 hex digits). plugin None (not loaded): every traced process is 0."""
-    alive: dict[int, bool] = {}
-
-    def is_alive(pid: int) -> bool:
-        return alive.setdefault(pid, os.path.exists(f"{proc}/{pid}"))
-
+    is_alive = is_alive or alive_checker()
     labels = gpu_comm_labels(comms)
 
     def comm_of(nccl_hash: int) -> str:

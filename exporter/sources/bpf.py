@@ -231,10 +231,14 @@ class RingWaiter:
 
 
 def forget_dead(table, proc: str = "/proc") -> int:
-    """Delete the entries of a map keyed by a struct with `tgid` whose process is gone."""
+    """Delete the entries of a map keyed by a process id -- a struct with
+    `tgid`, or the pid itself -- whose process is gone; returns how many."""
     import os
 
-    dead = [k for k in table.keys() if not os.path.exists(f"{proc}/{k.tgid}")]
+    def pid(k) -> int:
+        return k.tgid if hasattr(k, "tgid") else k.value
+
+    dead = [k for k in table.keys() if not os.path.exists(f"{proc}/{pid(k)}")]
     for k in dead:
         try:
             del table[k]

@@ -14,6 +14,20 @@ import threading
 from exporter.sources.identity import launcher_identity, process_command
 
 
+def alive_checker(proc: str = "/proc"):
+    """is_alive(pid) -> bool, asking /proc once per pid: for one scrape or one
+    prune, where many records name the same few processes."""
+    seen: dict[int, bool] = {}
+
+    def is_alive(pid: int) -> bool:
+        alive = seen.get(pid)
+        if alive is None:
+            alive = seen[pid] = os.path.exists(f"{proc}/{pid}")
+        return alive
+
+    return is_alive
+
+
 class ProcessTable:
     def __init__(self, probes=None, proc: str = "/proc"):
         self.probes = probes

@@ -13,7 +13,7 @@ import time
 
 from exporter.records import contract
 from exporter.records.events import SchedEvent, SchedStats
-from exporter.sources.bpf import ClockOffset, Program, forget_dead
+from exporter.sources.bpf import ClockOffset, Program
 from exporter.sources.expiry import OwnerExpiry, delete_keys
 
 KINDS = contract.THREAD_KINDS
@@ -118,22 +118,7 @@ class SchedSource(Program):
         """thread kind -> stats of one process."""
         return {s.thread: s for s in self.stats() if s.pid == pid}
 
-    def runqueue_wait_ns(self, pid: int, thread: str | None = None) -> int:
-        """Cumulative run-queue delay of a process (one thread kind, or all)."""
-        return sum(s.sum_ns for s in self.stats()
-                   if s.pid == pid and (thread is None or s.thread == thread))
-
-    def proxy_wait_ns(self, pid: int) -> int:
-        """Cumulative run-queue wait of a process's NCCL proxy threads: the
-        counter a span snapshots at a call's entry and return."""
-        return self.runqueue_wait_ns(pid, "proxy")
-
     def tracked_threads(self) -> set[int]:
         """Thread ids that have a `thread_sched` entry."""
         return {k.value for k in self["thread_sched"].keys()}
 
-    def forget_dead_processes(self, proc: str = "/proc") -> int:
-        """Drop sched_stats of processes that are gone at once; returns how
-        many entries. Not for the agent (that lowers a shared label set's
-        counters): it uses expire_owners."""
-        return forget_dead(self["sched_stats"], proc)

@@ -160,8 +160,11 @@ class Agent:
                         log.info("attached the profiler plugin's hooks in %s", path)
             except Exception as e:
                 log.warning("%s", str(e).splitlines()[0])
+        self._discover_plugins(None if scan else [k.value for k in self.probes["traced_processes"].keys()])
+
+    def _discover_plugins(self, pids) -> None:
+        """Attach to the plugin files these processes (None: all) have mapped."""
         try:
-            pids = None if scan else [k.value for k in self.probes["traced_processes"].keys()]
             with self.lock:
                 found = self.plugin.discover(pids)
             for path in found:
@@ -200,13 +203,7 @@ class Agent:
             for lib in self._scanner.scan(pids):
                 self._attach(lib)
         if self.plugin is not None:
-            try:
-                with self.lock:
-                    found = self.plugin.discover(pids)
-                for path in found:
-                    log.info("attached the profiler plugin's hooks in %s", path)
-            except Exception as e:
-                log.warning("profiler plugin scan: %s", str(e).splitlines()[0])
+            self._discover_plugins(pids)
 
     def _dispatch_kernel(self, event) -> None:
         self.events_seen += 1

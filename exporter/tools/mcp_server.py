@@ -18,7 +18,6 @@ nccl://queries/<name>, one per documented query.
 from __future__ import annotations
 
 import math
-import os
 import re
 import sqlite3
 import urllib.parse

@@ -17,23 +17,33 @@ def _cell(v) -> str:
     return str(v)
 
 
-def format_table(names: list[str], rows: list[tuple]) -> str:
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [len(n) for n in names]
-    for row in cells:
-        for i, c in enumerate(row):
-            widths[i] = max(widths[i], len(c))
-    numeric = [all(isinstance(r[i], (int, float)) or r[i] is None for r in rows) and bool(rows)
-               for i in range(len(names))]
+class TableLayout:
+    """Column widths and alignment of an aligned table, from the rows given
+    (all of them, or a sample when rows are streamed): numbers right, text left."""
 
-    def line(values):
+    def __init__(self, names: list[str], rows: list[tuple]):
+        self.names = names
+        cells = [[_cell(v) for v in row] for row in rows]
+        self.widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
+        self.numeric = [bool(rows) and all(isinstance(r[i], (int, float)) or r[i] is None for r in rows)
+                        for i in range(len(names))]
+
+    def header(self) -> str:
+        """The column names and the rule under them."""
+        return self._line(self.names) + "\n" + "  ".join("-" * w for w in self.widths) + "\n"
+
+    def lines(self, rows) -> str:
+        return "".join(self._line([_cell(v) for v in r]) + "\n" for r in rows)
+
+    def _line(self, values) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w)
-                         for v, w, num in zip(values, widths, numeric)).rstrip()
+                         for v, w, num in zip(values, self.widths, self.numeric)).rstrip()
 
-    out = [line(names), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in cells]
-    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
-    return "\n".join(out) + "\n"
+
+def format_table(names: list[str], rows: list[tuple]) -> str:
+    layout = TableLayout(names, rows)
+    return (layout.header() + layout.lines(rows)
+            + f"({len(rows)} row{'s' if len(rows) != 1 else ''})\n")
 
 
 def write(names, rows, fmt: str, out=None) -> None:

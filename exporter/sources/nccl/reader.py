@@ -8,14 +8,13 @@ writes kernel state; `forget_dead_processes` is for the agent's loop.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 from exporter.records import contract
 from exporter.records.events import CallEvent, Communicator, InflightCall, Series
+from exporter.sources.processes import alive_checker
 from exporter.sources.bpf import ClockOffset, forget_dead
-from exporter.sources.nccl.probes import MAP_CAPACITY
 
 
 @dataclass(frozen=True)
@@ -93,9 +92,8 @@ class NcclReader:
         the slot is pushed back on `series_free`, and a thread's cached slot is
         used only while the slot's key is still its series (bpf/nccl.c)."""
         now = time.monotonic() if now is None else now
-        alive: dict[int, bool] = {}
-        live_comms = {c.comm_hash for c in self.communicators()
-                      if alive.setdefault(c.pid, os.path.exists(f"{proc}/{c.pid}"))}
+        is_alive = alive_checker(proc)
+        live_comms = {c.comm_hash for c in self.communicators() if is_alive(c.pid)}
         index = self.probes["series_index"]
         stats = self.probes["series_stats"]
         seen, expired = {}, []
@@ -167,14 +165,8 @@ class NcclReader:
         add a process again after that (it learns a short job's processes from
         events it reads after they exited)."""
         n = forget_dead(self.probes["communicators"], proc)
-        forget_dead(self.probes["async_errors"], proc)
-        for name in ("traced_processes", "proxy_wait"):
-            table = self.probes[name]
-            for k in [k for k in table.keys() if not os.path.exists(f"{proc}/{k.value}")]:
-                try:
-                    del table[k]
-                except KeyError:
-                    pass
+        for name in ("async_errors", "traced_processes", "proxy_wait"):
+            forget_dead(self.probes[name], proc)
         return n
 
     def inflight(self) -> list[InflightCall]:
@@ -194,16 +186,6 @@ class NcclReader:
     def counters(self) -> dict[str, int]:
         table = self.probes["counters"]
         return {name: table[table.Key(slot)].value for name, slot in contract.COUNTERS.items()}
-
-    def fill(self) -> dict[str, tuple[int, int]]:
-        """map name -> (entries, capacity)."""
-        out = {}
-        for name, cap in MAP_CAPACITY.items():
-            try:
-                out[name] = (sum(1 for _ in self.bpf[name].keys()), cap)
-            except KeyError:  # a probe file that is not part of this build
-                continue
-        return out
 
     def decode_event(self, data) -> CallEvent:
         e = self.probes["events"].event(data)

@@ -183,15 +183,7 @@ class PluginSource(Program):
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop in-flight entries and process entries of processes that are gone."""
-        n = forget_dead(self["gpu_inflight"], proc)
-        table = self["plugin_procs"]
-        for k in [k for k in table.keys() if not os.path.exists(f"{proc}/{k.value}")]:
-            try:
-                del table[k]
-                n += 1
-            except KeyError:
-                pass
-        return n
+        return forget_dead(self["gpu_inflight"], proc) + forget_dead(self["plugin_procs"], proc)
 
 
 def plugin_paths() -> list[str]:

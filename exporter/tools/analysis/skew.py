@@ -72,7 +72,6 @@ COLUMNS = ("node", "offset_ns", "reference", "collectives", "residual_ns", "meth
 
 def _ends(conn: sqlite3.Connection) -> dict[tuple, dict[str, tuple]]:
     """(comm, op, seq) -> node -> (median end, first end, last start) of its ranks' calls."""
-    marks = ",".join("?" * len(SYNC_OPS))
     per: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     # Per communicator and op, at most MAX_COLLECTIVES sequence numbers (every k-th): served by the
     # (comm_id_hash, op, seq) index where there is one.

@@ -127,42 +127,32 @@ def _warn(res) -> None:
 # --- writers: rows as they come ---------------------------------------------------
 
 class _Table:
+    """The aligned table, streamed: column widths from the first TABLE_SAMPLE_ROWS rows."""
+
     def __init__(self, out):
-        self.out, self.names, self.held, self.widths, self.numeric, self.n = out, None, [], None, None, 0
+        self.out, self.names, self.held, self.layout, self.n = out, None, [], None, 0
 
     def header(self, names):
         self.names = names
 
     def rows(self, rows):
         self.n += len(rows)
-        if self.widths is None:
+        if self.layout is None:
             self.held += rows
             if len(self.held) >= TABLE_SAMPLE_ROWS:
                 self._start()
         else:
-            self._lines(rows)
+            self.out.write(self.layout.lines(rows))
 
     def _start(self):
-        names = self.names or []
-        cells = [[output._cell(v) for v in r] for r in self.held]
-        self.widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
-        self.numeric = [bool(self.held) and all(isinstance(r[i], (int, float)) or r[i] is None
-                                                for r in self.held) for i in range(len(names))]
-        self.out.write(self._line(names) + "\n" + "  ".join("-" * w for w in self.widths) + "\n")
-        self._lines(self.held)
+        self.layout = output.TableLayout(self.names or [], self.held)
+        self.out.write(self.layout.header() + self.layout.lines(self.held))
         self.held = []
-
-    def _line(self, values):
-        return "  ".join(v.rjust(w) if num else v.ljust(w)
-                         for v, w, num in zip(values, self.widths, self.numeric)).rstrip()
-
-    def _lines(self, rows):
-        self.out.write("".join(self._line([output._cell(v) for v in r]) + "\n" for r in rows))
 
     def end(self, nodes):
         if self.names is None:
             return
-        if self.widths is None:
+        if self.layout is None:
             self._start()
         self.out.write(f"({self.n} row{'s' if self.n != 1 else ''} from {nodes} "
                        f"node{'s' if nodes != 1 else ''})\n")
