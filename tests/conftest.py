@@ -43,6 +43,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -282,6 +283,67 @@ def series_by_labels(families, name: str) -> list[tuple[dict, list[int]]]:
             prev = c
         out.append((dict(labels), counts))
     return out
+
+
+# --- a static page over HTTP ------------------------------------------------------
+
+def serve_text(text: str, content_type: str = "text/plain; version=0.0.4"):
+    """A loopback HTTP server that answers every GET with `text` (a fake
+    /metrics page), serving from a thread; returns the server (.server_address,
+    .shutdown())."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = text.encode()
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+# --- the kernel side, for tests that load the sources themselves ----------------
+
+def pin(pid: int, cpu: int) -> None:
+    """Pin every thread of a process to one CPU (those it has now)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, {cpu})
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def tcp(probes):
+    """bpf/tcp.c loaded after the module's own `probes` (the NCCL source, its owner)."""
+    from exporter.sources.tcp import TcpSource
+
+    source = TcpSource()
+    yield source
+    source.close()
+
+
+@pytest.fixture(scope="module")
+def sched(probes):
+    """bpf/sched.c loaded after the module's own `probes` (the NCCL source, its owner)."""
+    from exporter.sources.sched import SchedSource
+
+    source = SchedSource()
+    yield source
+    source.close()
 
 
 # --- contracts: PromQL against exporter/records/metrics.py --------------------------

@@ -25,6 +25,8 @@ import time
 
 import pytest
 
+from conftest import pin
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NRANKS = 4
 SLEEPER, LOSSY, STARVED = 2, 3, 1
@@ -34,18 +36,6 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF an
 
 
 # --- making real recordings -------------------------------------------------------
-
-def _pin(pid: int, cpu: int) -> None:
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, {cpu})
-        except OSError:
-            pass
-
 
 def record_scenario(tmp: pathlib.Path, scenario: str, node: str = "simnode") -> pathlib.Path:
     """Run one scenario's job under a `trace --out` recorder; returns the .db."""
@@ -80,7 +70,7 @@ def record_scenario(tmp: pathlib.Path, scenario: str, node: str = "simnode") -> 
                     until = time.monotonic() + 2.0
                     while time.monotonic() < until:  # threads made since are pinned too
                         for rank, pid in enumerate(job.pids):
-                            _pin(pid, cpu_of[rank])
+                            pin(pid, cpu_of[rank])
                         time.sleep(0.3)
                     hog = subprocess.Popen(["taskset", "-c", "1", "chrt", "-f", "1",
                                             sys.executable, "-c", "while True: pass"])

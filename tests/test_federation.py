@@ -11,17 +11,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import time
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import free_port
+from conftest import free_port, serve_text
 
 REPO = Path(__file__).resolve().parent.parent
 FED = REPO / "deploy" / "federation"
@@ -43,19 +41,6 @@ nccl_inflight_oldest_seconds{node="gpu-017",op="ALL_REDUCE",comm="3f00aa",rank="
 # TYPE process_open_fds gauge
 process_open_fds 17
 """
-
-
-class Page(BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = PAGE.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *a):
-        pass
 
 
 def start_prometheus(work: Path, name: str, config: dict, port: int) -> subprocess.Popen:
@@ -96,8 +81,7 @@ def wait_for(what, check, procs, work, timeout):
 
 
 def test_a_global_prometheus_federates_the_nccl_series(tmp_path):
-    page = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=page.serve_forever, daemon=True).start()
+    page = serve_text(PAGE)
     a_port, b_port = free_port(), free_port()
     rack = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s",
                        "external_labels": {"cluster": "rack-01"}},
@@ -137,8 +121,7 @@ def test_a_global_prometheus_federates_the_nccl_series(tmp_path):
 
 def test_the_global_prometheus_gets_nothing_else(tmp_path):
     """The federate endpoint answers only the match[]: process_open_fds stays home."""
-    page = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=page.serve_forever, daemon=True).start()
+    page = serve_text(PAGE)
     port = free_port()
     rack = {"global": {"scrape_interval": "1s"},
             "scrape_configs": [{"job_name": "nccl-exporter", "scrape_interval": "1s", "scrape_timeout": "1s",

@@ -13,11 +13,11 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
+from conftest import serve_text
 
 pytest.importorskip("mcp", reason="the MCP SDK is not installed (pip install 'mcp>=2.3,<3')")
 
@@ -70,27 +70,14 @@ def cluster(tmp_path_factory):
     return {"a": a, "b": b, "whole": whole, "dir": d}
 
 
-class Metrics(BaseHTTPRequestHandler):
-    TEXT = ('# TYPE nccl_inflight_oldest_seconds gauge\n'
-            'nccl_inflight_oldest_seconds{node="gpu-b",op="ALL_REDUCE",comm="3f00aa",rank="5"} 312.5\n'
-            'nccl_inflight_oldest_seconds{node="gpu-b",op="ALL_REDUCE",comm="3f00aa",rank="4"} 0.002\n')
-
-    def do_GET(self):
-        body = self.TEXT.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *a):
-        pass
+METRICS_PAGE = ('# TYPE nccl_inflight_oldest_seconds gauge\n'
+                'nccl_inflight_oldest_seconds{node="gpu-b",op="ALL_REDUCE",comm="3f00aa",rank="5"} 312.5\n'
+                'nccl_inflight_oldest_seconds{node="gpu-b",op="ALL_REDUCE",comm="3f00aa",rank="4"} 0.002\n')
 
 
 @pytest.fixture(scope="module")
 def metrics_url():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv = serve_text(METRICS_PAGE)
     yield f"http://127.0.0.1:{srv.server_address[1]}/metrics"
     srv.shutdown()
 

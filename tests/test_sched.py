@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from conftest import pin
+
 from exporter.records import metrics
 from exporter.sinks.prometheus import sched_families
 from exporter.sources.sched import RUNQ_BOUNDS, SchedSource, runq_bucket
@@ -29,13 +31,6 @@ def probes():
     p = NcclProbes()
     yield p
     p.close()
-
-
-@pytest.fixture(scope="module")
-def sched(probes):
-    s = SchedSource()
-    yield s
-    s.close()
 
 
 PING_PONG = r"""
@@ -120,18 +115,6 @@ def test_untraced_threads_never_enter_thread_sched(probes, sched):
 # ---------------------------------------------------------------------------
 # CPU starvation on a simulated 4-rank job.
 
-def _pin(pid: int, cpu: int) -> None:
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, {cpu})
-        except OSError:
-            pass
-
-
 def _totals(reader: SchedSource, pids: list[int]) -> list[tuple[int, int]]:
     """Per rank: (sum of run-queue delay ns, samples), caller + proxy threads."""
     out = []
@@ -165,7 +148,7 @@ def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, sched, t
         try:
             for rank, pid in enumerate(job.pids):
                 probes.trace_process(pid, rank)
-                _pin(pid, cpu_of[rank])
+                pin(pid, cpu_of[rank])
             # Wait for the ring to run (proxy threads exist once data moves).
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -176,7 +159,7 @@ def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, sched, t
             else:
                 pytest.fail("no proxy thread activity seen")
             for rank, pid in enumerate(job.pids):
-                _pin(pid, cpu_of[rank])  # threads made since the first pinning
+                pin(pid, cpu_of[rank])  # threads made since the first pinning
 
             t0 = _totals(reader, job.pids)
             time.sleep(phase_s)
@@ -240,7 +223,7 @@ def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
                 deadline = time.monotonic() + 3
                 while time.monotonic() < deadline:  # pin threads made since, too
                     for rank, pid in enumerate(job.pids):
-                        _pin(pid, cpu_of[rank])
+                        pin(pid, cpu_of[rank])
                     time.sleep(0.3)
                 hog = subprocess.Popen(["taskset", "-c", "1", "chrt", "-f", "1",
                                         sys.executable, "-c", "while True: pass"])

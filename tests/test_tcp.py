@@ -172,10 +172,8 @@ def probes(simlib):
 
 
 @pytest.fixture(scope="module")
-def reader(probes):
-    r = TcpSource()
-    yield r
-    r.close()
+def reader(tcp):
+    return tcp  # the TcpSource of conftest's `tcp` fixture
 
 
 @pytest.fixture(scope="module")

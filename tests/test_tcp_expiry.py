@@ -30,10 +30,8 @@ from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster
 from exporter.sinks.prometheus import sched_families, tcp_families
 from exporter.sources.nccl.probes import NcclProbes
-from exporter.sources.sched import SchedSource
 from exporter.records.events import TcpLink
 from exporter.sources.expiry import OwnerExpiry
-from exporter.sources.tcp import TcpSource
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
 
@@ -78,20 +76,6 @@ def probes():
         yield p
     finally:
         p.close()
-
-
-@pytest.fixture(scope="module")
-def tcp(probes):
-    r = TcpSource()
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
-def sched(probes):
-    s = SchedSource()
-    yield s
-    s.close()
 
 
 class Ranks:
