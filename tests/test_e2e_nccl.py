@@ -62,13 +62,13 @@ def expected_comm_hashes(records, nccl: bool = False) -> dict[tuple[int, int], i
 
 
 def truth_series(records):
-    """(op, comm hex, rank, nranks) -> list of durations, and (op, comm, rank) -> bytes."""
+    """(op, comm hex, rank) -> list of durations, and (op, comm, rank) -> bytes."""
     hashes = expected_comm_hashes(records)
     durations = defaultdict(list)
     nbytes = Counter()
     for r in calls(records):
         comm = hashing.format_hash(hashes[(r["pid"], r["comm"])])
-        durations[(r["op"], comm, str(r["rank"]), str(r["nranks"]))].append(
+        durations[(r["op"], comm, str(r["rank"]))].append(
             r["end_mono_ns"] - r["start_mono_ns"]
         )
         nbytes[(r["op"], comm, str(r["rank"]))] += r["bytes"]
@@ -104,10 +104,10 @@ def test_mixed_job_counts_bytes_buckets_match_truth(simlib, tmp_path):
     comms = {key[1] for key in durations}
     assert len(comms) >= 4, f"expected world, world2 and two split children, got {comms}"
 
-    # Counts, per (op, comm, rank, nranks): exactly the ground truth, nothing more.
+    # Counts, per (op, comm, rank): exactly the ground truth, nothing more.
     hist = series_by_labels(families, metrics.COLLECTIVE_DURATION)
     got_counts = {
-        (lbl["op"], lbl["comm"], lbl["rank"], lbl["nranks"]): sum(buckets)
+        (lbl["op"], lbl["comm"], lbl["rank"]): sum(buckets)
         for lbl, buckets in hist
     }
     want_counts = {key: len(ds) for key, ds in durations.items()}
@@ -123,7 +123,7 @@ def test_mixed_job_counts_bytes_buckets_match_truth(simlib, tmp_path):
 
     # Every recorded duration lies in the bucket the exporter put it in.
     for lbl, buckets in hist:
-        key = (lbl["op"], lbl["comm"], lbl["rank"], lbl["nranks"])
+        key = (lbl["op"], lbl["comm"], lbl["rank"])
         assert_buckets_hold(durations[key], buckets)
 
     # The inner ncclBroadcast of every ncclBcast is not counted on its own,

@@ -156,3 +156,22 @@ def test_quantile_edge_cases():
     counts[3] = 4
     assert h.quantile(counts, 1.0) == B[3] / 1e9
     assert B[2] / 1e9 < h.quantile(counts, 0.5) < B[3] / 1e9
+
+
+def test_scrape_size_budget():
+    """Issue 12's byte budgets, built by the real collector (bench/scrape_bench.py):
+    an 8-GPU node (8 ranks x 3 communicators x 3 ops) under 300 KB plain and
+    30 KB gzipped for the duration family, one 4-rank job x 6 ops under 200 KB.
+    Sizes only: the timings live in the bench."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import scrape_bench
+
+    with h.selected("coarse"):  # the default layout
+        node = scrape_bench.measure(scrape_bench.make_series(3, 8, 3, random.Random(1)), reps=1)
+        job = scrape_bench.measure(scrape_bench.make_series(1, 4, 6, random.Random(1)), reps=1)
+    assert node["series"] == 72
+    assert node["family_plain"] < 300e3 and node["family_gzip"] < 30e3, node
+    assert job["plain"] < 200e3, job

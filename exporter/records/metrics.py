@@ -42,7 +42,7 @@ def _m(name: str, kind: str, labels: tuple[str, ...], help_text: str) -> str:
 # --- The NCCL call surface (bpf/nccl.c) -------------------------------------------
 
 COLLECTIVE_DURATION = _m(
-    "nccl_collective_duration_seconds", "histogram", ("node", "op", "comm", "rank", "nranks"),
+    "nccl_collective_duration_seconds", "histogram", ("node", "op", "comm", "rank"),
     "Duration of NCCL collective and point-to-point API calls, from entry to return of the "
     "library function (on a GPU this is host-side time: enqueue, or the wait when the call blocks).")
 COLLECTIVE_BYTES = _m(
@@ -78,7 +78,7 @@ COMMUNICATOR_ASYNC_POLLS = _m(
 # --- GPU time from the profiler plugin (bpf/plugin.c, docs/plugin.md) -------------------
 
 GPU_DURATION = _m(
-    "nccl_collective_gpu_duration_seconds", "histogram", ("node", "op", "comm", "rank", "nranks"),
+    "nccl_collective_gpu_duration_seconds", "histogram", ("node", "op", "comm", "rank"),
     "Duration of NCCL collective and point-to-point operations on the GPU (earliest kernel "
     "channel start to latest channel stop, from nccl-exporter's profiler plugin); the host "
     "histogram's buckets. comm: the agent's communicator id when it saw the communicator made, "

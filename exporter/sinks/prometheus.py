@@ -151,14 +151,14 @@ class NcclCollector:
         for s in self.nccl.series():
             if s.op in contract.COLLECTIVE_OPS.values():
                 comm = format_comm(s.comm_hash)
-                durations.add((node, s.op, comm, label(s.rank), label(s.nranks)), s.buckets, s.sum_ns / 1e9)
+                durations.add((node, s.op, comm, label(s.rank)), s.buckets, s.sum_ns / 1e9)
                 nbytes[(node, s.op, comm, label(s.rank))] += s.bytes
             else:
                 lifecycle.add((node, s.op), s.buckets, s.sum_ns / 1e9)
         exemplars = {}
         if self.spans is not None:
-            for (op, comm, rank, nranks), ex in list(self.spans.exemplars.items()):
-                exemplars[(node, op, comm, label(rank), label(nranks))] = ex
+            for (op, comm, rank), ex in list(self.spans.exemplars.items()):
+                exemplars[(node, op, comm, label(rank))] = ex
         yield durations.family(exemplars)
         yield filled(metrics.COLLECTIVE_BYTES, nbytes)
         yield lifecycle.family()
@@ -343,7 +343,7 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None) -> list:
     with_plugin: set[int] = set()
     if plugin is not None:
         for s in plugin.series():
-            durations.add((node, s.op, comm_of(s.nccl_hash), label(s.rank), label(s.nranks)),
+            durations.add((node, s.op, comm_of(s.nccl_hash), label(s.rank)),
                           s.buckets, s.sum_ns / 1e9)
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         for f in plugin.inflight():

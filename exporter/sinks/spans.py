@@ -270,7 +270,7 @@ class SpanSink:
         if e.result != 0:
             span.set_status(Status(StatusCode.ERROR, attributes["nccl.result"]))
         span.end(end_time=end)
-        key = (e.op, format_comm(e.comm_hash), e.rank, e.nranks)
+        key = (e.op, format_comm(e.comm_hash), e.rank)  # the duration series' labels
         trace_hex = f"{span.get_span_context().trace_id:032x}"
         self.exemplars[key] = (trace_hex, e.duration_ns, end / 1e9)
 
