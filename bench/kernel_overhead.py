@@ -17,6 +17,9 @@ each timed for S seconds in three conditions, R repetitions interleaved in a
 rotating order, median kept:
 
   off       the program's tracepoints detached (loaded, not running)
+  floor     empty programs (`return 0`) on the same tracepoints, raw where
+            the product's are raw: what running any BPF program there costs
+            on this kernel and CPU, the floor the product is measured against
   untraced  tracepoints attached; the workload is NOT traced: the realistic
             case, the node's other traffic (one bitmap test per event)
   traced    tracepoints attached and both processes traced (trace_process):
@@ -115,7 +118,7 @@ int main(int argc, char **argv) {
 }
 """
 
-CONDITIONS = ("off", "untraced", "traced")
+CONDITIONS = ("off", "floor", "untraced", "traced")
 CPU = os.cpu_count() - 1
 WORKLOADS = {"tcp": "bytes/s", "pipe": "round trips/s"}
 
@@ -129,23 +132,50 @@ def build(tmp: Path) -> Path:
     return exe
 
 
-class Switch:
-    """Detach / re-attach every tracepoint of the loaded programs."""
+def _name(tp) -> str:
+    return tp.decode() if isinstance(tp, bytes) else tp
 
-    def __init__(self, programs):
-        self.tps = [(p.bpf, tp.decode() if isinstance(tp, bytes) else tp)
+
+class Switch:
+    """Detach / re-attach every tracepoint (classic and raw) of the loaded
+    programs; BCC names their functions tracepoint__CAT__NAME and
+    raw_tracepoint__NAME."""
+
+    def __init__(self, programs, on: bool = True):
+        # (bpf, tracepoint, raw?, function)
+        self.tps = [(p.bpf, _name(tp), False, "tracepoint__" + _name(tp).replace(":", "__"))
                     for p in programs for tp in p.bpf.tracepoint_fds]
-        self.on = True
+        self.tps += [(p.bpf, _name(tp), True, "raw_tracepoint__" + _name(tp))
+                     for p in programs for tp in p.bpf.raw_tracepoint_fds]
+        self.on = on
 
     def set(self, on: bool) -> None:
         if on == self.on:
             return
-        for bpf, tp in self.tps:
-            if on:
-                bpf.attach_tracepoint(tp=tp, fn_name="tracepoint__" + tp.replace(":", "__"))
+        for bpf, tp, raw, fn in self.tps:
+            if on and raw:
+                bpf.attach_raw_tracepoint(tp=tp, fn_name=fn)
+            elif on:
+                bpf.attach_tracepoint(tp=tp, fn_name=fn)
+            elif raw:
+                bpf.detach_raw_tracepoint(tp)
             else:
                 bpf.detach_tracepoint(tp)
         self.on = on
+
+
+class Floor:
+    """Empty programs on the product's tracepoints, of the same kinds; .bpf
+    like a Program's, for Switch (loaded detached)."""
+
+    def __init__(self, switch: Switch):
+        from bcc import BPF
+
+        # Not named tracepoint__*: BCC would attach those at load.
+        self.bpf = BPF(text="".join(f"int floor{i}(void *ctx) {{ return 0; }}\n"
+                                    for i in range(len(switch.tps))))
+        self.switch = Switch([], on=False)
+        self.switch.tps = [(self.bpf, tp, raw, f"floor{i}") for i, (_, tp, raw, _) in enumerate(switch.tps)]
 
 
 def run_once(exe: Path, workload: str, seconds: float, probes, traced: bool) -> float:
@@ -184,29 +214,34 @@ def main(argv=None) -> int:
         programs = [probes, TcpSource(), SchedSource()]
         t_load = time.monotonic() - t
         sw = Switch(programs)
+        floor = Floor(sw)
         print(f"programs loaded in {t_load:.1f} s; tracepoints: "
-              f"{', '.join(sorted(tp for _, tp in sw.tps))}")
+              + ", ".join(sorted(("raw " if raw else "") + tp for _, tp, raw, _ in sw.tps)))
         results = {w: {c: [] for c in CONDITIONS} for w in WORKLOADS}
+        n = len(CONDITIONS)
         try:
             for rep in range(a.reps):
                 for w in WORKLOADS:
-                    order = CONDITIONS[rep % 3:] + CONDITIONS[:rep % 3]
+                    order = CONDITIONS[rep % n:] + CONDITIONS[:rep % n]
                     for cond in order:
-                        sw.set(cond != "off")
+                        sw.set(cond in ("untraced", "traced"))
+                        floor.switch.set(cond == "floor")
                         results[w][cond].append(run_once(exe, w, a.seconds, probes, cond == "traced"))
         finally:
+            floor.switch.set(False)
+            floor.bpf.cleanup()
             sw.set(True)
             for program in reversed(programs):
                 program.close()
 
-    print(f"\n{a.reps} runs x {a.seconds:g} s per condition, interleaved; median (min..max)")
+    print(f"\n{a.reps} runs x {a.seconds:g} s per condition, interleaved; median (min..max);"
+          " ratio: median of each run over the `off` run of its round (1.000 = no cost)")
     for w, unit in WORKLOADS.items():
-        base = statistics.median(results[w]["off"])
         for cond in CONDITIONS:
             vals = results[w][cond]
-            med = statistics.median(vals)
-            print(f"  {w:5s} {cond:9s} {med:14.4g} {unit:14s} ({min(vals):.4g}..{max(vals):.4g})"
-                  f"  ratio {med / base:.3f}")
+            ratio = statistics.median(v / o for v, o in zip(vals, results[w]["off"]))
+            print(f"  {w:5s} {cond:9s} {statistics.median(vals):14.4g} {unit:14s} "
+                  f"({min(vals):.4g}..{max(vals):.4g})  ratio {ratio:.3f}")
     return 0
 
 

@@ -5,6 +5,23 @@
 // `inflight` slots, `proxy_wait` and the counters. Data come only from tracepoint arguments, never from kernel
 // struct layouts (the build host's headers are not the running kernel's).
 //
+// Raw tracepoints. sched_switch and sched_wakeup fire for every task on the
+// node, so what a program costs there is paid by everything: a classic
+// tracepoint first fills its perf record (two 16-byte comm strings for
+// sched_switch) and then runs the program; a raw tracepoint runs the program
+// with the tracepoint's own C arguments in ctx->args[] and fills nothing
+// (bench/KERNEL.md: an empty program costs about half as much). The
+// arguments (TP_PROTO; exporter/sources/sched.py checks them against the
+// running kernel's BTF before loading):
+//   sched_switch(bool preempt, struct task_struct *prev,
+//                struct task_struct *next, unsigned int prev_state)
+//   sched_wakeup(struct task_struct *p), sched_wakeup_new(struct task_struct *p)
+// The task_struct pointers are used as identities only, never dereferenced:
+// a traced thread's pointer is learnt at its switch-out, where `prev` is the
+// current task and its tid is known from bpf_get_current_pid_tgid(). `task_tids` maps pointer -> tid; in front of
+// it `task_filter`, an array of counts indexed by a hash of the pointer, lets
+// every other task's wakeup or switch-in return after one array read.
+//
 // Per traced thread, `thread_sched` remembers since when it is runnable
 // (woken, or preempted while runnable) and since when it sleeps. At each
 // switch-in the wait since "runnable" is one run-queue delay sample:
@@ -15,8 +32,8 @@
 //     sched_config[0] ns (0, the default: none; recordings turn it on)
 //                                                          -> exporter/sched.py
 // Off-CPU time (switch-out while not runnable .. wakeup) is summed per
-// (process, thread kind) too. Every other thread costs one bitmap test per
-// event (two for sched_switch).
+// (process, thread kind) too. Every other task costs one array read per
+// wakeup, and one bitmap test and one array read per switch.
 
 #include "traced.h"
 
@@ -28,11 +45,13 @@
 // (1..RUNQ_MAX_LOG2): 2^(k-1) < d <= 2^k µs; the last one: above 2^22 µs (~4.2 s).
 #define RUNQ_SLOTS (RUNQ_MAX_LOG2 + 2)
 
-// prev_state of sched_switch: TASK_REPORT bits 0x01..0x80 (S D T t X Z P I);
-// a preempted task is reported as TASK_REPORT_MAX (0x100), a task that
-// yields as 0. Either way it stays runnable.
-#define SCHED_STATE_MASK 0xff
-#define SCHED_EXIT_STATES 0x30  // EXIT_DEAD (X) | EXIT_ZOMBIE (Z): its last switch
+// prev_state of the raw sched_switch is the task's __state as __schedule()
+// read it: TASK_RUNNING (0) when it stays runnable (it yields), sleep bits
+// otherwise, TASK_DEAD (0x80, include/linux/sched.h since 4.14) at an
+// exiting task's last switch. A preempted task (preempt = 1) stays runnable
+// whatever its state says.
+#define TASK_RUNNING_STATE 0
+#define TASK_DEAD_STATE 0x80
 
 #ifndef MAX_SCHED_KEYS
 #define MAX_SCHED_KEYS (MAX_PROCESSES * SCHED_KINDS)
@@ -41,9 +60,10 @@
 struct sched_state {
     u64 runnable_since;  // ktime ns; 0: not waiting on a run queue
     u64 offcpu_since;    // ktime ns; 0: not sleeping (or unknown)
-    u64 pending_runq_ns; // a delay seen before the thread's process was known
+    u64 task;            // its task_struct pointer, once in task_tids
     u32 tgid;            // learnt when the thread switches out (it is current then)
-    u32 kind;            // SCHED_KIND_* as of the last switch
+    u32 kind;            // SCHED_KIND_* as of the last switch-out
+    char comm[16];       // its name as of the last switch-out
 };
 
 struct sched_key {
@@ -72,6 +92,11 @@ struct sched_event {
 };
 
 BPF_HASH(thread_sched, u32, struct sched_state, MAX_SCHED_THREADS);
+// Traced threads' task_struct pointers (identities only) -> tid.
+BPF_HASH(task_tids, u64, u32, MAX_SCHED_THREADS);
+// Counts of task_tids' pointers per hash slot: 0 = no traced task hashes here.
+#define TASK_FILTER_SLOTS 65536
+BPF_ARRAY(task_filter, u32, TASK_FILTER_SLOTS);
 // [0]: the shortest run-queue wait that becomes an event, ns; 0: no events.
 BPF_ARRAY(sched_config, u64, 1);
 BPF_RINGBUF_OUTPUT(sched_events, SCHED_EVENT_PAGES);
@@ -165,20 +190,62 @@ static __always_inline struct sched_state *sched_state_of(u32 tid) {
 }
 
 // Forget a thread. Called from sched_switch at an exiting thread's last
-// switch (prev_state X or Z), which covers every exit; nccl.c's
-// sched_process_exit handler may call it too (see docs/sched.md).
+// switch (prev_state TASK_DEAD), which covers every exit.
 static __always_inline void sched_forget(u32 tid) {
     thread_sched.delete(&tid);
 }
 
 
+
+static __always_inline u32 *filter_slot(u64 task) {
+    // Fibonacci hashing: task_structs are slab objects kilobytes apart, so
+    // the product's top bits spread them over the slots.
+    u32 slot = (task * 0x9E3779B97F4A7C15ULL) >> 48;
+    return task_filter.lookup(&slot);
+}
+
+// The tid of a traced thread's task pointer; 0 for every other task, which
+// costs one array read when its slot is empty (nearly always).
+static __always_inline u32 traced_tid(u64 task) {
+    u32 *n = filter_slot(task);
+    if (!n || *n == 0)
+        return 0;
+    u32 *tid = task_tids.lookup(&task);
+    return tid ? *tid : 0;
+}
+
+// Remember the current task's pointer as thread `tid` (at its switch-out).
+static __always_inline void learn_task(u64 task, u32 tid) {
+    u32 *known = task_tids.lookup(&task);
+    if (known) {
+        *known = tid;  // a reused pointer whose exit was missed: now this thread's
+        return;
+    }
+    if (task_tids.insert(&task, &tid) != 0) {
+        count_up(CNT_SCHED_FULL);
+        return;
+    }
+    u32 *n = filter_slot(task);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+
+static __always_inline void forget_task(u64 task) {
+    if (task_tids.delete(&task) != 0)
+        return;  // not known
+    u32 *n = filter_slot(task);
+    if (n && *n)
+        __sync_fetch_and_add(n, -1);
+}
+
 // A thread became runnable.
-static __always_inline void sched_woken(u32 tid) {
-    if (!thread_traced(tid))
+static __always_inline void sched_woken(u64 task) {
+    u32 tid = traced_tid(task);
+    if (!tid || !thread_traced(tid))
         return;
-    struct sched_state *st = sched_state_of(tid);
+    struct sched_state *st = thread_sched.lookup(&tid);
     if (!st)
-        return;
+        return;  // known at its first switch-out
     u64 now = bpf_ktime_get_ns();
     if (st->offcpu_since) {
         // tgid and kind were learnt when it switched out to sleep.
@@ -191,95 +258,94 @@ static __always_inline void sched_woken(u32 tid) {
         st->runnable_since = now;
 }
 
-TRACEPOINT_PROBE(sched, sched_wakeup) {
-    sched_woken(args->pid);
+RAW_TRACEPOINT_PROBE(sched_wakeup) {
+    sched_woken(ctx->args[0]);
     return 0;
 }
 
-TRACEPOINT_PROBE(sched, sched_wakeup_new) {
-    sched_woken(args->pid);
+RAW_TRACEPOINT_PROBE(sched_wakeup_new) {
+    sched_woken(ctx->args[0]);
     return 0;
 }
 
-TRACEPOINT_PROBE(sched, sched_switch) {
-    u32 prev = args->prev_pid;
-    u32 next = args->next_pid;
-    int prev_traced = prev && thread_traced(prev);
-    int next_traced = next && thread_traced(next);
-    long state = args->prev_state;
-    if (!prev_traced) {
-        // A traced thread's bit is cleared by nccl.c at its exit, before this
-        // last switch: drop its state here (one delete per thread exit on the
-        // node; nothing for a switch of a live untraced thread).
-        if (prev && (state & SCHED_EXIT_STATES))
-            thread_sched.delete(&prev);
-        if (!next_traced)
-            return 0;
+// The current task (prev) switches out: learn who it is, and whether it
+// waits on a run queue (preempted, or yielding) or sleeps.
+static __always_inline void switched_out(u64 task, u32 tid, int runnable, u64 now) {
+    struct sched_state *st = sched_state_of(tid);
+    if (!st)
+        return;
+    if (st->task != task) {
+        learn_task(task, tid);
+        st->task = task;
     }
-    u64 now = bpf_ktime_get_ns();
+    st->tgid = bpf_get_current_pid_tgid() >> 32;
+    bpf_get_current_comm(st->comm, sizeof(st->comm));
+    st->kind = sched_kind(tid, st->comm);
+    if (runnable) {
+        st->runnable_since = now;  // preempted: waits on the run queue
+        st->offcpu_since = 0;
+    } else {
+        st->runnable_since = 0;    // goes to sleep
+        st->offcpu_since = now;
+    }
+}
 
-    if (prev_traced) {
-        if (state & SCHED_EXIT_STATES) {
+// Traced thread `tid` (next) switches in: the wait since it became runnable.
+static __always_inline void switched_in(u32 tid, u64 now) {
+    struct sched_state *st = thread_sched.lookup(&tid);
+    if (!st || !st->runnable_since)
+        return;
+    u64 delay = now - st->runnable_since;
+    st->runnable_since = 0;
+    st->offcpu_since = 0;
+    struct call *c = inflight.lookup(&tid);
+    u32 kind = comm_is_proxy(st->comm) ? SCHED_KIND_PROXY : c ? SCHED_KIND_CALLER : SCHED_KIND_OTHER;
+    if (c && c->op)
+        __sync_fetch_and_add(&c->runq_wait_ns, delay);
+    runq_record(st->tgid, kind, delay);
+    u32 zero = 0;
+    u64 *min_wait = sched_config.lookup(&zero);
+    if (!min_wait || !*min_wait || delay < *min_wait)
+        return;
+    struct sched_event *e = sched_events.ringbuf_reserve(sizeof(struct sched_event));
+    if (!e) {
+        count_up(CNT_SCHED_EVENTS_LOST);
+        return;
+    }
+    e->runnable_ns = now - delay;
+    e->wait_ns = delay;
+    e->pid = st->tgid;
+    e->tid = tid;
+    e->kind = kind;
+    e->cpu = bpf_get_smp_processor_id();
+    e->op = c ? c->op : 0;
+    e->pad = 0;
+    __builtin_memcpy(e->comm, st->comm, sizeof(e->comm));
+    sched_events.ringbuf_submit(e, 0);
+}
+
+RAW_TRACEPOINT_PROBE(sched_switch) {
+    u64 preempt = ctx->args[0];
+    u64 prev_task = ctx->args[1];
+    u64 next_task = ctx->args[2];
+    u32 state = ctx->args[3];
+    u32 prev = bpf_get_current_pid_tgid();  // prev is the current task here
+    u32 next = traced_tid(next_task);
+    u64 now = 0;
+    if (state & TASK_DEAD_STATE) {
+        // An exiting thread's last switch: forget its pointer (the memory is
+        // freed and reused) and its state. nccl.c clears its traced bit at
+        // sched_process_exit, before this switch. One filter read for
+        // every other exiting thread.
+        if (traced_tid(prev_task)) {
+            forget_task(prev_task);
             sched_forget(prev);
-        } else {
-            struct sched_state *st = sched_state_of(prev);
-            if (st) {
-                // prev is current here: its process is known now.
-                u32 tgid = bpf_get_current_pid_tgid() >> 32;
-                u32 kind = sched_kind(prev, args->prev_comm);
-                st->tgid = tgid;
-                st->kind = kind;
-                if (st->pending_runq_ns) {
-                    runq_record(tgid, kind, st->pending_runq_ns);
-                    st->pending_runq_ns = 0;
-                }
-                if ((state & SCHED_STATE_MASK) == 0) {
-                    st->runnable_since = now;  // preempted: waits on the run queue
-                    st->offcpu_since = 0;
-                } else {
-                    st->runnable_since = 0;    // goes to sleep
-                    st->offcpu_since = now;
-                }
-            }
         }
+    } else if (prev && thread_traced(prev)) {
+        now = bpf_ktime_get_ns();
+        switched_out(prev_task, prev, preempt || state == TASK_RUNNING_STATE, now);
     }
-
-    if (next_traced) {
-        struct sched_state *st = thread_sched.lookup(&next);
-        if (st && st->runnable_since) {
-            u64 delay = now - st->runnable_since;
-            st->runnable_since = 0;
-            st->offcpu_since = 0;
-            u32 kind = sched_kind(next, args->next_comm);
-            struct call *c = inflight.lookup(&next);
-            if (c && c->op)
-                __sync_fetch_and_add(&c->runq_wait_ns, delay);
-            if (st->tgid)
-                runq_record(st->tgid, kind, delay);
-            else
-                st->pending_runq_ns += delay;  // recorded at its first switch-out
-            u32 zero = 0;
-            u64 *min_wait = sched_config.lookup(&zero);
-            if (min_wait && *min_wait && delay >= *min_wait) {
-                struct sched_event *e = sched_events.ringbuf_reserve(sizeof(struct sched_event));
-                if (!e) {
-                    count_up(CNT_SCHED_EVENTS_LOST);
-                } else {
-                    e->runnable_ns = now - delay;
-                    e->wait_ns = delay;
-                    e->pid = st->tgid;
-                    e->tid = next;
-                    e->kind = kind;
-                    e->cpu = bpf_get_smp_processor_id();
-                    e->op = c ? c->op : 0;
-                    e->pad = 0;
-                    // A copy from the tracepoint record (a plain memcpy would
-                    // dereference a moved ctx pointer, which the verifier refuses).
-                    bpf_probe_read_kernel(e->comm, sizeof(e->comm), args->next_comm);
-                    sched_events.ringbuf_submit(e, 0);
-                }
-            }
-        }
-    }
+    if (next && thread_traced(next))
+        switched_in(next, now ? now : bpf_ktime_get_ns());
     return 0;
 }

@@ -9,11 +9,13 @@ threads): without it nothing is traced and this source reports nothing.
 
 from __future__ import annotations
 
+import os
 import time
 
 from exporter.records import contract
 from exporter.records.events import SchedEvent, SchedStats
-from exporter.sources.bpf import ClockOffset, Program
+from exporter.sources import kernel_btf
+from exporter.sources.bpf import ClockOffset, ProbeError, Program
 from exporter.sources.expiry import OwnerExpiry, delete_keys
 
 KINDS = contract.THREAD_KINDS
@@ -26,6 +28,7 @@ RUNQ_BOUNDS = tuple((1 << k) * 1e-6 for k in range(RUNQ_MAX_LOG2 + 1))
 # Capacity of each map this program owns, for nccl_exporter_map_capacity.
 MAP_CAPACITY = {
     "thread_sched": contract.MAX_SCHED_THREADS,
+    "task_tids": contract.MAX_SCHED_THREADS,
     "sched_stats": contract.MAX_PROCESSES * len(KINDS),
 }
 
@@ -37,6 +40,31 @@ def runq_bucket(ns: int) -> int:
         return 0
     k = (us - 1).bit_length()  # log2_floor(us - 1) + 1
     return min(k, RUNQ_MAX_LOG2 + 1)
+
+
+# The raw tracepoints bpf/sched.c reads, and the arguments it takes from ctx->args[].
+RAW_TRACEPOINTS = {
+    "sched_switch": ["bool", "struct task_struct *", "struct task_struct *", "unsigned int"],
+    "sched_wakeup": ["struct task_struct *"],
+    "sched_wakeup_new": ["struct task_struct *"],
+}
+
+
+def check_raw_tracepoints(path: str = kernel_btf.VMLINUX) -> None:
+    """ProbeError unless the running kernel's tracepoints take the arguments
+    bpf/sched.c reads. Without BTF, trust a kernel >= 5.18 (where
+    sched_switch gained prev_state as its last argument)."""
+    found = kernel_btf.tracepoint_args(list(RAW_TRACEPOINTS), path)
+    if found is None:
+        release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+        if release < (5, 18):
+            raise ProbeError(f"kernel {os.uname().release} has no BTF and predates 5.18: "
+                             "bpf/sched.c cannot trust sched_switch's raw arguments")
+        return
+    for tp, want in RAW_TRACEPOINTS.items():
+        if found[tp] != want:
+            raise ProbeError(f"raw tracepoint {tp} takes ({', '.join(found[tp] or ['?'])}) on this "
+                             f"kernel; bpf/sched.c reads ({', '.join(want)})")
 
 
 def tgid_of(tid: int, proc: str = "/proc") -> int:
@@ -56,6 +84,7 @@ class SchedSource(Program):
     `sched_events` ring buffer."""
 
     def __init__(self, clock: ClockOffset | None = None):
+        check_raw_tracepoints()
         super().__init__("sched")
         self.clock = clock or ClockOffset()
         self.expiry = OwnerExpiry()
