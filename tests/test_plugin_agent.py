@@ -231,6 +231,21 @@ def test_comm_label_is_the_host_series_id_when_known():
     text = _exposition(gpu_families("n1", None, comms, {os.getpid()}))
     assert sample_values(text, "nccl_profiler_plugin_active") == [0]
 
+    # The job ended (no communicator entries) while its GPU series live on
+    # (--series-ttl): the collector's memory keeps the label from flipping.
+    known: dict = {}  # NcclReader.comm_ids
+    gpu_families("n1", FakePlugin(), comms, set(), known=known)
+    text = _exposition(gpu_families("n1", FakePlugin(), [], set(), known=known))
+    assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="0123456789abcdef") == 1
+    assert sample_values(text, "nccl_collective_gpu_duration_seconds_count", comm="1111222233334444") == []
+
+    class Expired(FakePlugin):
+        def series(self):
+            return []
+
+    gpu_families("n1", Expired(), [], set(), known=known)
+    assert known == {}  # pruned with its series
+
 
 def test_exporter_serves_gpu_metrics(bins, tmp_path):
     """The real `nccl-exporter run`: attaches the plugin it builds (here a private

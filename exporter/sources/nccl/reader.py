@@ -43,6 +43,11 @@ class NcclReader:
         self.clock = clock or ClockOffset()
         # series key -> (calls, monotonic time it was last active): expire_series
         self._activity: dict[tuple, tuple[int, float]] = {}
+        # NCCL's commHash -> the agent's communicator id, learnt from events
+        # (init, split, ...): the GPU series' comm label after the job's
+        # processes are gone. Pruned by the Prometheus sink (gpu_families) to
+        # the communicators that still have GPU series or a live entry.
+        self.comm_ids: dict[int, int] = {}
 
     def series(self) -> list[Series]:
         """Every series in the kernel: those of series_index, the lifecycle
@@ -189,6 +194,8 @@ class NcclReader:
 
     def decode_event(self, data) -> CallEvent:
         e = self.probes["events"].event(data)
+        if e.nccl_hash and e.comm_hash:
+            self.comm_ids[e.nccl_hash] = e.comm_hash
         return CallEvent(
             kind=e.kind,
             op=contract.op_name(e.op),
