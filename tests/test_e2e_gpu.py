@@ -1,0 +1,195 @@
+"""End to end in the simulator's GPU-like mode (issue 11, part 4): the real
+`nccl-exporter run` (uprobes on the simulated libnccl, BPF hooks on the
+profiler plugin it builds) while a 2-rank job runs in network namespaces with
+NCCL_SIM_GPU=1 and the plugin loaded the way NCCL loads it.
+
+- Calls return once enqueued: the host histogram holds microseconds while
+  the GPU histogram of the same communicator (same `comm` label) holds the
+  kernels' time, bucket for bucket the simulator's own truth.
+- A rank whose stream stalls: the GPU in-flight ages of both ranks grow
+  while no call is in flight on the host (the hang the host side cannot see).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+import pytest
+
+from conftest import ExporterProcess, series_by_labels
+from exporter.records import histogram, metrics
+from exporter.simulator.build import build_library
+from exporter.simulator.cluster import Cluster, run_job, start_job
+from exporter.simulator.truth import gpu_kernels
+from exporter.sources.plugin.build import build_plugin
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (BPF, network namespaces)")
+
+KERNEL_US = 2000
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return build_library(tmp_path_factory.mktemp("e2e-gpu"))
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    return build_plugin()  # where `run` looks for it (build/plugin/)
+
+
+def gpu_env(plugin, **extra) -> dict:
+    env = {"NCCL_SIM_GPU": "1", "NCCL_SIM_GPU_KERNEL_US": str(KERNEL_US), "NCCL_SIM_GPU_LATE_EVERY": "3",
+           "NCCL_SIM_GPU_DRIFT_PPM": "100", "NCCL_PROFILER_PLUGIN": str(plugin)}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def world_comm(families) -> str:
+    """The `comm` label of the job's 2-rank communicator (nccl_communicator_info)."""
+    comms = {s.labels["comm"] for s in ExporterProcess.samples(families, metrics.COMMUNICATOR_INFO)
+             if s.labels["nranks"] == "2"}
+    assert len(comms) == 1, comms
+    return comms.pop()
+
+
+def test_gpu_histogram_is_the_kernels_time_host_histogram_the_enqueue(lib, plugin, tmp_path):
+    iterations = 20
+    with ExporterProcess(nccl_libs=[lib]) as exporter, Cluster(2) as cluster:
+        assert "profiler plugin" in exporter.output(), exporter.output()
+        res = run_job(cluster, lib, "gpu", iterations, tmp_path / "rdv", tmp_path / "truth", count=4096,
+                      compute_delay_ms={0: 3, 1: 3}, timeout=90, extra_env=gpu_env(plugin),
+                      extra_args=["--sync-every", "5"])
+        assert res.ok, res.summary()
+        time.sleep(0.5)
+        families = exporter.scrape()
+    # the job's processes are gone (no nccl_communicator_info): its 2-rank
+    # communicator is the one whose host series have ranks 0 and 1
+    ranks_of = {}
+    for lbl, _ in series_by_labels(families, metrics.COLLECTIVE_DURATION):
+        ranks_of.setdefault(lbl["comm"], set()).add(lbl["rank"])
+    (comm,) = [c for c, r in ranks_of.items() if r == {"0", "1"}]
+    truth = res.truth
+
+    host = {lbl["rank"]: b for lbl, b in series_by_labels(families, metrics.COLLECTIVE_DURATION)
+            if lbl["op"] == "ALL_REDUCE" and lbl["comm"] == comm}
+    gpu = {lbl["rank"]: b for lbl, b in series_by_labels(families, metrics.GPU_DURATION)
+           if lbl["op"] == "ALL_REDUCE" and lbl["comm"] == comm}
+    assert set(host) == set(gpu) == {"0", "1"}, (host.keys(), gpu.keys())
+    for rank in ("0", "1"):
+        # the GPU histogram: exactly the truth's kernel intervals (timer ticks, ns)
+        want = Counter(histogram.bucket_of(k["gpu_stop_timer"] - k["gpu_start_timer"])
+                       for k in gpu_kernels(truth, "ALL_REDUCE")
+                       if k["profiled"] and k["nranks"] == 2 and k["rank"] == int(rank))
+        assert sum(want.values()) == iterations
+        assert {i: n for i, n in enumerate(gpu[rank]) if n} == dict(want), rank
+        # the host histogram: every call counted, the median call far below one kernel
+        assert sum(host[rank]) == iterations
+        assert histogram.quantile(host[rank], 0.5) < KERNEL_US * 1e-6 / 4, host[rank]
+        assert histogram.quantile(gpu[rank], 0.5) >= KERNEL_US * 1e-6 / 2  # within the buckets' factor 2
+
+
+def test_stalled_stream_shows_gpu_inflight_while_host_shows_none(lib, plugin, tmp_path):
+    env = gpu_env(plugin, NCCL_SIM_GPU_STALL_RANK=1, NCCL_SIM_GPU_STALL_AFTER=5, NCCL_SIM_GPU_LATE_EVERY=0,
+                  NCCL_SIM_GPU_KERNEL_US=500)
+    ages: list[dict] = []
+    with ExporterProcess(nccl_libs=[lib]) as exporter, Cluster(2) as cluster:
+        job = start_job(cluster, lib, "gpu", 20, rendezvous_dir=tmp_path / "rdv", truth_dir=tmp_path / "truth",
+                        count=1024, compute_delay_ms={0: 20, 1: 20}, extra_env=env,
+                        extra_args=["--sync-every", "0", "--finish", "abort", "--finish-delay-ms", "4000"])
+        try:
+            deadline = time.monotonic() + 60
+            while None in job.poll() and time.monotonic() < deadline:
+                families = exporter.scrape()
+                gpu = {(s.labels["comm"], s.labels["rank"], s.labels["state"]): s.value
+                       for s in ExporterProcess.samples(families, metrics.GPU_INFLIGHT_OLDEST)
+                       if s.labels["op"] == "ALL_REDUCE"}
+                host = [s for s in ExporterProcess.samples(families, metrics.INFLIGHT_OLDEST)
+                        if s.labels["op"] == "ALL_REDUCE" and s.value > 0.05]
+                active = {s.labels["pid"]: s.value
+                          for s in ExporterProcess.samples(families, metrics.PROFILER_PLUGIN_ACTIVE)}
+                if gpu:
+                    ages.append({"gpu": gpu, "host": host, "comm": world_comm(families), "active": active})
+                time.sleep(0.25)
+            result = job.wait(timeout=60)
+        finally:
+            job.kill()
+        assert result.ok, result.summary()
+        time.sleep(0.5)
+        after = exporter.scrape()
+    assert len(ages) >= 4, ages
+    comm = ages[-1]["comm"]
+    last = ages[-1]["gpu"]
+    # rank 0's AllReduce started on its GPU and waits for rank 1, whose stream
+    # stopped: one running, the other queued, both growing for seconds
+    assert last.get((comm, "0", "running"), 0) > 2.0, last
+    assert last.get((comm, "1", "queued"), 0) > 2.0, last
+    first = next(a["gpu"] for a in ages if (comm, "0", "running") in a["gpu"])
+    assert last[(comm, "0", "running")] > first[(comm, "0", "running")] + 1.0
+    # ... while the host side had nothing in flight: every call returned once enqueued
+    assert all(not a["host"] for a in ages), [a["host"] for a in ages if a["host"]]
+    # both ranks are known to have the plugin
+    assert {pid: ages[-1]["active"].get(str(pid)) for pid in job.pids} == dict.fromkeys(job.pids, 1), ages[-1]
+    # the abort reclaimed everything pending
+    assert ExporterProcess.samples(after, metrics.GPU_INFLIGHT_OLDEST) == []
+
+
+def test_p99_alert_fires_from_gpu_time(lib, plugin, tmp_path):
+    """A real Prometheus with the rules of alerts/ (windows and `for:` / 20,
+    thresholds unchanged) scraping the agent while every AllReduce takes 400 ms
+    on the (simulated) GPU and microseconds on the host: NcclAllReduceP99High
+    fires with clock="gpu", and the host histogram alone stays far below 300 ms."""
+    import json
+    import subprocess
+    import urllib.parse
+
+    from conftest import free_port
+    from tests.test_e2e_prometheus import PROMETHEUS, REPO, http_json, short_rules, stop, wait_ready
+
+    if not os.access(PROMETHEUS, os.X_OK):
+        pytest.skip("prometheus not installed (make deps)")
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    for f in sorted((REPO / "alerts").glob("*.yml")):
+        (rules / f.name).write_text(short_rules(f.read_text()))
+    prom = None
+    with ExporterProcess(nccl_libs=[lib]) as exporter, Cluster(2) as cluster:
+        port = free_port()
+        (tmp_path / "prometheus.yml").write_text(json.dumps({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+            "rule_files": [str(rules / "*.yml")],
+            "scrape_configs": [{"job_name": "nccl-exporter",
+                                "static_configs": [{"targets": [f"127.0.0.1:{exporter.port}"]}]}],
+        }))
+        log = tmp_path / "prometheus.log"
+        try:
+            prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                     f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                     f"--web.listen-address=127.0.0.1:{port}"],
+                                    stdout=open(log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            wait_ready(f"http://127.0.0.1:{port}/-/ready", prom, log)
+            api = f"http://127.0.0.1:{port}/api/v1"
+            job = start_job(cluster, lib, "gpu", 400, rendezvous_dir=tmp_path / "rdv", truth_dir=tmp_path / "truth",
+                            count=4096, compute_delay_ms={0: 1, 1: 1},
+                            extra_env=gpu_env(plugin, NCCL_SIM_GPU_KERNEL_US=400_000),
+                            extra_args=["--sync-every", "1"])
+            try:
+                firing, deadline = [], time.monotonic() + 120
+                while not firing and time.monotonic() < deadline:
+                    assert None in job.poll(), "the job ended before the alert fired"
+                    firing = [a["labels"] for a in http_json(f"{api}/alerts")["data"]["alerts"]
+                              if a["labels"]["alertname"] == "NcclAllReduceP99High" and a["state"] == "firing"]
+                    time.sleep(1)
+                comm = world_comm(exporter.scrape())  # while its processes live
+                host_p99 = http_json(f"{api}/query?" + urllib.parse.urlencode({"query": (
+                    'histogram_quantile(0.99, sum by (comm, le) '
+                    '(rate(nccl_collective_duration_seconds_bucket{op="ALL_REDUCE"}[15s])))')}))
+            finally:
+                job.kill()
+        finally:
+            stop(prom)
+    assert [(a["comm"], a["clock"]) for a in firing] == [(comm, "gpu")], firing
+    host = {r["metric"]["comm"]: float(r["value"][1]) for r in host_p99["data"]["result"]}
+    assert host[comm] < 0.05, host  # host time (enqueue, sync waits aside) could never fire it
