@@ -193,3 +193,24 @@ def test_p99_alert_fires_from_gpu_time(lib, plugin, tmp_path):
     assert [(a["comm"], a["clock"]) for a in firing] == [(comm, "gpu")], firing
     host = {r["metric"]["comm"]: float(r["value"][1]) for r in host_p99["data"]["result"]}
     assert host[comm] < 0.05, host  # host time (enqueue, sync waits aside) could never fire it
+
+
+def test_demo_shows_host_and_gpu_time_side_by_side(plugin):
+    """`nccl-exporter demo --gpu`: every rank's row has host and GPU time, and
+    the GPU time is the collective's (milliseconds), the host time the enqueue."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO, free_port
+
+    p = subprocess.run([sys.executable, "-m", "exporter", "demo", "--gpu", "--seconds", "3", "--ranks", "4",
+                        "--lossy-rank", "1", "--straggler-rank", "2", "--listen", f"127.0.0.1:{free_port()}"],
+                       capture_output=True, text=True, cwd=str(REPO), timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "Traceback" not in out, out
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+([\d.]+) ms\s+[\d.]+ ms\s+\|\s+(\d+)\s+([\d.]+) ms", out, re.M)
+    assert sorted(int(r[0]) for r in rows) == [0, 1, 2, 3], out
+    for rank, host_calls, host_p50, gpu_calls, gpu_p50 in rows:
+        assert int(host_calls) == int(gpu_calls) > 0, out
+        assert float(host_p50) < 1.0 and float(gpu_p50) >= 1.5, out  # ms: the enqueue vs >= 3 ms kernels

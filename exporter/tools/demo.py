@@ -5,6 +5,11 @@ loop of AllReduce on three communicators through the simulated libnccl.
 One rank's link drops packets, another rank computes longer before each
 collective. The real exporter (`nccl-exporter run`) watches, and the demo
 reads its /metrics like Prometheus would and says what a user should see.
+
+With --gpu the job runs in the simulator's GPU-like mode (calls return once
+enqueued, a stream thread runs each collective later) with nccl-exporter's
+profiler plugin loaded the way NCCL loads it, and the demo shows host time
+and GPU time of the same collectives side by side.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from exporter.records import histogram, metrics
 
 STRAGGLER_DELAY_MS = 40
 COMPUTE_MS = 5  # every rank "computes" this long between collectives
+GPU_KERNEL_US = 3000  # --gpu: the simulated GPU spends at least this long on each collective
 
 
 def scrape(url: str) -> list:
@@ -30,11 +36,12 @@ def scrape(url: str) -> list:
         return list(text_string_to_metric_families(r.read().decode()))
 
 
-def allreduce_histograms(families) -> dict[tuple[str, str], list[int]]:
-    """(comm, rank) -> per-bucket counts of ALL_REDUCE, from a scrape."""
+def allreduce_histograms(families, name: str = metrics.COLLECTIVE_DURATION) -> dict[tuple[str, str], list[int]]:
+    """(comm, rank) -> per-bucket counts of ALL_REDUCE in histogram family
+    `name` (host time by default), from a scrape."""
     cumulative: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for fam in families:
-        if fam.name != metrics.COLLECTIVE_DURATION:
+        if fam.name != name:
             continue
         for s in fam.samples:
             if s.name.endswith("_bucket") and s.labels.get("op") == "ALL_REDUCE":
@@ -86,6 +93,14 @@ def main(args) -> int:
     cleanup_stale()
     lib = build_library()
     print(f"simulated libnccl: {lib}")
+    gpu_env = {}
+    if args.gpu:
+        from exporter.sources.plugin.build import build_plugin
+
+        plugin = build_plugin()  # where `run` attaches it
+        print(f"GPU-like mode, profiler plugin: {plugin}")
+        gpu_env = {"NCCL_SIM_GPU": "1", "NCCL_SIM_GPU_KERNEL_US": str(GPU_KERNEL_US),
+                   "NCCL_PROFILER_PLUGIN": str(plugin)}
     work = Path(tempfile.mkdtemp(prefix="nccl-demo-"))
     exporter = subprocess.Popen(
         [sys.executable, "-m", "exporter", "run", "--listen", f"{host}:{port}",
@@ -102,9 +117,17 @@ def main(args) -> int:
                   f"before each collective")
             delays = {r: COMPUTE_MS for r in range(ranks)}
             delays[straggler] += STRAGGLER_DELAY_MS
-            job = start_job(cluster, lib, "train", iterations=1_000_000, rendezvous_dir=work / "rdv",
-                            truth_dir=work / "truth", count=65536, compute_delay_ms=delays,
-                            extra_env={"NCCL_SIM_DURATION_S": str(args.seconds)})
+            if args.gpu:
+                # enqueue, "compute", synchronize the stream every 5 iterations: an
+                # iteration takes about the straggler's compute plus one kernel
+                per_iteration_s = (COMPUTE_MS + STRAGGLER_DELAY_MS + GPU_KERNEL_US / 1000) / 1000
+                job = start_job(cluster, lib, "gpu", iterations=max(10, int(args.seconds / per_iteration_s)),
+                                rendezvous_dir=work / "rdv", truth_dir=work / "truth", count=4096,
+                                compute_delay_ms=delays, extra_env=gpu_env, extra_args=["--sync-every", "5"])
+            else:
+                job = start_job(cluster, lib, "train", iterations=1_000_000, rendezvous_dir=work / "rdv",
+                                truth_dir=work / "truth", count=65536, compute_delay_ms=delays,
+                                extra_env={"NCCL_SIM_DURATION_S": str(args.seconds)})
             started = time.monotonic()
             while any(rc is None for rc in job.poll()):
                 elapsed = time.monotonic() - started
@@ -121,7 +144,10 @@ def main(args) -> int:
                 print("the simulated job failed:\n" + result.summary(), file=sys.stderr)
                 return 1
         final = scrape(url)
-        report(allreduce_histograms(final), ranks, lossy, straggler)
+        if args.gpu:
+            report_gpu(allreduce_histograms(final), allreduce_histograms(final, metrics.GPU_DURATION), straggler)
+        else:
+            report(allreduce_histograms(final), ranks, lossy, straggler)
         report_links(final, lossy)
         return 0
     finally:
@@ -161,6 +187,29 @@ def report(hists, ranks: int, lossy: int, straggler: int) -> None:
         f"  * rank {lossy}'s lossy link slows the whole communicator alike: the p99 of every rank\n"
         f"    rises together (TCP retransmission timeouts), not only rank {lossy}'s."
     )
+
+
+def report_gpu(host, gpu, straggler: int) -> None:
+    """Host time and GPU time of the world communicator's AllReduce, per rank."""
+    comms: dict[str, set] = defaultdict(set)
+    for comm, rank in host:
+        comms[comm].add(rank)
+    world = max(comms, key=lambda c: len(comms[c]))
+    print(f"\nAllReduce on the world communicator {world}, host time and GPU time, from /metrics:")
+    print("  rank   calls   host p50   host p99  |  on GPU   GPU p50    GPU p99")
+    for rank in sorted(comms[world], key=lambda r: int(r) if r.isdigit() else 1 << 30):
+        h, g = host[(world, rank)], gpu.get((world, rank))
+        gpu_cols = (f"{sum(g):7d} {histogram.quantile(g, 0.5) * 1e3:7.2f} ms {histogram.quantile(g, 0.99) * 1e3:7.2f} ms"
+                    if g else "      -  (no GPU series: the plugin did not load)")
+        note = "  <- straggler" if rank == str(straggler) else ""
+        print(f"  {rank:>4} {sum(h):7d} {histogram.quantile(h, 0.5) * 1e3:7.3f} ms {histogram.quantile(h, 0.99) * 1e3:7.3f} ms"
+              f"  | {gpu_cols}{note}")
+    print(
+        f"\nWhat this says: on a GPU, ncclAllReduce returns once the collective is enqueued on the\n"
+        f"  stream, so host time (the uprobes) is the enqueue, microseconds; the collective itself runs\n"
+        f"  later on the GPU (at least {GPU_KERNEL_US / 1000:g} ms here), measured by the profiler plugin:\n"
+        f"  nccl_collective_gpu_duration_seconds. Alerts, the straggler rule and the hang alert use GPU\n"
+        f"  time where the plugin is active (label clock=\"gpu\"), host time elsewhere.")
 
 
 def report_links(families, lossy: int) -> None:

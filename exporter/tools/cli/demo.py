@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
     d.add_argument("--loss-percent", type=int, default=3, help="packet loss on that link (default 3)")
     d.add_argument("--straggler-rank", type=int, default=2,
                    help="rank that computes longer before each collective (default 2)")
+    d.add_argument("--gpu", action="store_true",
+                   help="run the job in the simulator's GPU-like mode with the profiler plugin, and show "
+                        "host time and GPU time side by side")
     d.add_argument("--listen", default=f"127.0.0.1:{contract.DEFAULT_PORT}", metavar="HOST:PORT")
     d.set_defaults(func=main)
 
