@@ -470,7 +470,9 @@ class Rank:
         AllReduce on the world communicator and, every third iteration, a
         Send/Recv ring, enqueued WITHOUT waiting; the stream is synchronized and
         results checked every --sync-every iterations (0: only at the end).
-        --finish abort: ncclCommAbort right after the last enqueue (no sync)."""
+        --finish abort: ncclCommAbort right after the last enqueue (no sync).
+        --no-check: zero-filled buffers and no result checks (the Python
+        reference values would cost more than the collective: benches)."""
         r, n, cnt = self.rank, self.n, self.a.count
         L = self.nccl
         world = self.comm_init("world")
@@ -491,6 +493,14 @@ class Rank:
 
         for it in range(self.a.iterations):
             self.delay()
+            if self.a.no_check:
+                sb, rb = self.buf(FLOAT32, count=cnt), self.buf(FLOAT32, count=cnt)
+                L("ncclAllReduce", sb, rb, cnt, FLOAT32, SUM, world, L.stream)
+                pending.append(("keep", FLOAT32, sb, 0, []))
+                pending.append(("keep", FLOAT32, rb, 0, []))
+                if self.a.sync_every > 0 and (it + 1) % self.a.sync_every == 0:
+                    settle()
+                continue
             vals = [self.values(FLOAT32, SUM, q, it, cnt) for q in range(n)]
             sb, rb = self.buf(FLOAT32, vals[r]), self.buf(FLOAT32, count=cnt)
             L("ncclAllReduce", sb, rb, cnt, FLOAT32, SUM, world, L.stream)
@@ -561,6 +571,8 @@ def parse_args(argv=None):
     p.add_argument("--finish", choices=["destroy", "abort"], default="destroy",
                    help="gpu: end with sync + ncclCommDestroy, or ncclCommAbort with work still pending")
     p.add_argument("--finish-delay-ms", type=float, default=0.0, help="gpu: sleep before --finish abort")
+    p.add_argument("--no-check", action="store_true",
+                   help="gpu: zero-filled buffers, no result checks, no Send/Recv (benches)")
     p.add_argument("--truth", default=None, help="append ground truth (JSON lines) to this file")
     a = p.parse_args(argv)
     if not (0 <= a.rank < a.nranks):

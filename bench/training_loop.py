@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""What the agent and the profiler plugin cost a training loop (issue 11).
+
+A fixed workload on the simulator in its GPU-like mode: 8 ranks (network
+namespaces), each iteration "computes" 10 ms and then enqueues a 1 MB
+ncclAllReduce (262,144 floats) and waits for its stream, as a training step
+waits for its gradients (`--no-check`: zero-filled buffers, no Python
+reference results, which would cost more than the collective). Two conditions, interleaved:
+
+  none    no agent running, no profiler plugin in the job
+  plugin  NCCL_PROFILER_PLUGIN set, no agent (the plugin's own cost)
+  agent   `nccl-exporter run` (uprobes on the library, the kernel-side
+          tracepoints, the plugin's hooks) and NCCL_PROFILER_PLUGIN set
+
+The figure is the loop's time per iteration from the simulator's own truth
+(per rank: first AllReduce entry to last AllReduce return, over the
+iterations; the median rank), so process start-up and rendezvous are not
+in it. The conditions run --reps times in a rotating order; a ratio is the
+median over the rounds of (condition / the `none` run of the same round). Goal (issue 11): < 0.5 %.
+
+As root, under the heavy-test lock (a few minutes):
+
+    flock /tmp/nccl-heavy.lock .venv/bin/python bench/training_loop.py [--reps 5] [--iterations 200]
+
+On a machine with fewer cores than ranks the ranks share CPUs: look at the
+spread of the `none` runs before believing a digit below it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from exporter.simulator.build import build_library  # noqa: E402
+from exporter.simulator.cluster import Cluster, cleanup_stale, start_job  # noqa: E402
+from exporter.simulator.truth import calls  # noqa: E402
+from exporter.sources.plugin.build import build_plugin  # noqa: E402
+
+RANKS = 8
+COMPUTE_MS = 10
+COUNT = 262_144  # floats: 1 MB
+KERNEL_US = 1000  # the simulated GPU spends at least this long per AllReduce
+
+
+def loop_time_per_iteration(truth) -> float:
+    """Seconds per iteration of the median rank, from the simulator's truth."""
+    per_rank: dict[int, list[dict]] = {}
+    for r in calls(truth, "ALL_REDUCE"):
+        if r["nranks"] == RANKS:
+            per_rank.setdefault(r["rank"], []).append(r)
+    spans = [(max(c["end_mono_ns"] for c in cs) - min(c["start_mono_ns"] for c in cs)) / (len(cs) - 1) / 1e9
+             for cs in per_rank.values() if len(cs) > 1]
+    return statistics.median(spans)
+
+
+def run_job(cluster, lib, work: Path, iterations: int, env: dict) -> float:
+    for old in work.glob("truth/*"):
+        old.unlink()
+    res = start_job(cluster, lib, "gpu", iterations, work / "rdv", work / "truth", count=COUNT,
+                    compute_delay_ms=dict.fromkeys(range(RANKS), COMPUTE_MS), extra_env=env,
+                    extra_args=["--sync-every", "1", "--no-check"]).wait(timeout=600)
+    if not res.ok:
+        sys.exit("the simulated job failed:\n" + res.summary())
+    return loop_time_per_iteration(res.truth)
+
+
+class Agent:
+    """`nccl-exporter run` on the library, ready when its probes are attached."""
+
+    def __init__(self, lib: Path, work: Path):
+        self.port = 47000 + os.getpid() % 1000
+        self.proc = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--listen", f"127.0.0.1:{self.port}",
+                                      "--node", "bench", "--nccl-lib", str(lib), "--log-level", "warning"],
+                                     stdout=subprocess.DEVNULL, stderr=open(work / "agent.log", "ab"))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                sys.exit(f"the agent exited: see {work / 'agent.log'}")
+            time.sleep(0.2)
+        sys.exit("the agent did not become ready in 120 s")
+
+    def cpu_s(self) -> float:
+        """utime + stime of the agent process so far (all threads), seconds."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def gpu_calls(self) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("nccl_collective_gpu_duration_seconds_count{") and 'op="ALL_REDUCE"' in line)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=5, help="runs per condition (default 5)")
+    ap.add_argument("--iterations", type=int, default=200, help="iterations per run (default 200)")
+    a = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("run as root (BPF, network namespaces)")
+    cleanup_stale()
+    with tempfile.TemporaryDirectory(prefix="nccl-trainloop-") as d:
+        work = Path(d)
+        lib, plugin = build_library(work / "lib"), build_plugin()
+        base = {"NCCL_SIM_GPU": "1", "NCCL_SIM_GPU_KERNEL_US": str(KERNEL_US)}
+        with_plugin = {**base, "NCCL_PROFILER_PLUGIN": str(plugin)}
+        conds = ("none", "plugin", "agent")
+        results: dict[str, list[float]] = {c: [] for c in conds}
+        counted, agent_cpu = [], []
+        with Cluster(RANKS) as cluster:
+            for rep in range(a.reps):
+                for cond in conds[rep % 3:] + conds[:rep % 3]:
+                    if cond == "none":
+                        t = run_job(cluster, lib, work, a.iterations, base)
+                    elif cond == "plugin":
+                        t = run_job(cluster, lib, work, a.iterations, with_plugin)
+                    else:
+                        agent = Agent(lib, work)
+                        try:
+                            cpu0, t0 = agent.cpu_s(), time.monotonic()
+                            t = run_job(cluster, lib, work, a.iterations, with_plugin)
+                            agent_cpu.append((agent.cpu_s() - cpu0) / (time.monotonic() - t0))
+                            time.sleep(0.5)
+                            counted.append(agent.gpu_calls())
+                        finally:
+                            agent.stop()
+                    results[cond].append(t)
+                    print(f"  rep {rep + 1}/{a.reps} {cond:6s} {t * 1e3:8.3f} ms/iteration", flush=True)
+    print(f"\n{RANKS} ranks, {COMPUTE_MS} ms compute + a 1 MB AllReduce (>= {KERNEL_US} us on the GPU) per iteration, "
+          f"{a.iterations} iterations, {a.reps} runs each, rotating")
+    ratio = 1.0
+    for cond in conds:
+        vals = results[cond]
+        r = statistics.median(v / n for v, n in zip(vals, results["none"]))
+        print(f"  {cond:6s} {statistics.median(vals) * 1e3:8.3f} ms/iteration  "
+              f"({min(vals) * 1e3:.3f}..{max(vals) * 1e3:.3f})  / none {r:.4f}  ({100 * (r - 1):+.2f} %)")
+        if cond == "agent":
+            ratio = r
+    print(f"  the agent process itself while a job ran: {100 * statistics.median(agent_cpu):.1f} % of one core "
+          f"(of {os.cpu_count()}), median of {len(agent_cpu)} runs")
+    print(f"  agent + plugin overhead {100 * (ratio - 1):+.2f} %: goal < 0.5 % {'met' if ratio - 1 < 0.005 else 'MISSED'}")
+    want = RANKS * a.iterations
+    print(f"  GPU AllReduces counted by the agent per run: {sorted(set(int(c) for c in counted))} (made: {want})")
+    return 0 if ratio - 1 < 0.005 and all(int(c) == want for c in counted) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
