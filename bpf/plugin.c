@@ -8,7 +8,8 @@
 //   gpu_done       folds gpu_stop_mono_ns - gpu_start_mono_ns into the
 //                  (op, comm_hash, rank, nranks) histogram gpu_series, with
 //                  the host histogram's layout (HIST_* from the generated
-//                  header, exporter/records/histogram.py); forgets in-flight
+//                  header, exporter/records/histogram.py); forgets in-flight;
+//                  a slow one (gpu_config[op]) -> gpu_events, for spans
 //   coll_queued    in-flight entry (pid, id) state QUEUED since enqueue
 //   gpu_start      the entry becomes RUNNING since the GPU start
 //   abandoned      forgets the in-flight entry
@@ -139,6 +140,28 @@ BPF_HASH(plugin_procs, u32, struct plugin_proc, PLUGIN_MAX_PROCS);
 BPF_ARRAY(plugin_drops, u64, PD_SLOTS);
 BPF_ARRAY(gpu_zero, struct gpu_hist, 1);  // all zeros, never written
 
+// One slow GPU operation for user space (spans bounded by GPU time): sent by
+// on_gpu_done when its GPU time is at least gpu_config[op] ns (0, the
+// default: never). Lost records: counters[CNT_GPU_EVENTS_LOST].
+struct gpu_event {
+    u64 comm_hash;   // NCCL's commHash
+    u64 seq;         // NCCL's seqNumber (per communicator and op, from 0)
+    u64 bytes;
+    u64 enqueue_ns;  // CLOCK_MONOTONIC: the host enqueue
+    u64 start_ns;    // CLOCK_MONOTONIC: GPU start (the plugin's mapping)
+    u64 stop_ns;     // CLOCK_MONOTONIC: GPU stop
+    u32 pid;
+    u32 tid;         // the thread that saw the kernel finish (the plugin's)
+    s32 rank;
+    s32 nranks;
+    s32 peer;
+    u32 op;          // exporter op code
+    u32 kind;        // the record's kind (coll / p2p, plugin/nccl_exporter_plugin.h)
+    u32 pad;
+};
+BPF_ARRAY(gpu_config, u64, OP_COUNT);
+BPF_RINGBUF_OUTPUT(gpu_events, GPU_EVENT_PAGES);
+
 static __always_inline void drop(u32 slot) {
     u64 *v = plugin_drops.lookup(&slot);
     if (v)
@@ -254,6 +277,32 @@ int on_gpu_done(struct pt_regs *ctx) {
     __sync_fetch_and_add(&h->sum_ns, d);
     __sync_fetch_and_add(&h->bytes, r.bytes);
     __sync_fetch_and_add(&h->buckets[b], 1);
+
+    u32 op = r.op;
+    u64 *slow = gpu_config.lookup(&op);
+    if (!slow || !*slow || d < *slow)
+        return 0;
+    struct gpu_event *e = gpu_events.ringbuf_reserve(sizeof(struct gpu_event));
+    if (!e) {
+        count_up(CNT_GPU_EVENTS_LOST);
+        return 0;
+    }
+    u64 id = bpf_get_current_pid_tgid();
+    e->comm_hash = r.comm_hash;
+    e->seq = r.seq;
+    e->bytes = r.bytes;
+    e->enqueue_ns = r.host_enqueue_mono_ns;
+    e->start_ns = r.gpu_start_mono_ns;
+    e->stop_ns = r.gpu_stop_mono_ns;
+    e->pid = id >> 32;
+    e->tid = (u32)id;
+    e->rank = r.rank;
+    e->nranks = r.nranks;
+    e->peer = r.peer;
+    e->op = r.op;
+    e->kind = r.kind;
+    e->pad = 0;
+    gpu_events.ringbuf_submit(e, 0);
     return 0;
 }
 

@@ -214,3 +214,52 @@ def test_demo_shows_host_and_gpu_time_side_by_side(plugin):
     for rank, host_calls, host_p50, gpu_calls, gpu_p50 in rows:
         assert int(host_calls) == int(gpu_calls) > 0, out
         assert float(host_p50) < 1.0 and float(gpu_p50) >= 1.5, out  # ms: the enqueue vs >= 3 ms kernels
+
+
+def test_slow_gpu_operations_become_spans_over_their_gpu_interval(lib, plugin, tmp_path):
+    """`run --otlp-endpoint --slow-threshold 1ms` on a GPU-mode job: every
+    AllReduce (>= 3 ms on the GPU, microseconds on the host) arrives over real
+    OTLP as a span whose bounds are its GPU interval (the simulator's truth,
+    within the clock mapping's error), with the host enqueue as an event before
+    it, the host series' communicator id, and one trace per (communicator,
+    op, seq) shared by both ranks."""
+    from exporter.sinks.spans import trace_id_for
+    from tests.otlp_receiver import GrpcReceiver, attributes
+
+    iterations = 10
+    with GrpcReceiver() as receiver:
+        with ExporterProcess(nccl_libs=[lib], extra_args=["--otlp-endpoint", receiver.endpoint,
+                                                          "--slow-threshold", "1ms"]) as exporter, \
+                Cluster(2) as cluster:
+            res = run_job(cluster, lib, "gpu", iterations, tmp_path / "rdv", tmp_path / "truth", count=4096,
+                          compute_delay_ms={0: 2, 1: 2}, timeout=90,
+                          extra_env=gpu_env(plugin, NCCL_SIM_GPU_KERNEL_US=3000, NCCL_SIM_GPU_LATE_EVERY=0),
+                          extra_args=["--sync-every", "5"])
+            assert res.ok, res.summary()
+            families = exporter.scrape()
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                gpu = [(r, s) for r, s in receiver.spans() if attributes(s).get("nccl.clock") == "gpu"
+                       and attributes(s)["nccl.op"] == "ALL_REDUCE" and attributes(s)["nccl.nranks"] == 2]
+                if len(gpu) >= 2 * iterations:
+                    break
+                time.sleep(0.5)
+    ranks_of = {}
+    for lbl, _ in series_by_labels(families, metrics.COLLECTIVE_DURATION):
+        ranks_of.setdefault(lbl["comm"], set()).add(lbl["rank"])
+    (comm,) = [c for c, r in ranks_of.items() if r == {"0", "1"}]
+    assert len(gpu) == 2 * iterations, [attributes(s) for _, s in gpu]
+    truth = {(k["rank"], k["seq"]): k for k in gpu_kernels(res.truth, "ALL_REDUCE") if k["nranks"] == 2}
+    traces: dict[int, set] = {}
+    for _, s in gpu:
+        a = attributes(s)
+        k = truth[(a["nccl.rank"], a["nccl.seq"])]
+        assert a["nccl.comm_id_hash"] == comm, a
+        span_ns = s.end_time_unix_nano - s.start_time_unix_nano
+        assert abs(span_ns - (k["gpu_stop_mono_ns"] - k["gpu_start_mono_ns"])) < 100_000, (span_ns, k)
+        assert span_ns >= 3_000_000 and a["nccl.gpu_duration_ns"] == span_ns
+        (enqueue,) = [ev for ev in s.events if ev.name == "nccl.enqueue"]
+        assert enqueue.time_unix_nano <= s.start_time_unix_nano
+        assert int.from_bytes(s.trace_id, "big") == trace_id_for(int(comm, 16), "ALL_REDUCE", a["nccl.seq"])
+        traces.setdefault(a["nccl.seq"], set()).add(a["nccl.rank"])
+    assert sorted(traces) == list(range(iterations)) and all(r == {0, 1} for r in traces.values())

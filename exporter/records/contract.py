@@ -185,6 +185,7 @@ SCHED_EVENT_PAGES = 256  # sched_events ring buffer (run-queue waits, recordings
 GPU_MAX_SERIES = 2048   # (op, NCCL commHash, rank, nranks) GPU histograms (bpf/plugin.c)
 GPU_MAX_INFLIGHT = 65536  # (pid, record id) collectives queued/running on the GPU (bpf/plugin.c)
 PLUGIN_MAX_PROCS = 4096  # processes that loaded the profiler plugin (bpf/plugin.c)
+GPU_EVENT_PAGES = 64  # gpu_events ring buffer (slow GPU operations, for spans): 256 KiB
 
 OP_COUNT = 64  # op codes are < 64 (a power of two); event_config[OP_COUNT] = record every call
 
@@ -201,6 +202,7 @@ COUNTERS = {
     "SCHED_FULL": 8,
     "SCHED_EVENTS_LOST": 9,
     "ASYNC_FULL": 10,
+    "GPU_EVENTS_LOST": 11,
 }
 COUNTER_SLOTS = 16
 
@@ -221,6 +223,7 @@ EVENTS_LOST_COUNTERS = (
     ("EVENTS_LOST", "nccl"),
     ("TCP_EVENTS_LOST", "tcp"),
     ("SCHED_EVENTS_LOST", "sched"),
+    ("GPU_EVENTS_LOST", "plugin"),
 )
 
 # Kinds of the NCCL call records on the `events` ring buffer (EVENT_*).

@@ -220,6 +220,29 @@ class GpuInflight:
 
 
 @dataclass(frozen=True)
+class GpuCall:
+    """One slow collective or point-to-point operation as the GPU ran it (the
+    profiler plugin's record, sent by bpf/plugin.c when its GPU time reached
+    the op's slow threshold): the span of its GPU interval."""
+
+    op: str
+    pid: int
+    tid: int
+    nccl_hash: int  # NCCL's commHash
+    seq: int  # NCCL's seqNumber: per communicator and op, from 0
+    rank: int
+    nranks: int
+    peer: int  # p2p: the peer; -1 for collectives
+    kind: str  # coll | p2p
+    bytes: int
+    enqueue_ns: int  # CLOCK_MONOTONIC: the host enqueue
+    start_ns: int  # CLOCK_MONOTONIC: GPU start
+    duration_ns: int  # GPU time
+    enqueue_real_ns: int  # the same instants in CLOCK_REALTIME
+    start_real_ns: int
+
+
+@dataclass(frozen=True)
 class PluginProcess:
     """A process that loaded the profiler plugin (it made a hook call)."""
 

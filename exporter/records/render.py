@@ -165,6 +165,26 @@ def text(event) -> str:
     return " ".join(parts)
 
 
+def gpu_span_attributes(event, comm_id: int | None = None) -> dict:
+    """OTLP span attributes of a GpuCall, under span_attributes' names where
+    the field is the same (nccl.comm_id_hash: the agent's communicator id when
+    it knows NCCL's commHash), and nccl.clock = "gpu"."""
+    out = {
+        "nccl.op": event.op, "nccl.clock": "gpu", "nccl.nccl_comm_hash": _plain.comm(event.nccl_hash),
+        "nccl.seq": event.seq, "nccl.rank": event.rank,
+        "nccl.nranks": event.nranks, "nccl.bytes": event.bytes, "nccl.kind": event.kind,
+        "nccl.gpu_duration_ns": event.duration_ns,
+        "process.pid": event.pid, "thread.id": event.tid,
+    }
+    if comm_id:
+        out["nccl.comm_id_hash"] = _plain.comm(comm_id)
+    if event.peer >= 0:
+        out["nccl.peer"] = event.peer
+    if event.enqueue_ns:
+        out["nccl.enqueue_to_gpu_start_ns"] = event.start_ns - event.enqueue_ns
+    return out
+
+
 def span_attributes(event: CallEvent) -> dict:
     """OTLP span attributes of a call: its fields under 'nccl.' (None omitted),
     and the process/thread under the OpenTelemetry conventions' names."""

@@ -4,7 +4,8 @@ Only slow calls cross to user space (as ring-buffer events for spans).
 Two kinds of threshold, both checked in bpf/nccl.c at the call's return:
 
 - absolute, per op (default 50 ms for every collective);
-- relative, per series (op, comm, rank): k x the series' recent p50. User
+- relative, per series (op, comm, rank): k x the series' recent p50 (host
+  time only: GPU operations, from bpf/plugin.c, use the absolute ones). User
   space recomputes it every `interval` seconds from the change of the
   kernel's histogram since the last time, and writes it per series slot.
   A series with fewer than `min_calls` recent calls uses the absolute one:
@@ -24,7 +25,7 @@ DEFAULT_THRESHOLD_NS = 50_000_000
 class SlowCallPolicy:
     def __init__(self, probes, reader, absolute_ns: dict[str, int] | None = None,
                  relative_k: float | None = None, interval: float = 10.0,
-                 min_calls: int = 20, floor_ns: int = 1_000_000):
+                 min_calls: int = 20, floor_ns: int = 1_000_000, plugin=None):
         self.probes = probes
         self.reader = reader
         self.absolute_ns = {op: DEFAULT_THRESHOLD_NS for op in contract.COLLECTIVE_OPS.values()}
@@ -41,6 +42,8 @@ class SlowCallPolicy:
         self._next_refresh = 0.0
         for op, ns in self.absolute_ns.items():
             probes.set_slow_threshold(op, ns)
+            if plugin is not None:  # GPU time: the absolute thresholds only
+                plugin.set_slow_threshold(op, ns)
 
     def refresh(self, now: float | None = None) -> None:
         """Recompute relative thresholds when due (called from the agent loop)."""

@@ -9,6 +9,12 @@ One trace per collective across ranks: the trace id is derived from
 (communicator id, op, the rank's sequence number of that op on that
 communicator), which every rank computes alike with no coordination, so the
 spans of all ranks of one collective land in the same trace.
+
+Where the profiler plugin runs, a slow GPU operation (GpuCall) becomes a span
+too: start and end are its GPU interval in wall-clock time, the host enqueue
+is an event on it, and its trace id is the same function of (communicator
+id, op, NCCL's seqNumber), so it lands in the trace of the host call that
+enqueued it and of the other ranks' spans.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from exporter import __version__
 from exporter.records import contract, render
-from exporter.records.events import CallEvent, TcpEvent, format_comm
+from exporter.records.events import CallEvent, GpuCall, TcpEvent, format_comm
 
 log = logging.getLogger("nccl_exporter")
 
@@ -132,8 +138,11 @@ class SpanSink:
     def __init__(self, node: str, exporter: SpanExporter, processes, settle_s: float = 0.3,
                  max_pending: int = 10_000, max_queue: int = 8192, slow=None,
                  prune_interval_s: float = 10.0, exemplar_keep_s: float = 600.0,
-                 proc: str = "/proc"):
+                 proc: str = "/proc", comm_id_of=None):
         self.node = node
+        # NCCL commHash -> the agent's communicator id (NcclReader.comm_ids.get):
+        # GPU spans then share the trace of the host call; else NCCL's hash.
+        self.comm_id_of = comm_id_of or (lambda _h: None)
         self.processes = processes
         # A callable event -> bool when the kernel sends every call (record-all,
         # `run --db`): only slow calls become spans, in every mode.
@@ -170,6 +179,12 @@ class SpanSink:
             if self.slow is not None and not self.slow(event):
                 self.not_slow += 1
                 return
+            with self.lock:
+                if len(self.pending) >= self.max_pending:
+                    self.dropped += 1
+                    return
+                self.pending.append(event)
+        elif isinstance(event, GpuCall):  # the kernel sent only slow ones
             with self.lock:
                 if len(self.pending) >= self.max_pending:
                     self.dropped += 1
@@ -242,7 +257,9 @@ class SpanSink:
             self.providers[pid] = provider
         return provider
 
-    def build(self, e: CallEvent) -> None:
+    def build(self, e) -> None:
+        if isinstance(e, GpuCall):
+            return self.build_gpu(e)
         start = e.start_real_ns
         end = start + e.duration_ns
         tracer = self._provider(e.pid).get_tracer("nccl-exporter", __version__)
@@ -251,9 +268,35 @@ class SpanSink:
         attributes = render.span_attributes(e)
         span = tracer.start_span(f"nccl.{e.op}", kind=SpanKind.INTERNAL, start_time=start,
                                  attributes=attributes)
+        self._tcp_events(span, e.pid, start, end)
+        if e.result != 0:
+            span.set_status(Status(StatusCode.ERROR, attributes["nccl.result"]))
+        span.end(end_time=end)
+        key = (e.op, format_comm(e.comm_hash), e.rank)  # the duration series' labels
+        trace_hex = f"{span.get_span_context().trace_id:032x}"
+        self.exemplars[key] = (trace_hex, e.duration_ns, end / 1e9)
+
+    def build_gpu(self, e: GpuCall) -> None:
+        """A span over the GPU interval; the host enqueue as its event."""
+        start = e.start_real_ns
+        end = start + e.duration_ns
+        tracer = self._provider(e.pid).get_tracer("nccl-exporter", __version__)
+        comm_id = self.comm_id_of(e.nccl_hash)
+        self.ids.local.trace_id = trace_id_for(comm_id or e.nccl_hash, e.op, e.seq)
+        attributes = render.gpu_span_attributes(e, comm_id)
+        span = tracer.start_span(f"nccl.{e.op}", kind=SpanKind.INTERNAL, start_time=start,
+                                 attributes=attributes)
+        if e.enqueue_real_ns:
+            span.add_event("nccl.enqueue", timestamp=e.enqueue_real_ns)
+        self._tcp_events(span, e.pid, start, end)
+        span.end(end_time=end)
+
+    def _tcp_events(self, span, pid: int, start: int, end: int) -> None:
+        """The TCP events of the span's window: the process's own as span
+        events, the host's other retransmits counted."""
         mine = elsewhere = 0
         for t in self.window.between(start, end):
-            if t.pid == e.pid:
+            if t.pid == pid:
                 mine += 1
                 d = render.as_dict(t)
                 span.add_event(
@@ -267,12 +310,6 @@ class SpanSink:
                 elsewhere += 1
         span.set_attribute("nccl.tcp_events", mine)
         span.set_attribute("nccl.host_retransmits_elsewhere", elsewhere)
-        if e.result != 0:
-            span.set_status(Status(StatusCode.ERROR, attributes["nccl.result"]))
-        span.end(end_time=end)
-        key = (e.op, format_comm(e.comm_hash), e.rank)  # the duration series' labels
-        trace_hex = f"{span.get_span_context().trace_id:032x}"
-        self.exemplars[key] = (trace_hex, e.duration_ns, end / 1e9)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Build what is pending and flush it (bounded: a dead backend cannot hang us)."""

@@ -65,7 +65,7 @@ class Agent:
         self.plugin = None
         self._next_plugin_scan = 0.0
         try:
-            self.plugin = PluginSource()
+            self.plugin = PluginSource(self.clock)
         except Exception as e:
             log.warning("GPU time off: the profiler plugin source did not load: %s", str(e).splitlines()[0])
         # Library discovery as a reaction to mapping (bpf/loader.c); without it
@@ -80,7 +80,7 @@ class Agent:
         except Exception as e:
             log.warning("library discovery falls back to a %.1f s /proc rescan: the loader source did "
                         "not load: %s", config.rescan_interval, str(e).splitlines()[0])
-        self.listeners: list = []  # callables taking a CallEvent, TcpEvent or SchedEvent
+        self.listeners: list = []  # callables taking a CallEvent, TcpEvent, SchedEvent or GpuCall
         self.slow = None  # exporter.sinks.slow.SlowCallPolicy, set by whoever wants slow-call events
         self._found: queue.Queue = queue.Queue()
         # Set once the kernel side is loaded and every library found at start
@@ -93,6 +93,8 @@ class Agent:
         self.reader.on_event(self._dispatch)
         self.tcp.on_event(self._dispatch_kernel)
         self.sched.on_event(self._dispatch_kernel)
+        if self.plugin is not None:  # slow GPU operations, once a threshold is set (spans)
+            self.plugin.on_event(self._dispatch_kernel)
         self.waiter = RingWaiter()  # one wait over every program's ring buffers
         for program in self.sources:
             self.waiter.add(program)

@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 
 from exporter.records import contract
-from exporter.records.events import GpuInflight, GpuSeries, PluginProcess
-from exporter.sources.bpf import Program, ProbeError, forget_dead
+from exporter.records.events import GpuCall, GpuInflight, GpuSeries, PluginProcess
+from exporter.sources.bpf import ClockOffset, Program, ProbeError, forget_dead
 from exporter.sources.nccl import elf
 
 # hook symbol -> BPF function of bpf/plugin.c
@@ -31,6 +31,7 @@ HOOKS = {
     "nccl_exporter_comm_fini": "on_comm_fini",
 }
 STATES = {1: "queued", 2: "running"}
+KINDS = {1: "coll", 2: "p2p"}  # NCCL_EXPORTER_KIND_* (plugin/nccl_exporter_plugin.h)
 # Slots of plugin_drops (PD_* in bpf/plugin.c)
 DROPS = {"gpu_series_full": 0, "gpu_inflight_full": 1, "bad_record": 2, "plugin_procs_full": 3,
          "no_gpu_time": 4}
@@ -92,14 +93,36 @@ def has_hooks(path: str) -> bool:
 class PluginSource(Program):
     """bpf/plugin.c: GPU histograms, GPU in-flight collectives, processes with the plugin."""
 
-    def __init__(self):
+    def __init__(self, clock: ClockOffset | None = None):
+        self.clock = clock or ClockOffset()
         super().__init__("plugin", extra_cflags=(
             f"-DGPU_MAX_SERIES={contract.GPU_MAX_SERIES}",
             f"-DGPU_MAX_INFLIGHT={contract.GPU_MAX_INFLIGHT}",
             f"-DPLUGIN_MAX_PROCS={contract.PLUGIN_MAX_PROCS}",
+            f"-DGPU_EVENT_PAGES={contract.GPU_EVENT_PAGES}",
         ))
         self.attached: dict[str, tuple[int, int]] = {}  # path -> (st_dev, st_ino)
         self.paths: list[str] = []
+
+    # --- slow GPU operations ---------------------------------------------------
+
+    def set_slow_threshold(self, op: str, ns: int) -> None:
+        """GPU operations of `op` at least `ns` long become GpuCall events; 0: none."""
+        cfg = self["gpu_config"]
+        cfg[cfg.Key(contract.OP_CODES[op])] = cfg.Leaf(int(ns))
+
+    def decode_event(self, data) -> GpuCall:
+        e = self["gpu_events"].event(data)
+        return GpuCall(op=contract.op_name(e.op), pid=e.pid, tid=e.tid, nccl_hash=e.comm_hash, seq=e.seq,
+                       rank=e.rank, nranks=e.nranks, peer=e.peer, kind=KINDS.get(e.kind, f"kind{e.kind}"),
+                       bytes=e.bytes, enqueue_ns=e.enqueue_ns, start_ns=e.start_ns,
+                       duration_ns=e.stop_ns - e.start_ns,
+                       enqueue_real_ns=self.clock.to_realtime(e.enqueue_ns) if e.enqueue_ns else 0,
+                       start_real_ns=self.clock.to_realtime(e.start_ns))
+
+    def on_event(self, callback) -> None:
+        """Call `callback(GpuCall)` for each slow GPU operation, from the ring buffer poll."""
+        self.open_ring("gpu_events", self.decode_event, callback)
 
     # --- attaching ---------------------------------------------------------------
 

@@ -218,7 +218,7 @@ def start_tracing(args, cfg, agent, node):
                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     if not endpoint:
         return None  # nobody consumes slow-call events: the kernel sends none
-    agent.slow = SlowCallPolicy(agent.probes, agent.reader, thresholds, relative)
+    agent.slow = SlowCallPolicy(agent.probes, agent.reader, thresholds, relative, plugin=agent.plugin)
     protocol = (args.otlp_protocol or cfg.get("otlp_protocol")
                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
@@ -230,7 +230,8 @@ def start_tracing(args, cfg, agent, node):
         raise CliError(str(e)) from None
     # With --db the kernel sends every call: the sink keeps the slow ones itself.
     sink = SpanSink(node, exporter, agent.processes,
-                    slow=agent.slow.is_slow if agent.config.record_all else None)
+                    slow=agent.slow.is_slow if agent.config.record_all else None,
+                    comm_id_of=agent.reader.comm_ids.get)
     agent.listeners.append(sink)
     print(f"spans of slow calls -> {endpoint} (OTLP {protocol})", flush=True)
     return sink
