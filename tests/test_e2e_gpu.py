@@ -263,3 +263,54 @@ def test_slow_gpu_operations_become_spans_over_their_gpu_interval(lib, plugin, t
         assert int.from_bytes(s.trace_id, "big") == trace_id_for(int(comm, 16), "ALL_REDUCE", a["nccl.seq"])
         traces.setdefault(a["nccl.seq"], set()).add(a["nccl.rank"])
     assert sorted(traces) == list(range(iterations)) and all(r == {0, 1} for r in traces.values())
+
+
+def test_recording_holds_the_gpu_interval_and_the_gpu_time_query_finds_it(lib, plugin, tmp_path):
+    """`trace --out` on a GPU-mode job with 60 ms kernels: every collective's
+    nccl_events row gets its GPU interval (the simulator's truth within
+    100 us); the documented seed query (host time) finds no slow AllReduce,
+    its GPU-time variant finds every one."""
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from tests.test_queries import documented_queries
+
+    db, log = tmp_path / "gpu.db", tmp_path / "trace.log"
+    rec = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--out", str(db), "--node", "gpunode",
+                            "--nccl-lib", str(lib)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while "tracing NCCL calls" not in log.read_text():
+            assert rec.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        with Cluster(2) as cluster:
+            res = run_job(cluster, lib, "gpu", 6, tmp_path / "rdv", tmp_path / "truth", count=4096,
+                          compute_delay_ms={0: 2, 1: 2}, timeout=90,
+                          extra_env=gpu_env(plugin, NCCL_SIM_GPU_KERNEL_US=60_000, NCCL_SIM_GPU_LATE_EVERY=0),
+                          extra_args=["--sync-every", "3"])
+            assert res.ok, res.summary()
+        time.sleep(1.0)
+        rec.send_signal(signal.SIGTERM)
+        assert rec.wait(60) == 0, log.read_text()
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+    conn = sqlite3.connect(db)
+    truth = {(k["rank"], k["seq"]): k for k in gpu_kernels(res.truth, "ALL_REDUCE") if k["nranks"] == 2}
+    rows = conn.execute("SELECT rank, seq, gpu_start_offset_ns, gpu_duration_ns FROM nccl_events "
+                        "WHERE op = 'ALL_REDUCE' AND nranks = 2").fetchall()
+    assert len(rows) == 12, rows
+    for rank, seq, offset, duration in rows:
+        k = truth[(rank, seq)]
+        assert duration is not None and abs(duration - (k["gpu_stop_mono_ns"] - k["gpu_start_mono_ns"])) < 100_000
+        assert offset is not None and offset > 0  # the GPU starts after the call was entered
+    assert conn.execute("SELECT COUNT(*) FROM gpu_intervals WHERE op = 'ALL_REDUCE'").fetchone()[0] >= 12
+    q = documented_queries()
+    assert conn.execute(q["slow-allreduce-retransmits"]).fetchall() == []  # host time: microseconds
+    gpu_rows = conn.execute(q["slow-allreduce-retransmits-gpu-time"]).fetchall()
+    assert len(gpu_rows) == 12 and all(ms >= 60 for _rank, ms, _n in gpu_rows), gpu_rows

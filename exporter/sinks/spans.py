@@ -138,11 +138,12 @@ class SpanSink:
     def __init__(self, node: str, exporter: SpanExporter, processes, settle_s: float = 0.3,
                  max_pending: int = 10_000, max_queue: int = 8192, slow=None,
                  prune_interval_s: float = 10.0, exemplar_keep_s: float = 600.0,
-                 proc: str = "/proc", comm_id_of=None):
+                 proc: str = "/proc", comm_id_of=None, gpu_slow=None):
         self.node = node
         # NCCL commHash -> the agent's communicator id (NcclReader.comm_ids.get):
         # GPU spans then share the trace of the host call; else NCCL's hash.
         self.comm_id_of = comm_id_of or (lambda _h: None)
+        self.gpu_slow = gpu_slow  # GpuCall -> bool when the kernel sends every GPU operation
         self.processes = processes
         # A callable event -> bool when the kernel sends every call (record-all,
         # `run --db`): only slow calls become spans, in every mode.
@@ -184,7 +185,10 @@ class SpanSink:
                     self.dropped += 1
                     return
                 self.pending.append(event)
-        elif isinstance(event, GpuCall):  # the kernel sent only slow ones
+        elif isinstance(event, GpuCall):  # only slow ones, unless recording sends all
+            if self.gpu_slow is not None and not self.gpu_slow(event):
+                self.not_slow += 1
+                return
             with self.lock:
                 if len(self.pending) >= self.max_pending:
                     self.dropped += 1

@@ -100,6 +100,9 @@ class Agent:
             self.waiter.add(program)
         if config.record_all:
             self.probes.set_record_all(True)
+            if self.plugin is not None:  # every GPU operation too (recordings' gpu_intervals)
+                for op in contract.COLLECTIVE_OPS.values():
+                    self.plugin.set_slow_threshold(op, 1)
         if config.runq_event_min_ns:
             self.sched.set_runq_event_min(config.runq_event_min_ns)
 

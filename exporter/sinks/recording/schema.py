@@ -134,8 +134,42 @@ MIGRATIONS: list[list[str]] = [
             upper_ns    INTEGER
         )""",
     ],
+    # 4 -> 5: GPU time from the profiler plugin (docs/plugin.md). The GPU start
+    # is stored relative to the call's own timestamp_ns, so merge's clock
+    # alignment of timestamp_ns carries it along.
+    [
+        "ALTER TABLE nccl_events ADD COLUMN gpu_start_offset_ns INTEGER",  # GPU start - timestamp_ns; NULL: no GPU time
+        "ALTER TABLE nccl_events ADD COLUMN gpu_duration_ns INTEGER",      # NULL: no GPU time
+        """CREATE TABLE gpu_intervals (        -- every GPU operation the plugin reported while recording
+            pid             INTEGER NOT NULL,
+            nccl_comm_hash  TEXT    NOT NULL,  -- NCCL's commHash, as nccl_events.nccl_comm_hash
+            op              TEXT    NOT NULL,
+            seq             INTEGER NOT NULL,  -- NCCL's seqNumber (coll); p2p: the plugin's order
+            kind            TEXT    NOT NULL,  -- coll | p2p
+            rank            INTEGER,
+            peer            INTEGER,           -- p2p: the peer
+            enqueue_ns      INTEGER,           -- CLOCK_REALTIME: the host enqueue
+            gpu_start_ns    INTEGER NOT NULL,  -- CLOCK_REALTIME
+            gpu_duration_ns INTEGER NOT NULL,
+            node            TEXT
+        )""",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+
+# When a recording ends: the GPU interval of each collective call, from
+# gpu_intervals into its nccl_events row (same process, communicator, op and
+# seq). Not done per row while recording: that would need an index on
+# nccl_events kept up at every insert.
+FOLD_GPU_INTERVALS = [
+    "CREATE INDEX IF NOT EXISTS gpu_intervals_key ON gpu_intervals (pid, op, seq)",
+    """UPDATE nccl_events SET gpu_start_offset_ns = g.gpu_start_ns - nccl_events.timestamp_ns,
+                              gpu_duration_ns = g.gpu_duration_ns
+       FROM gpu_intervals AS g
+       WHERE g.kind = 'coll' AND g.pid = nccl_events.pid AND g.op = nccl_events.op
+         AND g.seq = nccl_events.seq AND g.nccl_comm_hash = nccl_events.nccl_comm_hash
+         AND nccl_events.kind = 'call' AND nccl_events.gpu_duration_ns IS NULL""",
+]
 
 # Indexes built when a recording ends, not kept up while recording: their
 # keys arrive in random order, and keeping them up costs most of the
@@ -150,7 +184,11 @@ def _insert(table: str, fields: tuple[str, ...]) -> str:
     return f"INSERT INTO {table} ({', '.join(fields)}) VALUES ({', '.join('?' * len(fields))})"
 
 
+GPU_FIELDS = ("pid", "nccl_comm_hash", "op", "seq", "kind", "rank", "peer", "enqueue_ns", "gpu_start_ns",
+              "gpu_duration_ns", "node")
+
 INSERT = {
+    "gpu": _insert("gpu_intervals", GPU_FIELDS),
     "nccl": _insert("nccl_events", NCCL_FIELDS),
     "tcp": _insert("tcp_events", TCP_FIELDS),
     "sched": _insert("sched_events", SCHED_FIELDS),

@@ -23,9 +23,10 @@ import threading
 import time
 
 from exporter import __version__
-from exporter.records.events import CallEvent
+from exporter.records.events import CallEvent, GpuCall
 from exporter.records.render import Renderer, table_of
-from exporter.sinks.recording.schema import DEFERRED_INDEXES, INSERT, SCHEMA_VERSION, StoreError, open_db
+from exporter.sinks.recording.schema import (DEFERRED_INDEXES, FOLD_GPU_INTERVALS, INSERT, SCHEMA_VERSION,
+                                             StoreError, open_db)
 
 # Batching and bounds (env overrides are for tests and benchmarks).
 BATCH_ROWS = 5000
@@ -322,10 +323,15 @@ class Recorder:
 
     def _write(self, batch: list) -> None:
         rows = self._rows
-        nccl, tcp, sched = [], [], []
+        nccl, tcp, sched, gpu = [], [], [], []
         procs = []
         seen = self._seen_pids
         for event in batch:
+            if type(event) is GpuCall:
+                gpu.append((event.pid, rows.comm(event.nccl_hash), event.op, event.seq, event.kind, event.rank,
+                            event.peer if event.peer >= 0 else None, event.enqueue_real_ns or None,
+                            event.start_real_ns, event.duration_ns, self.node))
+                continue
             if type(event) is CallEvent:
                 what, pid = "nccl", event.pid
                 if event.comm_hash and ((pid, event.comm_hash) not in self._seen_comms or (
@@ -356,6 +362,8 @@ class Recorder:
                 c.executemany(INSERT["tcp"], tcp)
             if sched:
                 c.executemany(INSERT["sched"], sched)
+            if gpu:
+                c.executemany(INSERT["gpu"], gpu)
             if procs:
                 c.executemany("INSERT OR IGNORE INTO processes VALUES (?, ?, ?, ?, ?, ?, ?, ?)", procs)
             if comms:
@@ -440,7 +448,7 @@ class Recorder:
         try:
             if self._error is None:
                 self._write_meta(final=True)
-            for sql in DEFERRED_INDEXES:
+            for sql in FOLD_GPU_INTERVALS + DEFERRED_INDEXES:
                 self.conn.execute(sql)
             # Fold the WAL into the main file so the recording is one portable file.
             self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -218,7 +218,10 @@ def start_tracing(args, cfg, agent, node):
                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
     if not endpoint:
         return None  # nobody consumes slow-call events: the kernel sends none
-    agent.slow = SlowCallPolicy(agent.probes, agent.reader, thresholds, relative, plugin=agent.plugin)
+    # With --db the kernel sends every call and every GPU operation: the sink
+    # keeps the slow ones itself, and the plugin's thresholds stay at "all".
+    agent.slow = SlowCallPolicy(agent.probes, agent.reader, thresholds, relative,
+                                plugin=None if agent.config.record_all else agent.plugin)
     protocol = (args.otlp_protocol or cfg.get("otlp_protocol")
                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                 or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
@@ -229,8 +232,10 @@ def start_tracing(args, cfg, agent, node):
     except ValueError as e:
         raise CliError(str(e)) from None
     # With --db the kernel sends every call: the sink keeps the slow ones itself.
+    policy = agent.slow
     sink = SpanSink(node, exporter, agent.processes,
                     slow=agent.slow.is_slow if agent.config.record_all else None,
+                    gpu_slow=(lambda e: e.duration_ns >= policy.threshold_ns(e.op)) if agent.config.record_all else None,
                     comm_id_of=agent.reader.comm_ids.get)
     agent.listeners.append(sink)
     print(f"spans of slow calls -> {endpoint} (OTLP {protocol})", flush=True)
