@@ -174,28 +174,25 @@ class SpanSink:
     # --- the listener: called from the ring-buffer poll, must not block ----
 
     def __call__(self, event) -> None:
+        if isinstance(event, TcpEvent):
+            self.window.add(event)
+            return
         if isinstance(event, CallEvent):
             if event.kind != contract.EVENT_CALL:
                 return
-            if self.slow is not None and not self.slow(event):
-                self.not_slow += 1
-                return
-            with self.lock:
-                if len(self.pending) >= self.max_pending:
-                    self.dropped += 1
-                    return
-                self.pending.append(event)
+            slow = self.slow
         elif isinstance(event, GpuCall):  # only slow ones, unless recording sends all
-            if self.gpu_slow is not None and not self.gpu_slow(event):
-                self.not_slow += 1
+            slow = self.gpu_slow
+        else:
+            return
+        if slow is not None and not slow(event):
+            self.not_slow += 1
+            return
+        with self.lock:
+            if len(self.pending) >= self.max_pending:
+                self.dropped += 1
                 return
-            with self.lock:
-                if len(self.pending) >= self.max_pending:
-                    self.dropped += 1
-                    return
-                self.pending.append(event)
-        elif isinstance(event, TcpEvent):
-            self.window.add(event)
+            self.pending.append(event)
 
     # --- the builder thread ---------------------------------------------------
 
