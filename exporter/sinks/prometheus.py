@@ -322,10 +322,15 @@ def sched_families(node: str, sched, rank_of) -> list:
     return [runq.family(), filled(metrics.OFFCPU, offcpu)]
 
 
+def gpu_comm_ids(comms) -> dict[int, int]:
+    """NCCL commHash -> the agent's id of that communicator (bpf/nccl.c's
+    communicators map), where both are known."""
+    return {c.nccl_hash: c.comm_hash for c in comms if c.nccl_hash and c.comm_hash}
+
+
 def gpu_comm_labels(comms) -> dict[int, str]:
-    """NCCL commHash -> the comm label of the host series of that communicator
-    (the agent's id, from bpf/nccl.c's communicators map)."""
-    return {c.nccl_hash: format_comm(c.comm_hash) for c in comms if c.nccl_hash and c.comm_hash}
+    """NCCL commHash -> the comm label of the host series of that communicator."""
+    return {h: format_comm(c) for h, c in gpu_comm_ids(comms).items()}
 
 
 def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: dict | None = None) -> list:
@@ -339,7 +344,7 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: di
     communicators that still have GPU series or a live entry."""
     is_alive = is_alive or alive_checker()
     known = known if known is not None else {}
-    known.update({c.nccl_hash: c.comm_hash for c in comms if c.nccl_hash and c.comm_hash})
+    known.update(gpu_comm_ids(comms))
     labels = {h: format_comm(c) for h, c in known.items()}
 
     def comm_of(nccl_hash: int) -> str:
