@@ -257,6 +257,34 @@ def test_skew_recovered_within_1ms(scenario, request, tmp_path):
             assert o.collectives >= 20 and o.method.startswith("host call ends"), o
 
 
+def _ring_ends(lags_ms, b_end_ms=0.1, shift_ms=-50):
+    """Synthetic ends: b (clock shifted by shift_ms) arrives last; a leaves lag ms after b arrives,
+    b leaves b_end_ms after it arrives (one per collective, 100 ms apart)."""
+    ms, ends = 1_000_000, {}
+    for i, x in enumerate(lags_ms):
+        t = i * 100 * ms
+        b_start, b_end, a_end = t + 30 * ms, t + 30 * ms + int(b_end_ms * ms), t + 30 * ms + int(x * ms)
+        s = int(shift_ms * ms)
+        ends[("c", "ALL_REDUCE", i)] = {"a": (a_end, a_end, t), "b": (b_end + s, b_end + s, b_start + s)}
+    return ends
+
+
+def test_skew_outside_the_causal_bounds_moves_into_them():
+    """Pure logic. A straggler's upper bound is loose (~30 ms away): when the ends' median breaks
+    the tight lower bound, the estimate stays by that bound, not in the middle of the interval."""
+    from exporter.tools.analysis import skew
+
+    ms = 1_000_000
+    est, k, resid, lower, upper, how = skew._pair(_ring_ends([0.2] + [2.0] * 9), "a", "b")
+    assert (k, lower, resid) == (10, -50 * ms - ms // 5, 0) and upper > -21 * ms
+    assert est == lower and how.endswith("moved into the causal bounds"), (est, how)
+    # noisy ends just outside: the ends' median is -50.9 ms, their residual 0.8 ms; the part of
+    # the bounds within 2 residuals is [-50.2, -49.3] ms: its middle, 0.25 ms from the truth
+    est, _, resid, lower, _, _ = skew._pair(_ring_ends([0.2, 1.0, 3.0, 1.0, 3.0] * 2), "a", "b")
+    assert resid == 800_000 and lower == -50_200_000
+    assert est == (lower + -50_900_000 + 2 * resid) // 2 == -49_750_000
+
+
 @needs_root
 def test_skew_with_a_straggler_and_the_order_right_after_alignment(sleeping, tmp_path):
     """One rank always last: the causal bounds are one-sided, the estimate rests on the ends

@@ -25,7 +25,10 @@ Method (docs/fleet.md):
   min(end_n - start_ref)] over the collectives (`lower_ns`, `upper_ns`). Ends
   are not exactly simultaneous (in a ring the last chunk reaches the ranks one
   after another): when the median of the ends falls outside the bounds, the
-  middle of the bounds is taken instead (`method` says so);
+  middle of what both allow is taken instead (`method` says so): of the
+  bounds, the part within 2 residuals of the median (the nearest bound if
+  none is). Not the middle of the whole bounds: with one rank always last
+  only one bound is tight, and the other may be tens of ms away;
 - `residual_ns`: the median absolute deviation of the differences around the
   offset (the noise left after alignment), `collectives`: how many were used.
 
@@ -133,10 +136,12 @@ def _pair(ends, base: str, node: str):
     resid = statistics.median(abs(x - est) for x in diffs)
     how = "host call ends"
     if lower <= upper and not lower <= est <= upper:
-        # The ends are not simultaneous (e.g. a ring's position): their median broke causality;
-        # the middle of the causal interval is the better guess.
-        est = (lower + upper) / 2
-        how = "host call ends, moved to the middle of the causal bounds"
+        # The ends are not simultaneous (e.g. a ring's position): their median broke causality.
+        # Take the middle of what the bounds and the ends' noise both allow (a straggler's far
+        # bound is loose: the middle of the bounds alone may be tens of ms off).
+        lo, up = max(lower, est - 2 * resid), min(upper, est + 2 * resid)
+        est = (lo + up) / 2 if lo <= up else min(max(est, lower), upper)
+        how = "host call ends, moved into the causal bounds"
     elif lower > upper:
         how = "host call ends (causal bounds inconsistent: clock stepped or not synchronous)"
     return int(round(est)), len(diffs), int(round(resid)), lower, upper, how
