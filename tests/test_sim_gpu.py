@@ -275,8 +275,10 @@ def test_cluster_gpu_time_matches_truth(lib, plugin, tmp_path, capsys):
         k = (t["rank"], "p2p" if p2p else "coll", t["coll_fn"], t["seq"], t["peer"] if p2p else -1)
         r = done[k]
         assert int(r["gpu_start_timer"]) == t["gpu_start_timer"] and int(r["gpu_stop_timer"]) == t["gpu_stop_timer"]
-        # the call records its enqueue; NCCL starts Coll/P2p at ncclGroupEnd for grouped ops
-        assert 0 <= int(r["enqueue_mono_ns"]) - t["enqueue_mono_ns"] < 5_000_000
+        # the call records its enqueue; NCCL starts Coll/P2p at ncclGroupEnd for grouped ops:
+        # the plugin's enqueue is at or after the call's and before the kernel ran (causal
+        # bounds, not a time budget: a loaded machine may preempt between the two)
+        assert t["enqueue_mono_ns"] <= int(r["enqueue_mono_ns"]) <= t["gpu_start_mono_ns"]
         start_err.append(abs(int(r["gpu_start_mono_ns"]) - t["gpu_start_mono_ns"]) / 1e3)
         stop_err.append(abs(int(r["gpu_stop_mono_ns"]) - t["gpu_stop_mono_ns"]) / 1e3)
         late += t["late"]
