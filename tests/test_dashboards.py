@@ -62,6 +62,12 @@ def dashboard_queries(rate_interval: str = "15s") -> list[tuple[str, str, str, s
     return out
 
 
+def instant_targets() -> set[tuple[str, str, str]]:
+    """(dashboard file, panel title, refId) of the targets Grafana runs as instant queries."""
+    return {(path.name, p["title"], t["refId"]) for path in DASHBOARDS for p in panels(load(path))
+            for t in p.get("targets", []) if t.get("instant")}
+
+
 def test_there_are_four_dashboards():
     assert {p.name for p in DASHBOARDS} == {
         "nccl-fleet-overview.json", "nccl-stragglers.json", "nccl-network.json", "nccl-cpu.json"}

@@ -28,7 +28,7 @@ import pytest
 from exporter.records import metrics
 from conftest import ExporterProcess, free_port
 from conftest import check_promql
-from tests.test_dashboards import dashboard_queries
+from tests.test_dashboards import dashboard_queries, instant_targets
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS = "/usr/bin/prometheus"
@@ -223,11 +223,19 @@ def run():
             time.sleep(3)  # let alerts of the same evaluation arrive too
             seen["families"] = families | {smp.name for f in exporter.scrape() for smp in f.samples}
             seen["comm_info"] = comm_info
-            # Every dashboard expression, while the job still runs.
-            queries = []
+            # Every dashboard expression, while the job still runs, as Grafana runs it: an
+            # instant query where the target says so, else a range query (here the last
+            # minute; a gauge such as the oldest call in flight need not have a series at
+            # one instant).
+            queries, instant, now = [], instant_targets(), time.time()
             for dash, title, ref, expr in dashboard_queries(rate_interval="15s"):
+                if (dash, title, ref) in instant:
+                    url = f"{api}/query?" + urllib.parse.urlencode({"query": expr})
+                else:
+                    url = f"{api}/query_range?" + urllib.parse.urlencode(
+                        {"query": expr, "start": now - 60, "end": now, "step": 5})
                 try:
-                    r = http_json(f"{api}/query?" + urllib.parse.urlencode({"query": expr}))
+                    r = http_json(url)
                     queries.append((dash, title, ref, expr, r.get("status"), r["data"]["result"], None))
                 except urllib.error.HTTPError as e:
                     queries.append((dash, title, ref, expr, "error", [], e.read().decode()[:500]))
