@@ -4,7 +4,8 @@ Each scenario is a 4-rank simulated job (exporter/simulator) recorded by
 `nccl-exporter trace --out` (real BPF), one module-scoped fixture each:
 
 - sleeping: rank 2 computes 30 ms longer before every collective;
-- lossy:    5 % packet loss on rank 3's link (everyone slow alike);
+- lossy:    5 % packet loss on rank 3's link, both ways (everyone slow alike);
+- lossy_into: the same, only on the way into rank 3's host;
 - starved:  ranks pinned (0, 2, 3 on CPU 0; 1 on CPU 1) and a SCHED_FIFO hog
             on CPU 1 (as tests/test_sched.py does): rank 1 starves;
 - healthy:  nothing wrong.
@@ -58,8 +59,8 @@ def record_scenario(tmp: pathlib.Path, scenario: str, node: str = "simnode") -> 
             assert time.monotonic() < deadline, "recorder did not start"
             time.sleep(0.2)
         with Cluster(NRANKS) as cluster:
-            if scenario == "lossy":
-                cluster.set_loss(LOSSY, 5)
+            if scenario in ("lossy", "lossy_into"):
+                cluster.set_loss(LOSSY, 5, into_only=scenario == "lossy_into")
             job = start_job(cluster, lib, "train", iterations=10**9, rendezvous_dir=tmp / f"rdv-{scenario}",
                             truth_dir=tmp / f"truth-{scenario}", count=64 * 1024,
                             compute_delay_ms={SLEEPER: 30} if scenario == "sleeping" else None,
@@ -173,6 +174,7 @@ def _fixture(name):
 
 sleeping = _fixture("sleeping")
 lossy = _fixture("lossy")
+lossy_into = _fixture("lossy_into")
 starved = _fixture("starved")
 healthy = _fixture("healthy")
 
@@ -204,12 +206,25 @@ def test_sleeping_straggler_is_named_with_its_lag(sleeping):
 def test_lossy_link_is_named_with_its_rank(lossy):
     out = _explain(lossy)
     v = out["verdict"]
-    assert v.startswith("network: no rank arrives late"), out
-    # the link named has the lossy host at one end, and the verdict names the ranks at its ends
-    link = v.split("link ", 1)[1].split(" ", 1)[0]
+    # The wire loses packets both ways on the lossy host's link: its peers retransmit what
+    # they send it, it retransmits what it sends. The verdict names that host's link.
+    assert v.startswith(f"network: no rank arrives late, collectives are slow alike; the link of "
+                        f"{_addr(LOSSY)} (rank {LOSSY}), both ways"), out
+    links = [part.split(" ", 2)[1] for part in out["evidence"][0].split("; ") if part.startswith("link ")]
+    assert len(links) >= 2 and all(_addr(LOSSY) in link.split("\u2192") for link in links), out
+    assert {link.split("\u2192").index(_addr(LOSSY)) for link in links} == {0, 1}, out  # into and out of it
+
+
+@needs_root
+def test_one_lossy_direction_is_named_as_its_link(lossy_into):
+    """Loss only into rank 3's host: the peer sending it the ring's data retransmits, one
+    directed link stands out, named with the ranks at its ends and its socket's owner."""
+    v = _explain(lossy_into)["verdict"]
+    assert v.startswith("network: no rank arrives late, collectives are slow alike; link "), v
+    link = v.split("; link ", 1)[1].split(" ", 1)[0]
     src, dst = link.split("\u2192")
-    assert _addr(LOSSY) in (src, dst), (link, out)
-    assert f"rank {LOSSY}" in v, out
+    assert dst == _addr(LOSSY) and f"(rank {int(src.rsplit('.', 1)[1]) - 1} \u2192 rank {LOSSY})" in v, v
+    assert "its socket owned by rank" in v, v
 
 
 @needs_root

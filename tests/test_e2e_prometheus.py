@@ -301,9 +301,8 @@ def test_retransmit_alert_names_the_lossy_link_and_rank_only(run):
     assert alerts, "no retransmit alert"
     # Both directions of the lossy link may alert: data the lossy host sends
     # (its sockets: rank LOSSY_RANK) and data sent to it (the peer's socket,
-    # the peer's rank). Which crosses the threshold first depends on timing:
-    # an egress drop fails the local send and is retried as a failure, not a
-    # retransmit, so either direction can lead.
+    # the peer's rank). The wire loses both ways: which crosses the threshold
+    # first depends on timing.
     assert any(lossy_addr in (a["saddr"], a["daddr"]) for a in alerts), alerts
     owner = {f"198.18.0.{r + 1}": str(r) for r in range(NRANKS)}
     for a in alerts:

@@ -130,7 +130,7 @@ def rec(tmp_path_factory):
     lib = build_library()
     dbs = {name: tmp / f"{name}.db" for name in ("lossy", "clean", "all", "tiny", "killed")}
     with Cluster(8) as cluster, Observer() as observer:
-        cluster.set_loss(LOSSY, 5)  # 3 % left a run with a single retransmit in the slow calls' windows
+        cluster.set_loss(LOSSY, 5)  # on the wire, each way: the lossy host retransmits too
         procs = {
             "lossy": start_recorder(dbs["lossy"], lib, "--netns", str(NETNS_DIR / cluster.hosts[LOSSY].netns)),
             "clean": start_recorder(dbs["clean"], lib, "--netns",

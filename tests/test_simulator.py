@@ -283,11 +283,15 @@ def test_allreduce_survives_packet_loss_ipv6(lib, tmp_path):
     with Cluster(3) as c:
         for i in range(3):
             c.set_loss(i, 1)
-        assert "numgen random mod 100 < 1 drop" in c.exec(1, ["nft", "list", "ruleset"]).stdout
+        switch = ["ip", "netns", "exec", c.switch_ns, "nft", "list", "ruleset"]
+        rules = subprocess.run(switch, capture_output=True, text=True, check=True).stdout
+        assert rules.count("numgen random mod 100 < 1 drop") == 6  # on the wire, each way of 3 links
+        assert "ncclsim_loss" not in c.exec(1, ["nft", "list", "ruleset"]).stdout  # not in the host
         res = run_job(c, lib, "allreduce", 5, tmp_path / "rdv", tmp_path / "truth", count=20000, timeout=60,
                       ipv6=True)
         c.clear_loss(1)
-        assert "ncclsim_loss" not in c.exec(1, ["nft", "list", "ruleset"]).stdout
+        rules = subprocess.run(switch, capture_output=True, text=True, check=True).stdout
+        assert "ncclsim_loss_h1" not in rules and "ncclsim_loss_h0" in rules
     assert res.ok, res.summary()
     assert len(calls(res.truth, op="ALL_REDUCE")) == 15
     assert all(bytes.fromhex(r["uid"])[8:10] == (10).to_bytes(2, "little") for r in lifecycle(res.truth)

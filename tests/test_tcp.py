@@ -303,8 +303,7 @@ GEN_CLIENT = textwrap.dedent("""
 
 
 def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events, tmp_path):
-    # Data into the lossy host: its ingress drops make the sender retransmit
-    # (an egress drop fails the local send instead, which TCP just retries).
+    # Data into the lossy host: the wire loses some of it, the sender retransmits.
     missed_before = reader.recursion_misses().get(RETRANSMIT_PROGRAM, 0)
     with Cluster(2, name="tcpgen") as cluster, Observer() as observer:
         cluster.set_loss(LOSSY, LOSS_PCT)

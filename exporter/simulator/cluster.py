@@ -252,31 +252,34 @@ class Cluster:
             raise RuntimeError(f"could not delete namespaces: {errors}")
 
     # -- faults
-    def set_loss(self, index: int, percent: int) -> None:
-        """Drop `percent`% of packets into and out of host `index` (IPv4 and IPv6)."""
+    def set_loss(self, index: int, percent: int, into_only: bool = False) -> None:
+        """Lose `percent`% of the packets on host `index`'s link, each way (IPv4 and IPv6);
+        with `into_only`, only those on their way into the host.
+
+        The drop is on the wire: in the switch's bridge, where the host's port
+        forwards. Both ends' TCP then see real loss and retransmit (a drop on
+        a host's own output hook would fail the send locally instead: no
+        retransmit, only a stall)."""
         percent = int(percent)
         if not 0 <= percent <= 100:
             raise ValueError("percent must be in [0, 100]")
-        h = self.hosts[index]
+        table, port = f"{LOSS_TABLE}_h{index}", f"p{self.hosts[index].index}"
         rules = f"""
-table inet {LOSS_TABLE}
-delete table inet {LOSS_TABLE}
-table inet {LOSS_TABLE} {{
-  chain ingress {{
-    type filter hook input priority -10; policy accept;
-    iifname "{h.ifname}" numgen random mod 100 < {percent} drop
-  }}
-  chain egress {{
-    type filter hook output priority -10; policy accept;
-    oifname "{h.ifname}" numgen random mod 100 < {percent} drop
+table bridge {table}
+delete table bridge {table}
+table bridge {table} {{
+  chain wire {{
+    type filter hook forward priority -10; policy accept;
+    oifname "{port}" numgen random mod 100 < {percent} drop
+    {"" if into_only else f'iifname "{port}" numgen random mod 100 < {percent} drop'}
   }}
 }}
 """
-        _run(["nsenter", f"--net={NETNS_DIR / h.netns}", "nft", "-f", "-"], input=rules)
+        _run(["nsenter", f"--net={NETNS_DIR / self.switch_ns}", "nft", "-f", "-"], input=rules)
 
     def clear_loss(self, index: int) -> None:
-        h = self.hosts[index]
-        _run(["nsenter", f"--net={NETNS_DIR / h.netns}", "nft", "delete", "table", "inet", LOSS_TABLE], check=False)
+        _run(["nsenter", f"--net={NETNS_DIR / self.switch_ns}", "nft", "delete", "table", "bridge",
+              f"{LOSS_TABLE}_h{index}"], check=False)
 
     # -- processes
     def popen(self, index: int, argv: list[str], env: dict | None = None, **kw) -> subprocess.Popen:

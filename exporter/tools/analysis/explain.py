@@ -20,7 +20,13 @@ The checks, in order (docs/fleet.md; thresholds below):
    LINK_SHARE of the job's retransmits, LINK_RATIO times the next link, and
    at least MIN_LINK_RETRANSMITS (a busy host retransmits a little on every
    link: tail-loss probes);
-4. otherwise: no straggler.
+4. a lossy host link: no one link stands out, but the links with one address
+   at an end (data into the host, retransmitted by its peers, and out of it,
+   retransmitted by the host) carry at least LINK_SHARE of the retransmits,
+   LINK_RATIO times those of every other link, and MIN_LINK_RETRANSMITS: a
+   link that loses packets both ways. Two such addresses (a 2-host job): the
+   link between them;
+5. otherwise: no straggler.
 """
 
 from __future__ import annotations
@@ -75,6 +81,18 @@ def _addr_ranks(conn) -> dict[str, str]:
             "SELECT DISTINCT saddr, rank FROM tcp_events WHERE rank IS NOT NULL AND saddr IS NOT NULL"):
         seen[saddr].add(rank)
     return {a: "rank " + ",".join(str(r) for r in sorted(rs)) for a, rs in seen.items()}
+
+
+def _lossy_hosts(links: dict[tuple, int], total: int) -> list[str]:
+    """The addresses (one, or the two of one link) whose links carry the job's retransmits:
+    at least LINK_SHARE of them and LINK_RATIO times those on links away from it."""
+    touching: dict[str, int] = defaultdict(int)
+    for (_node, link), n in links.items():
+        for addr in set(link.split("\u2192")):
+            touching[addr] += n
+    out = sorted(a for a, n in touching.items()
+                 if n >= MIN_LINK_RETRANSMITS and n >= LINK_SHARE * total and n >= LINK_RATIO * max(total - n, 1))
+    return out if len(out) in (1, 2) else []
 
 
 def _durations(collectives, comm, op) -> str:
@@ -214,7 +232,21 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
                     _durations(collectives, *main),
                     _no_late(stats), clocks]
 
-    # 4. healthy
+    # 4. a lossy host link: the retransmitting links share one address
+    hosts = _lossy_hosts(links, total_retx)
+    if hosts:
+        named = " and ".join(f"{a} ({addr_rank.get(a, '?')})" for a in hosts)
+        mine = [(nl, n) for nl, n in ranked_links if set(hosts) <= set(nl[1].split("\u2192"))]
+        n = sum(v for _, v in mine)
+        where = "the link between " + named if len(hosts) == 2 else f"the link of {named}, both ways"
+        return [f"network: no rank arrives late, collectives are slow alike; {where}: its connections "
+                f"retransmitted {n} times ({100 * n / total_retx:.0f} % of all)",
+                "; ".join(f"link {link_text(link)} on {node}: {v} retransmits, socket of {who(*link_owner[(node, link)])}"
+                          for (node, link), v in mine[:4]) + f"; all links {total_retx}",
+                _durations(collectives, *main),
+                _no_late(stats), clocks]
+
+    # 5. healthy
     return [f"no straggler: no rank arrived last in more than chance would give with a lag over "
             f"{_ms(MIN_LAG_NS)}, no rank starved of CPU, no link stands out",
             _no_late(stats),
