@@ -16,6 +16,7 @@ import select
 import shutil
 import subprocess
 import time
+import types
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -232,19 +233,20 @@ def test_comm_label_is_the_host_series_id_when_known():
     assert sample_values(text, "nccl_profiler_plugin_active") == [0]
 
     # The job ended (no communicator entries) while its GPU series live on
-    # (--series-ttl): the collector's memory keeps the label from flipping.
-    known: dict = {}  # NcclReader.comm_ids
-    gpu_families("n1", FakePlugin(), comms, set(), known=known)
-    text = _exposition(gpu_families("n1", FakePlugin(), [], set(), known=known))
+    # (--series-ttl): the NCCL reader's memory (learnt from the init events)
+    # keeps the label from flipping to NCCL's hash.
+    from exporter.sources.nccl.reader import NcclReader
+
+    reader = NcclReader(types.SimpleNamespace(bpf=None))
+    reader.comm_ids.update({0x1111222233334444: 0x0123456789ABCDEF, 0x9999: 0x8888})
+    text = _exposition(gpu_families("n1", FakePlugin(), [], set(), known=reader.comm_ids))
     assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="0123456789abcdef") == 1
     assert sample_values(text, "nccl_collective_gpu_duration_seconds_count", comm="1111222233334444") == []
-
-    class Expired(FakePlugin):
-        def series(self):
-            return []
-
-    gpu_families("n1", Expired(), [], set(), known=known)
-    assert known == {}  # pruned with its series
+    # the agent's prune keeps the ids of communicators with GPU series or a live entry
+    reader.keep_comm_ids({s.nccl_hash for s in FakePlugin().series()})
+    assert reader.comm_ids == {0x1111222233334444: 0x0123456789ABCDEF}
+    reader.keep_comm_ids(set())  # its series expired too
+    assert reader.comm_ids == {}
 
 
 def test_exporter_serves_gpu_metrics(bins, tmp_path):

@@ -340,12 +340,9 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: di
     (16 hex digits). plugin None (not loaded): every traced process is 0.
     `known`: commHash -> the agent's communicator id, remembered by the
     NCCL reader from the init events (the job's processes may be gone while
-    its GPU series live on for --series-ttl); pruned here to the
-    communicators that still have GPU series or a live entry."""
+    its GPU series live on for --series-ttl); read, never changed here."""
     is_alive = is_alive or alive_checker()
-    known = known if known is not None else {}
-    known.update(gpu_comm_ids(comms))
-    labels = {h: format_comm(c) for h, c in known.items()}
+    labels = {h: format_comm(c) for h, c in {**(known or {}), **gpu_comm_ids(comms)}.items()}
 
     def comm_of(nccl_hash: int) -> str:
         return labels.get(nccl_hash) or f"{nccl_hash:016x}"
@@ -353,10 +350,8 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: di
     durations = Histograms(metrics.GPU_DURATION, duration_bounds_s())
     oldest: dict[tuple, float] = {}
     with_plugin: set[int] = set()
-    hashes = {c.nccl_hash for c in comms}
     if plugin is not None:
         for s in plugin.series():
-            hashes.add(s.nccl_hash)
             durations.add((node, s.op, comm_of(s.nccl_hash), label(s.rank)),
                           s.buckets, s.sum_ns / 1e9)
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
@@ -366,8 +361,6 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: di
             key = (node, f.op, comm_of(f.nccl_hash), label(f.rank), f.state)
             oldest[key] = max(oldest.get(key, 0.0), max(0, now - f.since_ns) / 1e9)
         with_plugin = {p.pid for p in plugin.processes() if is_alive(p.pid)}
-    for h in [h for h in known if h not in hashes]:
-        del known[h]
     active = {(node, str(pid)): 1 for pid in with_plugin}
     for pid in traced_pids:
         if pid not in with_plugin and is_alive(pid):

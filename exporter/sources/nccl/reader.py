@@ -45,9 +45,14 @@ class NcclReader:
         self._activity: dict[tuple, tuple[int, float]] = {}
         # NCCL's commHash -> the agent's communicator id, learnt from events
         # (init, split, ...): the GPU series' comm label after the job's
-        # processes are gone. Pruned by the Prometheus sink (gpu_families) to
-        # the communicators that still have GPU series or a live entry.
+        # processes are gone. The agent's prune() keeps the communicators that
+        # still have GPU series or a live entry (keep_comm_ids).
         self.comm_ids: dict[int, int] = {}
+
+    def keep_comm_ids(self, nccl_hashes: set[int]) -> None:
+        """Forget the commHash -> communicator id of every other communicator."""
+        for h in [h for h in self.comm_ids if h not in nccl_hashes]:
+            del self.comm_ids[h]
 
     def series(self) -> list[Series]:
         """Every series in the kernel: those of series_index, the lifecycle
