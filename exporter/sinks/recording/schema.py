@@ -129,7 +129,7 @@ MIGRATIONS: list[list[str]] = [
             reference   TEXT,
             collectives INTEGER,              -- collectives compared
             residual_ns INTEGER,              -- median |difference - offset|
-            method      TEXT,                 -- 'host call ends', 'reference', 'none: ...'
+            method      TEXT,                 -- 'host call ends[...]', 'causal bounds (...)', 'reference', 'none: ...'
             lower_ns    INTEGER,              -- causal bounds of offset_ns (NULL: unbounded)
             upper_ns    INTEGER
         )""",

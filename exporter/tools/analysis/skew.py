@@ -24,13 +24,14 @@ Method (docs/fleet.md):
   has arrived, so `node - reference` lies in [max(start_n - end_ref),
   min(end_n - start_ref)] over the collectives (`lower_ns`, `upper_ns`). Ends
   are not exactly simultaneous (in a ring the last chunk reaches the ranks one
-  after another): when the median of the ends falls outside the bounds, the
-  middle of what both allow is taken instead (`method` says so): of the
-  bounds, the part within 2 residuals of the median (the nearest bound if
-  none is). Not the middle of the whole bounds: with one rank always last
-  only one bound is tight, and the other may be tens of ms away;
-- `residual_ns`: the median absolute deviation of the differences around the
-  offset (the noise left after alignment), `collectives`: how many were used.
+  after another, and a lossy or starved rank's ends lag by a ms or more), so
+  the more precise of the two is taken (`method` says which): where the
+  bounds are narrower than 2 residuals of the ends, their middle; else the
+  median of the ends, moved to the nearest bound if it falls outside (with
+  one rank always last only one bound is tight, the other may be tens of ms
+  away);
+- `residual_ns`: the median absolute deviation of the differences around
+  their median (how well the ends agree), `collectives`: how many were used.
 
 An aligned timestamp is `timestamp_ns - offset_ns` of its node. Offsets are
 stored by `merge` in the `clock_skew` table; readers use that table when it
@@ -61,7 +62,7 @@ class NodeOffset:
     reference: str
     collectives: int        # collectives compared (0: the reference itself, or not estimable)
     residual_ns: int        # median |difference - offset|
-    method: str             # 'host call ends' | 'reference' | 'none: ...'
+    method: str             # 'host call ends[...]' | 'causal bounds (...)' | 'reference' | 'none: ...'
     lower_ns: int | None = None   # causal bounds of the offset (None: unbounded)
     upper_ns: int | None = None
 
@@ -135,15 +136,17 @@ def _pair(ends, base: str, node: str):
     est = statistics.median(diffs)
     resid = statistics.median(abs(x - est) for x in diffs)
     how = "host call ends"
-    if lower <= upper and not lower <= est <= upper:
-        # The ends are not simultaneous (e.g. a ring's position): their median broke causality.
-        # Take the middle of what the bounds and the ends' noise both allow (a straggler's far
-        # bound is loose: the middle of the bounds alone may be tens of ms off).
-        lo, up = max(lower, est - 2 * resid), min(upper, est + 2 * resid)
-        est = (lo + up) / 2 if lo <= up else min(max(est, lower), upper)
-        how = "host call ends, moved into the causal bounds"
-    elif lower > upper:
+    if lower > upper:
         how = "host call ends (causal bounds inconsistent: clock stepped or not synchronous)"
+    elif upper - lower <= 2 * resid:
+        # The bounds pin the offset closer than the ends agree (a ring's order, a lossy or
+        # starved rank's late ends): their middle.
+        est = (lower + upper) / 2
+        how = "causal bounds (narrower than the host call ends' spread)"
+    elif not lower <= est <= upper:
+        # The ends' median broke causality (e.g. one rank always last: one tight bound).
+        est = min(max(est, lower), upper)
+        how = "host call ends, moved to the nearest causal bound"
     return int(round(est)), len(diffs), int(round(resid)), lower, upper, how
 
 
