@@ -18,9 +18,11 @@
 //   sched_wakeup(struct task_struct *p), sched_wakeup_new(struct task_struct *p)
 // The task_struct pointers are used as identities only, never dereferenced:
 // a traced thread's pointer is learnt at its switch-out, where `prev` is the
-// current task and its tid is known from bpf_get_current_pid_tgid(). `task_tids` maps pointer -> tid; in front of
-// it `task_filter`, an array of counts indexed by a hash of the pointer, lets
-// every other task's wakeup or switch-in return after one array read.
+// current task and its tid is known from bpf_get_current_pid_tgid().
+// `thread_sched` is keyed by that pointer, so a wakeup or switch-in finds a
+// traced thread's state with one hash lookup; in front of it `task_filter`,
+// an array of counts indexed by a hash of the pointer, lets every other
+// task's wakeup or switch-in return after one array read.
 //
 // Per traced thread, `thread_sched` remembers since when it is runnable
 // (woken, or preempted while runnable) and since when it sleeps. At each
@@ -31,9 +33,12 @@
 //   - an event in the `sched_events` ring buffer when the delay is at least
 //     sched_config[0] ns (0, the default: none; recordings turn it on)
 //                                                          -> exporter/sched.py
-// Off-CPU time (switch-out while not runnable .. wakeup) is summed per
-// (process, thread kind) too. Every other task costs one array read per
-// wakeup, and one bitmap test and one array read per switch.
+// Off-CPU time (switch-out while not runnable .. wakeup) is kept in the
+// thread's state and added to the same sched_stats entry at that switch-in,
+// so a traced thread's round of sleep, wakeup and run costs five hash
+// lookups (its state three times, its inflight slot, its sched_stats
+// entry). Every other task costs one array read per wakeup, and one bitmap
+// test and one array read per switch.
 
 #include "traced.h"
 
@@ -57,12 +62,13 @@
 #define MAX_SCHED_KEYS (MAX_PROCESSES * SCHED_KINDS)
 #endif
 
+// A traced thread, keyed by its task_struct pointer.
 struct sched_state {
     u64 runnable_since;  // ktime ns; 0: not waiting on a run queue
     u64 offcpu_since;    // ktime ns; 0: not sleeping (or unknown)
-    u64 task;            // its task_struct pointer, once in task_tids
+    u64 offcpu_ns;       // slept since its last switch-in: added to sched_stats at the next one
+    u32 tid;
     u32 tgid;            // learnt when the thread switches out (it is current then)
-    u32 kind;            // SCHED_KIND_* as of the last switch-out
     char comm[16];       // its name as of the last switch-out
 };
 
@@ -91,10 +97,9 @@ struct sched_event {
     char comm[16];    // the thread's name
 };
 
-BPF_HASH(thread_sched, u32, struct sched_state, MAX_SCHED_THREADS);
-// Traced threads' task_struct pointers (identities only) -> tid.
-BPF_HASH(task_tids, u64, u32, MAX_SCHED_THREADS);
-// Counts of task_tids' pointers per hash slot: 0 = no traced task hashes here.
+// Traced threads' task_struct pointers (identities only) -> their state.
+BPF_HASH(thread_sched, u64, struct sched_state, MAX_SCHED_THREADS);
+// Counts of thread_sched's pointers per hash slot: 0 = no traced task hashes here.
 #define TASK_FILTER_SLOTS 65536
 BPF_ARRAY(task_filter, u32, TASK_FILTER_SLOTS);
 // [0]: the shortest run-queue wait that becomes an event, ns; 0: no events.
@@ -118,14 +123,6 @@ static __always_inline int comm_is_proxy(const char *comm) {
     // "NCCL Service..", "NCCL Proxy.."
     return comm[0] == 'N' && comm[1] == 'C' && comm[2] == 'C' && comm[3] == 'L' &&
            comm[4] == ' ';
-}
-
-static __always_inline u32 sched_kind(u32 tid, const char *comm) {
-    if (comm_is_proxy(comm))
-        return SCHED_KIND_PROXY;
-    if (inflight.lookup(&tid))
-        return SCHED_KIND_CALLER;
-    return SCHED_KIND_OTHER;
 }
 
 static __always_inline struct sched_stats *sched_stats_of(u32 tgid, u32 kind) {
@@ -161,7 +158,9 @@ static __always_inline void proxy_wait_add(u32 tgid, u64 delay) {
     }
 }
 
-static __always_inline void runq_record(u32 tgid, u32 kind, u64 delay) {
+// One switch-in of a traced thread: its run-queue delay, and the sleep
+// before it (0 when it was preempted, not asleep).
+static __always_inline void runq_record(u32 tgid, u32 kind, u64 delay, u64 offcpu) {
     struct sched_stats *s = sched_stats_of(tgid, kind);
     if (!s)
         return;
@@ -171,31 +170,11 @@ static __always_inline void runq_record(u32 tgid, u32 kind, u64 delay) {
     __sync_fetch_and_add(&s->count, 1);
     __sync_fetch_and_add(&s->sum_ns, delay);
     __sync_fetch_and_add(&s->buckets[b], 1);
+    if (offcpu)
+        __sync_fetch_and_add(&s->offcpu_ns, offcpu);
     if (kind == SCHED_KIND_PROXY)
         proxy_wait_add(tgid, delay);
 }
-
-static __always_inline struct sched_state *sched_state_of(u32 tid) {
-    struct sched_state *st = thread_sched.lookup(&tid);
-    if (st)
-        return st;
-    struct sched_state fresh = {};
-    if (thread_sched.insert(&tid, &fresh) != 0) {
-        st = thread_sched.lookup(&tid);
-        if (!st)
-            count_up(CNT_SCHED_FULL);
-        return st;
-    }
-    return thread_sched.lookup(&tid);
-}
-
-// Forget a thread. Called from sched_switch at an exiting thread's last
-// switch (prev_state TASK_DEAD), which covers every exit.
-static __always_inline void sched_forget(u32 tid) {
-    thread_sched.delete(&tid);
-}
-
-
 
 static __always_inline u32 *filter_slot(u64 task) {
     // Fibonacci hashing: task_structs are slab objects kilobytes apart, so
@@ -204,54 +183,58 @@ static __always_inline u32 *filter_slot(u64 task) {
     return task_filter.lookup(&slot);
 }
 
-// The tid of a traced thread's task pointer; 0 for every other task, which
-// costs one array read when its slot is empty (nearly always).
-static __always_inline u32 traced_tid(u64 task) {
+// The state of a task pointer if it is a traced thread's; 0 for every other
+// task, which costs one array read when its filter slot is empty (nearly
+// always).
+static __always_inline struct sched_state *known_state(u64 task) {
     u32 *n = filter_slot(task);
     if (!n || *n == 0)
         return 0;
-    u32 *tid = task_tids.lookup(&task);
-    return tid ? *tid : 0;
+    return thread_sched.lookup(&task);
 }
 
-// Remember the current task's pointer as thread `tid` (at its switch-out).
-static __always_inline void learn_task(u64 task, u32 tid) {
-    u32 *known = task_tids.lookup(&task);
-    if (known) {
-        *known = tid;  // a reused pointer whose exit was missed: now this thread's
-        return;
+// ... and only while its thread is still traced.
+static __always_inline struct sched_state *traced_state(u64 task) {
+    struct sched_state *st = known_state(task);
+    return st && thread_traced(st->tid) ? st : 0;
+}
+
+// A fresh state for the current task (at its switch-out), or one whose
+// pointer belonged to a thread whose exit was missed: now this thread's.
+static __always_inline struct sched_state *new_state(u64 task, u32 tid, struct sched_state *old) {
+    struct sched_state fresh = {.tid = tid};
+    if (old) {
+        *old = fresh;
+        return old;
     }
-    if (task_tids.insert(&task, &tid) != 0) {
-        count_up(CNT_SCHED_FULL);
-        return;
+    if (thread_sched.insert(&task, &fresh) != 0) {
+        count_up(CNT_SCHED_FULL);  // full (or another CPU made it first: not for current)
+        return 0;
     }
     u32 *n = filter_slot(task);
     if (n)
         __sync_fetch_and_add(n, 1);
+    return thread_sched.lookup(&task);
 }
 
+// An exiting thread's last switch: forget its pointer (the memory is freed
+// and reused). One filter read for every other exiting thread.
 static __always_inline void forget_task(u64 task) {
-    if (task_tids.delete(&task) != 0)
-        return;  // not known
     u32 *n = filter_slot(task);
-    if (n && *n)
+    if (!n || *n == 0)
+        return;
+    if (thread_sched.delete(&task) == 0)
         __sync_fetch_and_add(n, -1);
 }
 
 // A thread became runnable.
 static __always_inline void sched_woken(u64 task) {
-    u32 tid = traced_tid(task);
-    if (!tid || !thread_traced(tid))
-        return;
-    struct sched_state *st = thread_sched.lookup(&tid);
+    struct sched_state *st = traced_state(task);
     if (!st)
-        return;  // known at its first switch-out
+        return;  // known from its first switch-out on
     u64 now = bpf_ktime_get_ns();
     if (st->offcpu_since) {
-        // tgid and kind were learnt when it switched out to sleep.
-        struct sched_stats *s = sched_stats_of(st->tgid, st->kind);
-        if (s)
-            __sync_fetch_and_add(&s->offcpu_ns, now - st->offcpu_since);
+        st->offcpu_ns += now - st->offcpu_since;
         st->offcpu_since = 0;
     }
     if (!st->runnable_since)
@@ -268,19 +251,18 @@ RAW_TRACEPOINT_PROBE(sched_wakeup_new) {
     return 0;
 }
 
-// The current task (prev) switches out: learn who it is, and whether it
-// waits on a run queue (preempted, or yielding) or sleeps.
+// The current task (prev, traced thread `tid`) switches out: learn its
+// process and name, and whether it waits on a run queue (preempted, or
+// yielding) or sleeps.
 static __always_inline void switched_out(u64 task, u32 tid, int runnable, u64 now) {
-    struct sched_state *st = sched_state_of(tid);
-    if (!st)
-        return;
-    if (st->task != task) {
-        learn_task(task, tid);
-        st->task = task;
+    struct sched_state *st = known_state(task);
+    if (!st || st->tid != tid) {
+        st = new_state(task, tid, st);
+        if (!st)
+            return;
     }
     st->tgid = bpf_get_current_pid_tgid() >> 32;
     bpf_get_current_comm(st->comm, sizeof(st->comm));
-    st->kind = sched_kind(tid, st->comm);
     if (runnable) {
         st->runnable_since = now;  // preempted: waits on the run queue
         st->offcpu_since = 0;
@@ -290,19 +272,23 @@ static __always_inline void switched_out(u64 task, u32 tid, int runnable, u64 no
     }
 }
 
-// Traced thread `tid` (next) switches in: the wait since it became runnable.
-static __always_inline void switched_in(u32 tid, u64 now) {
-    struct sched_state *st = thread_sched.lookup(&tid);
-    if (!st || !st->runnable_since)
+// A traced thread (next) switches in: the wait since it became runnable.
+// Its kind is decided here: proxy by name, caller when it has an inflight
+// slot (it has called NCCL), other otherwise.
+static __always_inline void switched_in(struct sched_state *st, u64 now) {
+    if (!st->runnable_since)
         return;
     u64 delay = now - st->runnable_since;
+    u64 offcpu = st->offcpu_ns;
+    u32 tid = st->tid;
     st->runnable_since = 0;
     st->offcpu_since = 0;
+    st->offcpu_ns = 0;
     struct call *c = inflight.lookup(&tid);
     u32 kind = comm_is_proxy(st->comm) ? SCHED_KIND_PROXY : c ? SCHED_KIND_CALLER : SCHED_KIND_OTHER;
     if (c && c->op)
         __sync_fetch_and_add(&c->runq_wait_ns, delay);
-    runq_record(st->tgid, kind, delay);
+    runq_record(st->tgid, kind, delay, offcpu);
     u32 zero = 0;
     u64 *min_wait = sched_config.lookup(&zero);
     if (!min_wait || !*min_wait || delay < *min_wait)
@@ -330,22 +316,17 @@ RAW_TRACEPOINT_PROBE(sched_switch) {
     u64 next_task = ctx->args[2];
     u32 state = ctx->args[3];
     u32 prev = bpf_get_current_pid_tgid();  // prev is the current task here
-    u32 next = traced_tid(next_task);
     u64 now = 0;
     if (state & TASK_DEAD_STATE) {
-        // An exiting thread's last switch: forget its pointer (the memory is
-        // freed and reused) and its state. nccl.c clears its traced bit at
-        // sched_process_exit, before this switch. One filter read for
-        // every other exiting thread.
-        if (traced_tid(prev_task)) {
-            forget_task(prev_task);
-            sched_forget(prev);
-        }
+        // nccl.c clears an exiting thread's traced bit at sched_process_exit,
+        // before this switch.
+        forget_task(prev_task);
     } else if (prev && thread_traced(prev)) {
         now = bpf_ktime_get_ns();
         switched_out(prev_task, prev, preempt || state == TASK_RUNNING_STATE, now);
     }
-    if (next && thread_traced(next))
+    struct sched_state *next = traced_state(next_task);
+    if (next)
         switched_in(next, now ? now : bpf_ktime_get_ns());
     return 0;
 }

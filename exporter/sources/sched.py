@@ -28,7 +28,6 @@ RUNQ_BOUNDS = tuple((1 << k) * 1e-6 for k in range(RUNQ_MAX_LOG2 + 1))
 # Capacity of each map this program owns, for nccl_exporter_map_capacity.
 MAP_CAPACITY = {
     "thread_sched": contract.MAX_SCHED_THREADS,
-    "task_tids": contract.MAX_SCHED_THREADS,
     "sched_stats": contract.MAX_PROCESSES * len(KINDS),
 }
 
@@ -148,6 +147,6 @@ class SchedSource(Program):
         return {s.thread: s for s in self.stats() if s.pid == pid}
 
     def tracked_threads(self) -> set[int]:
-        """Thread ids that have a `thread_sched` entry."""
-        return {k.value for k in self["thread_sched"].keys()}
+        """Thread ids that have a `thread_sched` entry (keyed by task pointer)."""
+        return {v.tid for v in self["thread_sched"].values()}
 
