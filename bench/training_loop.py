@@ -20,7 +20,13 @@ median over the rounds of (condition / the `none` run of the same round). Goal (
 
 As root, under the heavy-test lock (a few minutes):
 
-    flock /tmp/nccl-heavy.lock .venv/bin/python bench/training_loop.py [--reps 5] [--iterations 200]
+    flock /tmp/nccl-heavy.lock .venv/bin/python bench/training_loop.py [--reps 5] [--iterations 200] [--bpf-time]
+
+--bpf-time also prints, per BPF program of the agent, runs and µs per
+iteration of one rank (the kernel's BPF statistics, bench/bpf_time.py):
+where the kernel side's share of the overhead goes. The statistics' own
+clock reads slow the `agent` runs: take the overhead figure from a run
+without it.
 
 On a machine with fewer cores than ranks the ranks share CPUs: look at the
 spread of the `none` runs before believing a digit below it.
@@ -29,6 +35,7 @@ spread of the `none` runs before believing a digit below it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -40,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bpf_time import BpfStats, difference, program_names, program_times, table  # noqa: E402
 from exporter.simulator.build import build_library  # noqa: E402
 from exporter.simulator.cluster import Cluster, cleanup_stale, start_job  # noqa: E402
 from exporter.simulator.truth import calls  # noqa: E402
@@ -118,6 +126,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="runs per condition (default 5)")
     ap.add_argument("--iterations", type=int, default=200, help="iterations per run (default 200)")
+    ap.add_argument("--bpf-time", action="store_true",
+                    help="also time each of the agent's BPF programs (kernel.bpf_stats_enabled while the agent runs)")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("run as root (BPF, network namespaces)")
@@ -130,6 +140,7 @@ def main(argv=None) -> int:
         conds = ("none", "plugin", "agent")
         results: dict[str, list[float]] = {c: [] for c in conds}
         counted, agent_cpu = [], []
+        bpf_time: dict[str, list[int]] = {}  # program name -> [run_time_ns, run_cnt], all agent runs
         with Cluster(RANKS) as cluster:
             for rep in range(a.reps):
                 for cond in conds[rep % 3:] + conds[:rep % 3]:
@@ -140,9 +151,16 @@ def main(argv=None) -> int:
                     else:
                         agent = Agent(lib, work)
                         try:
-                            cpu0, t0 = agent.cpu_s(), time.monotonic()
-                            t = run_job(cluster, lib, work, a.iterations, with_plugin)
-                            agent_cpu.append((agent.cpu_s() - cpu0) / (time.monotonic() - t0))
+                            with BpfStats() if a.bpf_time else contextlib.nullcontext():
+                                cpu0, t0, progs0 = agent.cpu_s(), time.monotonic(), program_times(agent.proc.pid)
+                                t = run_job(cluster, lib, work, a.iterations, with_plugin)
+                                agent_cpu.append((agent.cpu_s() - cpu0) / (time.monotonic() - t0))
+                                if a.bpf_time:
+                                    names = program_names()
+                                    for pid, (ns, n) in difference(progs0, program_times(agent.proc.pid)).items():
+                                        acc = bpf_time.setdefault(names.get(pid, f"prog {pid}"), [0, 0])
+                                        acc[0] += ns
+                                        acc[1] += n
                             time.sleep(0.5)
                             counted.append(agent.gpu_calls())
                         finally:
@@ -162,6 +180,12 @@ def main(argv=None) -> int:
     print(f"  the agent process itself while a job ran: {100 * statistics.median(agent_cpu):.1f} % of one core "
           f"(of {os.cpu_count()}), median of {len(agent_cpu)} runs")
     print(f"  agent + plugin overhead {100 * (ratio - 1):+.2f} %: goal < 0.5 % {'met' if ratio - 1 < 0.005 else 'MISSED'}")
+    if bpf_time:
+        runs = len(agent_cpu) * a.iterations * RANKS
+        print(f"  the agent's BPF programs per rank-iteration (kernel statistics, {len(agent_cpu)} agent runs; "
+              "their clock reads slowed the agent runs above):")
+        print("\n".join(table({i: tuple(v) for i, v in enumerate(bpf_time.values())},
+                               dict(enumerate(bpf_time)), runs, "iter")))
     want = RANKS * a.iterations
     print(f"  GPU AllReduces counted by the agent per run: {sorted(set(int(c) for c in counted))} (made: {want})")
     return 0 if ratio - 1 < 0.005 and all(int(c) == want for c in counted) else 1

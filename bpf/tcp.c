@@ -37,6 +37,7 @@ enum tcp_rst_reason_compat { TCP_RST_REASON_COMPAT_ = 0 };
 struct sock_owner_t {
     u32 tgid;
     u32 tid;
+    u64 srtt_sampled_ns;  // ktime of the socket's last srtt sample (tcp_probe)
 };
 
 // One link: a local address, a remote one, the service port (see
@@ -104,7 +105,7 @@ static __always_inline void tcp_remember_owner(u64 sk) {
         return;
     if (sock_owner.lookup(&sk))  // fires per send/recv: insert only when absent
         return;
-    struct sock_owner_t o = {.tgid = id >> 32, .tid = tid};
+    struct sock_owner_t o = {.tgid = id >> 32, .tid = tid, .srtt_sampled_ns = 0};
     int err = sock_owner.insert(&sk, &o);
     if (err && err != -17)  // -EEXIST: another thread of ours won the race
         count_up(CNT_SOCKETS_FULL);
@@ -290,6 +291,13 @@ TRACEPOINT_PROBE(tcp, tcp_probe) {
     u32 srtt = args->srtt;  // us (the kernel's srtt_us >> 3)
     if (srtt == 0)          // no RTT sample yet
         return 0;
+    // One sample per socket per SRTT_SAMPLE_NS: a busy socket gets a segment
+    // every few µs, and the rest of this program (two address copies, a
+    // 40-byte key, its hash lookup) is most of the cost per segment.
+    u64 now = bpf_ktime_get_ns();
+    if (now - o->srtt_sampled_ns < SRTT_SAMPLE_NS)
+        return 0;
+    o->srtt_sampled_ns = now;
     struct tcp_flow f;
     __builtin_memset(&f, 0, sizeof(f));
     tcp_from_sockaddrs(&f, args->saddr, args->daddr);

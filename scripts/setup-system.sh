@@ -6,7 +6,7 @@ set -euo pipefail
 PACKAGES=(
     python3-bpfcc python3-venv linux-headers-amd64 gcc make libc6-dev
     nftables iproute2 procps binutils prometheus prometheus-alertmanager
-    bpftrace
+    bpftrace bpftool
 )
 
 if [ "$(id -u)" -ne 0 ]; then

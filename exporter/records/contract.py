@@ -242,6 +242,9 @@ TCP_EVENT_MACROS = {1: "RETRANSMIT", 2: "RETRANSMIT_FAILED", 3: "SEND_RESET", 4:
 # srtt histogram of bpf/tcp.c: bucket i holds srtt <= 2^i us (i < SRTT_FINITE),
 # the last one everything above.
 SRTT_FINITE = 24
+# ... one sample per socket at most this often: tcp_probe fires at every
+# incoming segment, the kernel's srtt is already smoothed over ~8 of them.
+SRTT_SAMPLE_NS = 10_000_000
 
 # Thread kinds of bpf/sched.c (SCHED_KIND_*): the thread label.
 THREAD_KINDS = {0: "other", 1: "caller", 2: "proxy"}
