@@ -20,8 +20,11 @@ rotating order, median kept:
   floor     empty programs (`return 0`) on the same tracepoints, raw where
             the product's are raw: what running any BPF program there costs
             on this kernel and CPU, the floor the product is measured against
-  untraced  tracepoints attached; the workload is NOT traced: the realistic
-            case, the node's other traffic (one bitmap test per event)
+  idle      the agent between jobs (`run --idle-detach`): no process
+            traced, so the scheduler and socket tracepoints that run for
+            every task are detached (set_hot(False)); the rest attached
+  untraced  tracepoints attached; the workload is NOT traced: the node's
+            other traffic while a job runs (one bitmap test per event)
   traced    tracepoints attached and both processes traced (trace_process):
             every switch/wakeup/socket event does the full work
 
@@ -42,6 +45,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from exporter.sources.bpf import set_tracepoint  # noqa: E402
 
 WORKLOAD_C = r"""
 #define _GNU_SOURCE
@@ -118,7 +123,7 @@ int main(int argc, char **argv) {
 }
 """
 
-CONDITIONS = ("off", "floor", "untraced", "traced")
+CONDITIONS = ("off", "floor", "idle", "untraced", "traced")
 CPU = os.cpu_count() - 1
 WORKLOADS = {"tcp": "bytes/s", "pipe": "round trips/s"}
 
@@ -137,36 +142,21 @@ def _name(tp) -> str:
 
 
 class Switch:
-    """Detach / re-attach every tracepoint (classic and raw) of the loaded
-    programs; BCC names their functions tracepoint__CAT__NAME and
-    raw_tracepoint__NAME."""
+    """Detach / re-attach every tracepoint (classic and raw) the loaded
+    programs attached at load (set_tracepoint: idempotent, BCC's names)."""
 
-    def __init__(self, programs, on: bool = True):
-        # (bpf, tracepoint, raw?, function)
-        self.tps = [(p.bpf, _name(tp), False, "tracepoint__" + _name(tp).replace(":", "__"))
-                    for p in programs for tp in p.bpf.tracepoint_fds]
-        self.tps += [(p.bpf, _name(tp), True, "raw_tracepoint__" + _name(tp))
-                     for p in programs for tp in p.bpf.raw_tracepoint_fds]
-        self.on = on
+    def __init__(self, programs):
+        # (bpf, tracepoint ("cat:name", or a bare name: raw), function or None: BCC's)
+        self.tps = [(p.bpf, _name(tp), None) for p in programs
+                    for tp in [*p.bpf.tracepoint_fds, *p.bpf.raw_tracepoint_fds]]
 
     def set(self, on: bool) -> None:
-        if on == self.on:
-            return
-        for bpf, tp, raw, fn in self.tps:
-            if on and raw:
-                bpf.attach_raw_tracepoint(tp=tp, fn_name=fn)
-            elif on:
-                bpf.attach_tracepoint(tp=tp, fn_name=fn)
-            elif raw:
-                bpf.detach_raw_tracepoint(tp)
-            else:
-                bpf.detach_tracepoint(tp)
-        self.on = on
+        for bpf, tp, fn in self.tps:
+            set_tracepoint(bpf, tp, on, fn)
 
 
 class Floor:
-    """Empty programs on the product's tracepoints, of the same kinds; .bpf
-    like a Program's, for Switch (loaded detached)."""
+    """Empty programs on the product's tracepoints, of the same kinds (loaded detached)."""
 
     def __init__(self, switch: Switch):
         from bcc import BPF
@@ -174,8 +164,8 @@ class Floor:
         # Not named tracepoint__*: BCC would attach those at load.
         self.bpf = BPF(text="".join(f"int floor{i}(void *ctx) {{ return 0; }}\n"
                                     for i in range(len(switch.tps))))
-        self.switch = Switch([], on=False)
-        self.switch.tps = [(self.bpf, tp, raw, f"floor{i}") for i, (_, tp, raw, _) in enumerate(switch.tps)]
+        self.switch = Switch([])
+        self.switch.tps = [(self.bpf, tp, f"floor{i}") for i, (_, tp, _) in enumerate(switch.tps)]
 
 
 def run_once(exe: Path, workload: str, seconds: float, probes, traced: bool) -> float:
@@ -214,9 +204,10 @@ def main(argv=None) -> int:
         programs = [probes, TcpSource(), SchedSource()]
         t_load = time.monotonic() - t
         sw = Switch(programs)
+        hot = programs[1:]  # TcpSource, SchedSource: their HOT_TRACEPOINTS
         floor = Floor(sw)
         print(f"programs loaded in {t_load:.1f} s; tracepoints: "
-              + ", ".join(sorted(("raw " if raw else "") + tp for _, tp, raw, _ in sw.tps)))
+              + ", ".join(sorted(tp if ":" in tp else f"raw {tp}" for _, tp, _ in sw.tps)))
         results = {w: {c: [] for c in CONDITIONS} for w in WORKLOADS}
         n = len(CONDITIONS)
         try:
@@ -224,7 +215,12 @@ def main(argv=None) -> int:
                 for w in WORKLOADS:
                     order = CONDITIONS[rep % n:] + CONDITIONS[:rep % n]
                     for cond in order:
-                        sw.set(cond in ("untraced", "traced"))
+                        for p in hot:
+                            p.set_hot(cond != "idle")
+                        sw.set(cond in ("idle", "untraced", "traced"))
+                        if cond == "idle":
+                            for p in hot:
+                                p.set_hot(False)
                         floor.switch.set(cond == "floor")
                         results[w][cond].append(run_once(exe, w, a.seconds, probes, cond == "traced"))
         finally:

@@ -115,6 +115,51 @@ def test_untraced_threads_never_enter_thread_sched(probes, sched):
     assert {"7", "8"} <= ranks
 
 
+def test_detached_between_jobs_then_attached_again(probes, sched):
+    """set_hot(False), as `run --idle-detach` does with no traced process: the
+    scheduler tracepoints stop (a traced pair's counts stand still while it
+    keeps ping-ponging) and the threads' states are dropped; attached again,
+    the pair is measured from its next switch-out, never across the gap
+    (its off-CPU time grows by at most the time since the re-attach)."""
+    pair, t1, t2 = start_ping_pong(10_000_000)
+    probes.trace_process(t1, 7)
+    probes.trace_process(t2, 8)
+
+    def totals():
+        mine = list(sched.by_process(t1).values())
+        return sum(s.count for s in mine), sum(s.offcpu_ns for s in mine)
+
+    def wait_for(cond, what):
+        deadline = time.monotonic() + 30
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    try:
+        pair.stdin.write("\n"); pair.stdin.flush()
+        wait_for(lambda: totals()[0] > 100 and {t1, t2} <= sched.tracked_threads(), "never measured")
+        sched.set_hot(False)
+        assert not sched.hot
+        assert sched.entries("thread_sched") == 0
+        assert sum(v.value for v in sched["task_filter"].values()) == 0
+        frozen = totals()
+        time.sleep(3)
+        assert pair.poll() is None  # still switching all the while
+        assert totals() == frozen, "counted while detached"
+        assert sched.entries("thread_sched") == 0
+        sched.set_hot(True)
+        attached = time.monotonic()
+        sched.set_hot(True)  # idempotent
+        wait_for(lambda: totals()[0] > frozen[0] + 100, "not measured again after the re-attach")
+        offcpu_grew = totals()[1] - frozen[1]
+        assert offcpu_grew <= (time.monotonic() - attached) * 1e9, \
+            f"off-CPU grew {offcpu_grew / 1e9:.2f} s: the 3 s gap counted as sleep"
+    finally:
+        sched.set_hot(True)
+        pair.kill()
+        pair.wait()
+
+
 # ---------------------------------------------------------------------------
 # CPU starvation on a simulated 4-rank job.
 

@@ -133,6 +133,11 @@ EXPORTER_PROBE_ATTACHED = _m(
     "nccl_exporter_probe_attached", "gauge", ("node", "library", "function"),
     "1 when the function of that library is probed, 0 when it is missing from the library or "
     "could not be attached. Aliases probed through their twin at the same address are not listed.")
+EXPORTER_NODE_TRACEPOINTS = _m(
+    "nccl_exporter_node_tracepoints_attached", "gauge", ("node", "source"),
+    "1 while the source's tracepoints that run at every context switch and wakeup (sched) or "
+    "socket send, receive and incoming segment (tcp) of the node are attached; 0 while they are "
+    "detached because no process has been traced for `run --idle-detach`.")
 EXPORTER_MAP_ENTRIES = _m(
     "nccl_exporter_map_entries", "gauge", ("node", "map"), "Entries in each BPF map.")
 EXPORTER_MAP_CAPACITY = _m(

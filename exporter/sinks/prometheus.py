@@ -257,6 +257,8 @@ class NcclCollector:
                 capacity[(node, name)] = cap
             for fn, n in program.recursion_misses().items():
                 misses[(node, fn)] = n
+        yield filled(metrics.EXPORTER_NODE_TRACEPOINTS,
+                     {(node, p.name): int(p.hot) for p in (self.tcp, self.sched) if p is not None})
         yield filled(metrics.EXPORTER_MAP_ENTRIES, entries)
         yield filled(metrics.EXPORTER_MAP_CAPACITY, capacity)
         counters = self.nccl.counters()

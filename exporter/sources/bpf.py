@@ -149,6 +149,19 @@ class Program:
     def __getitem__(self, table: str):
         return self.bpf[self.renamed.get(table, table)]
 
+    # Tracepoints of this program that fire for every task or packet on the
+    # node ("category:name", or a bare name for a raw tracepoint): the ones
+    # set_hot(False) detaches while no process is traced.
+    HOT_TRACEPOINTS: tuple[str, ...] = ()
+    hot = True  # BCC attaches every tracepoint program at load
+
+    def set_hot(self, on: bool) -> None:
+        """Attach (on) or detach the HOT_TRACEPOINTS, whose programs stay
+        loaded and their maps kept. Idempotent."""
+        for tp in self.HOT_TRACEPOINTS:
+            set_tracepoint(self.bpf, tp, on)
+        self.hot = on
+
     def entries(self, table: str) -> int:
         return sum(1 for _ in self[table].keys())
 
@@ -194,6 +207,27 @@ class Program:
             self._owner = False
             _owners_loaded -= 1
         self.bpf.cleanup()
+
+
+def set_tracepoint(bpf, tp: str, on: bool, fn_name: str | None = None) -> None:
+    """Attach (on) or detach one tracepoint of a BCC object, idempotently:
+    "category:name" for a classic one, a bare name for a raw one. The
+    function is BCC's own for a TRACEPOINT_PROBE (tracepoint__CAT__NAME) or
+    RAW_TRACEPOINT_PROBE (raw_tracepoint__NAME) unless fn_name says."""
+    cat, _, name = tp.rpartition(":")
+    key = tp.encode()
+    attached = key in (bpf.tracepoint_fds if cat else bpf.raw_tracepoint_fds)
+    if on and not attached:
+        fn = (fn_name or (f"tracepoint__{cat}__{name}" if cat else f"raw_tracepoint__{name}")).encode()
+        if cat:
+            bpf.attach_tracepoint(tp=key, fn_name=fn)
+        else:
+            bpf.attach_raw_tracepoint(tp=key, fn_name=fn)
+    elif not on and attached:
+        if cat:
+            bpf.detach_tracepoint(tp=key)
+        else:
+            bpf.detach_raw_tracepoint(tp=key)
 
 
 class RingWaiter:

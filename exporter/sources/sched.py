@@ -82,6 +82,17 @@ class SchedSource(Program):
     """bpf/sched.c: reads `sched_stats` and `thread_sched`, and the
     `sched_events` ring buffer."""
 
+    HOT_TRACEPOINTS = tuple(RAW_TRACEPOINTS)  # every context switch and wakeup of the node
+
+    def set_hot(self, on: bool) -> None:
+        super().set_hot(on)
+        if not on:
+            # Detached, no thread's state can stay true: a thread runnable or
+            # asleep "since" before the gap would show the whole gap as one
+            # wait once attached again. Per-process totals are kept.
+            delete_keys(self, [("thread_sched", k) for k in self["thread_sched"].keys()])
+            self["task_filter"].clear()
+
     def __init__(self, clock: ClockOffset | None = None):
         check_raw_tracepoints()
         super().__init__("sched")

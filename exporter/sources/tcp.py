@@ -49,6 +49,11 @@ def _link_fields(k) -> dict:
 class TcpSource(Program):
     """bpf/tcp.c: reads tcp_links / tcp_srtt and decodes tcp_events."""
 
+    # Every incoming segment, and every send and receive on any socket of the
+    # node: only socket ownership and srtt need them. Retransmits, resets,
+    # connect() and socket ends stay attached.
+    HOT_TRACEPOINTS = ("tcp:tcp_probe", "sock:sock_send_length", "sock:sock_recv_length")
+
     def __init__(self, clock: ClockOffset | None = None):
         super().__init__("tcp")
         self.clock = clock or ClockOffset()

@@ -47,6 +47,10 @@ class AgentConfig:
     series_ttl: float = contract.DEFAULT_SERIES_TTL  # s an ended communicator's series stay
     series_capacity: int = contract.MAX_SERIES  # series the kernel holds; more: comm="overflow"
     histogram_resolution: str = histogram.DEFAULT  # duration buckets: coarse | fine
+    # s without a traced process after which the tracepoints that fire for
+    # every task and packet of the node are detached (until one is traced
+    # again); None: always attached
+    idle_detach: float | None = None
 
 
 class Agent:
@@ -88,6 +92,7 @@ class Agent:
         self.ready = threading.Event()
         self._watcher = None
         self._next_prune = 0.0
+        self._last_traced = time.monotonic()
         self._next_clock = time.monotonic() + config.clock_interval
         self.events_seen = 0
         self.reader.on_event(self._dispatch)
@@ -236,6 +241,8 @@ class Agent:
         if self._mapped:
             self._attach_mapped()
         now = time.monotonic()
+        if self.config.idle_detach is not None:
+            self._heat(now)
         if now >= self._next_clock:
             # Wall-clock time of the kernel's monotonic stamps: sampled again
             # now and then, so an NTP step moves later timestamps with it
@@ -248,6 +255,23 @@ class Agent:
         if now >= self._next_prune:
             self._next_prune = now + self.config.prune_interval
             self.prune()
+
+    def _heat(self, now: float) -> None:
+        """Attach the node-wide scheduler and socket tracepoints while a
+        process is traced (a libnccl user, kernel-side from its first NCCL
+        call or user-side from its mapping), and detach them idle_detach s
+        after the last one: a node between jobs pays nothing for them."""
+        with self.lock:
+            if next(iter(self.probes["traced_processes"].keys()), None) is not None:
+                self._last_traced = now
+            want = now - self._last_traced < self.config.idle_detach
+            if want == self.sched.hot:
+                return
+            for source in (self.sched, self.tcp):
+                source.set_hot(want)
+        log.info("%s", "a traced process: scheduler and socket tracepoints attached" if want else
+                 f"no traced process for {self.config.idle_detach:g} s: scheduler and socket "
+                 "tracepoints detached")
 
     def prune(self) -> None:
         """Forget the map entries and Python state of processes that are gone."""

@@ -33,6 +33,14 @@ def parse_duration(text: str) -> float:
 
 
 DEFAULT_RUNQ_WAIT_MIN = "100us"
+DEFAULT_IDLE_DETACH = 30.0  # s: `run --idle-detach`
+
+
+def parse_idle_detach(text: str) -> float:
+    """--idle-detach: a duration in s; 'off' -> infinity (never detached)."""
+    if str(text).strip().lower() == "off":
+        return float("inf")
+    return parse_duration(text)
 
 
 def parse_runq_wait_min(text: str) -> int:
@@ -141,7 +149,7 @@ def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
     try:
         # run's --series-ttl, --series-capacity, --histogram-resolution (absent: defaults)
         lifecycle = {name: getattr(args, name) for name in
-                     ("series_ttl", "series_capacity", "histogram_resolution")
+                     ("series_ttl", "series_capacity", "histogram_resolution", "idle_detach")
                      if getattr(args, name, None) is not None}
         agent = Agent(AgentConfig(node=node, nccl_libs=libs, record_all=record_all,
                                   runq_event_min_ns=runq_event_min_ns, **lifecycle))

@@ -9,12 +9,14 @@ import os
 from exporter import __version__
 from exporter.records import contract
 from exporter.tools.cli.options import (
+    DEFAULT_IDLE_DETACH,
     CliError,
     add_lib_option,
     add_runq_option,
     load_config,
     open_recorder,
     parse_duration,
+    parse_idle_detach,
     parse_listen,
     setup_logging,
     start_agent,
@@ -49,6 +51,13 @@ def add_parser(sub) -> None:
                    help="also record every NCCL call, TCP retransmit/reset and scheduler wait to this SQLite file "
                         "(as 'trace --out'; read it with 'query')")
     add_runq_option(r, "with --db")
+    r.add_argument("--idle-detach", type=parse_idle_detach, metavar="DURATION|off",
+                   default=DEFAULT_IDLE_DETACH,
+                   help="detach the tracepoints that run at every context switch, wakeup and socket "
+                        "send/receive of the node once no process has been traced for this long, and "
+                        "attach them again when one is (within a tenth of a second; what happens on "
+                        f"the node meanwhile is not seen): a node between jobs pays nothing (default "
+                        f"{DEFAULT_IDLE_DETACH:g}s; off: always attached)")
     r.add_argument("--series-ttl", type=parse_duration, metavar="DURATION",
                    help="a communicator's series leave the kernel maps and /metrics this long after it "
                         "was destroyed or aborted, or every process using it exited (default "
