@@ -953,7 +953,10 @@ int on_return(struct pt_regs *ctx) {
 // itself, and this sets the thread's bit with the same atomic OR as every
 // other update. User space never read-modify-writes traced_threads, so it
 // cannot undo a bit the kernel set or cleared meanwhile. Only the agent's own
-// process (agent_tgid, written at load) is listened to.
+// process (agent_tgid, written at load) is listened to, and only while it
+// asks: NcclProbes.trace_threads() attaches this tracepoint around its
+// getpgid calls (an attached syscall tracepoint sends every syscall of the
+// node through the kernel's slow syscall path).
 BPF_ARRAY(agent_tgid, u32, 1);
 
 TRACEPOINT_PROBE(syscalls, sys_enter_getpgid) {

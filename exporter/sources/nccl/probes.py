@@ -9,11 +9,12 @@ call twice.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from exporter.records import contract
-from exporter.sources.bpf import Program
+from exporter.sources.bpf import Program, set_tracepoint
 from exporter.sources.nccl.elf import exported_functions
 
 
@@ -53,6 +54,9 @@ class AttachReport:
     failed: dict[str, str] = field(default_factory=dict)    # function -> error
 
 
+GETPGID = "syscalls:sys_enter_getpgid"  # bpf/nccl.c's door for trace_threads()
+
+
 class NcclProbes(Program):
     """bpf/nccl.c compiled, and the libraries it is attached to. It owns the
     maps shared with the other programs (bpf/traced.h): load it first."""
@@ -76,6 +80,11 @@ class NcclProbes(Program):
             free.push(free.Leaf(slot))
         me = self["agent_tgid"]
         me[me.Key(0)] = me.Leaf(os.getpid())
+        # Attached only while trace_process() asks (see trace_threads): a
+        # syscall tracepoint sends every syscall of every task on the node
+        # through the kernel's slow syscall path while it is attached.
+        set_tracepoint(self.bpf, GETPGID, False)
+        self._getpgid_lock = threading.Lock()
         # Load (verify) every uprobe program now instead of at the first attach:
         # a library mapped later is attached in the time its perf events take.
         from bcc import BPF
@@ -131,21 +140,26 @@ class NcclProbes(Program):
             tids = [int(t) for t in os.listdir(f"{proc}/{pid}/task")]
         except OSError:
             tids = [pid]
-        for tid in tids:
-            self.trace_thread(tid)
+        self.trace_threads(tids)
         gen = self["comm_generation"]  # threads re-read their cached identity
         gen[gen.Key(0)] = gen.Leaf(gen[gen.Key(0)].value + 1)
 
-    @staticmethod
-    def trace_thread(tid: int) -> None:
-        """Set a thread's traced_threads bit. Not a read-modify-write of the
+    def trace_threads(self, tids) -> None:
+        """Set threads' traced_threads bits. Not a read-modify-write of the
         map: getpgid(tid) from this process enters bpf/nccl.c's
         sys_enter_getpgid program, which sets the bit atomically, as the
-        kernel's own fork/exit updates do (no update of theirs is lost)."""
-        try:
-            os.getpgid(tid)
-        except OSError:  # the thread is gone (the bit is set all the same)
-            pass
+        kernel's own fork/exit updates do (no update of theirs is lost).
+        That tracepoint is attached for these calls only."""
+        with self._getpgid_lock:
+            set_tracepoint(self.bpf, GETPGID, True)
+            try:
+                for tid in tids:
+                    try:
+                        os.getpgid(tid)
+                    except OSError:  # the thread is gone (the bit is set all the same)
+                        pass
+            finally:
+                set_tracepoint(self.bpf, GETPGID, False)
 
     def close(self) -> None:
         """Detach everything. Removing a uprobe waits for an RCU grace period
