@@ -143,8 +143,15 @@ def _pair(ends, base: str, node: str):
         # starved rank's late ends): their middle.
         est = (lower + upper) / 2
         how = "causal bounds (narrower than the host call ends' spread)"
+    elif est - upper >= (upper - lower) / 2 or lower - est >= (upper - lower) / 2:
+        # The ends' median lies outside the bounds by half their width or more: the ends
+        # are off by at least what the bounds' middle can be (a starved rank's late
+        # returns); any point they suggest is no better than the middle.
+        est = (lower + upper) / 2
+        how = "causal bounds (the host call ends' median is far outside them)"
     elif not lower <= est <= upper:
-        # The ends' median broke causality (e.g. one rank always last: one tight bound).
+        # The ends' median broke causality by a little (e.g. one rank always last: one
+        # tight bound, the other far): the true offset is near the tight bound.
         est = min(max(est, lower), upper)
         how = "host call ends, moved to the nearest causal bound"
     return int(round(est)), len(diffs), int(round(resid)), lower, upper, how
