@@ -279,6 +279,23 @@ def tcp_observed(rec):
     return sim
 
 
+def _unrecorded(observed, rec, offset) -> list[str]:
+    """The observer's lines with no recorded retransmit on the same ports within 2 ms
+    (for the failure message), with the socket's owner in the recording, if any."""
+    got = rows(rec["dbs"]["all"], "SELECT timestamp_ns, sport, dport, pid FROM tcp_events "
+                                  "WHERE event LIKE 'tcp_retransmit%'")
+    out = []
+    for line in observed:
+        m = TUPLE.search(line)
+        ts = float(re.search(r"\s(\d+\.\d+):\s", line).group(1)) * 1e9 + offset
+        ports = (int(m.group(1)), int(m.group(2)))
+        if not any((s, d) == ports and abs(t - ts) < 2e6 for t, s, d, _ in got):
+            owners = {p for _, s, d, p in got if (s, d) == ports}
+            out.append(f"{line.strip()} (rows of these ports: {len([1 for _, s, d, _ in got if (s, d) == ports])}, "
+                       f"owners {owners})")
+    return out
+
+
 def test_retransmit_rows_equal_an_independent_observer(rec):
     # A process is traced (its sockets get an owner) once the agent has seen its
     # first NCCL call return: retransmits during communicator set-up can precede
@@ -312,7 +329,8 @@ def test_retransmit_rows_equal_an_independent_observer(rec):
                                           "WHERE key = 'lost_kernel_skipped_retransmits'")[0][0])
     assert 0 < len(ours) <= len(observed), f"observed by state: {dict(states)}"
     assert len(observed) - len(ours) <= skipped, \
-        f"recorded {len(ours)}, tracefs saw {len(observed)}, kernel skipped {skipped} ({dict(states)})"
+        f"recorded {len(ours)}, tracefs saw {len(observed)}, kernel skipped {skipped} ({dict(states)}); " \
+        f"seen with no row: {_unrecorded(observed, rec, offset)}"
     print(f"retransmits: tracefs {len(observed)}, recorded {len(ours)}, kernel skipped {skipped}")
     assert count["COUNT(*)"] >= sum(1 for r in ours if r[1] == "tcp_retransmit_skb") > 0
     by_link = query(rec["dbs"]["all"], documented_queries()["retransmits-by-link"])
