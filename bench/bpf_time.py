@@ -64,10 +64,10 @@ def difference(before: dict, after: dict) -> dict[int, tuple[int, int]]:
             for pid, (t, n) in after.items()}
 
 
-def table(totals: dict[int, tuple[int, int]], names: dict[int, str], per: float, per_name: str) -> list[str]:
-    """Lines: each program that ran, most time first, its runs and µs per `per_name`."""
-    rows = sorted(((t, n, names.get(pid, f"prog {pid}")) for pid, (t, n) in totals.items() if n),
-                  reverse=True)
+def table(totals: dict[str, tuple[int, int]], per: float, per_name: str) -> list[str]:
+    """Lines from program name -> (run_time_ns, run_cnt): each program that ran, most
+    time first, its runs and µs per `per_name`."""
+    rows = sorted(((t, n, name) for name, (t, n) in totals.items() if n), reverse=True)
     lines = [f"  {'program':40s} {'runs/' + per_name:>14s} {'ns/run':>8s} {'us/' + per_name:>10s}"]
     lines += [f"  {name[:40]:40s} {n / per:14.1f} {t / n:8.0f} {t / per / 1e3:10.2f}" for t, n, name in rows]
     total = sum(t for t, _, _ in rows)

@@ -215,12 +215,10 @@ def main(argv=None) -> int:
                 for w in WORKLOADS:
                     order = CONDITIONS[rep % n:] + CONDITIONS[:rep % n]
                     for cond in order:
-                        for p in hot:
+                        attached = cond in ("idle", "untraced", "traced")
+                        sw.set(attached)
+                        for p in hot if attached else ():
                             p.set_hot(cond != "idle")
-                        sw.set(cond in ("idle", "untraced", "traced"))
-                        if cond == "idle":
-                            for p in hot:
-                                p.set_hot(False)
                         floor.switch.set(cond == "floor")
                         results[w][cond].append(run_once(exe, w, a.seconds, probes, cond == "traced"))
         finally:

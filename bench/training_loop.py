@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         conds = ("none", "plugin", "agent")
         results: dict[str, list[float]] = {c: [] for c in conds}
         counted, agent_cpu = [], []
-        bpf_time: dict[str, list[int]] = {}  # program name -> [run_time_ns, run_cnt], all agent runs
+        bpf_time: dict[str, tuple[int, int]] = {}  # program name -> (run_time_ns, run_cnt), all agent runs
         with Cluster(RANKS) as cluster:
             for rep in range(a.reps):
                 for cond in conds[rep % 3:] + conds[:rep % 3]:
@@ -158,9 +158,9 @@ def main(argv=None) -> int:
                                 if a.bpf_time:
                                     names = program_names()
                                     for pid, (ns, n) in difference(progs0, program_times(agent.proc.pid)).items():
-                                        acc = bpf_time.setdefault(names.get(pid, f"prog {pid}"), [0, 0])
-                                        acc[0] += ns
-                                        acc[1] += n
+                                        name = names.get(pid, f"prog {pid}")
+                                        ns0, n0 = bpf_time.get(name, (0, 0))
+                                        bpf_time[name] = (ns0 + ns, n0 + n)
                             time.sleep(0.5)
                             counted.append(agent.gpu_calls())
                         finally:
@@ -184,8 +184,7 @@ def main(argv=None) -> int:
         runs = len(agent_cpu) * a.iterations * RANKS
         print(f"  the agent's BPF programs per rank-iteration (kernel statistics, {len(agent_cpu)} agent runs; "
               "their clock reads slowed the agent runs above):")
-        print("\n".join(table({i: tuple(v) for i, v in enumerate(bpf_time.values())},
-                               dict(enumerate(bpf_time)), runs, "iter")))
+        print("\n".join(table(bpf_time, runs, "iter")))
     want = RANKS * a.iterations
     print(f"  GPU AllReduces counted by the agent per run: {sorted(set(int(c) for c in counted))} (made: {want})")
     return 0 if ratio - 1 < 0.005 and all(int(c) == want for c in counted) else 1

@@ -289,10 +289,9 @@ def _unrecorded(observed, rec, offset) -> list[str]:
         m = TUPLE.search(line)
         ts = float(re.search(r"\s(\d+\.\d+):\s", line).group(1)) * 1e9 + offset
         ports = (int(m.group(1)), int(m.group(2)))
-        if not any((s, d) == ports and abs(t - ts) < 2e6 for t, s, d, _ in got):
-            owners = {p for _, s, d, p in got if (s, d) == ports}
-            out.append(f"{line.strip()} (rows of these ports: {len([1 for _, s, d, _ in got if (s, d) == ports])}, "
-                       f"owners {owners})")
+        same = [(t, p) for t, s, d, p in got if (s, d) == ports]
+        if not any(abs(t - ts) < 2e6 for t, _ in same):
+            out.append(f"{line.strip()} (rows of these ports: {len(same)}, owners {({p for _, p in same})})")
     return out
 
 

@@ -84,6 +84,12 @@ class SchedSource(Program):
 
     HOT_TRACEPOINTS = tuple(RAW_TRACEPOINTS)  # every context switch and wakeup of the node
 
+    def __init__(self, clock: ClockOffset | None = None):
+        check_raw_tracepoints()
+        super().__init__("sched")
+        self.clock = clock or ClockOffset()
+        self.expiry = OwnerExpiry()
+
     def set_hot(self, on: bool) -> None:
         super().set_hot(on)
         if not on:
@@ -92,12 +98,6 @@ class SchedSource(Program):
             # wait once attached again. Per-process totals are kept.
             delete_keys(self, [("thread_sched", k) for k in self["thread_sched"].keys()])
             self["task_filter"].clear()
-
-    def __init__(self, clock: ClockOffset | None = None):
-        check_raw_tracepoints()
-        super().__init__("sched")
-        self.clock = clock or ClockOffset()
-        self.expiry = OwnerExpiry()
 
     def set_runq_event_min(self, min_wait_ns: int) -> None:
         """Run-queue waits of traced threads at least this long become events; 0: none."""

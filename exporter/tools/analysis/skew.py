@@ -143,7 +143,7 @@ def _pair(ends, base: str, node: str):
         # starved rank's late ends): their middle.
         est = (lower + upper) / 2
         how = "causal bounds (narrower than the host call ends' spread)"
-    elif est - upper >= (upper - lower) / 2 or lower - est >= (upper - lower) / 2:
+    elif max(est - upper, lower - est) >= (upper - lower) / 2:
         # The ends' median lies outside the bounds by half their width or more: the ends
         # are off by at least what the bounds' middle can be (a starved rank's late
         # returns); any point they suggest is no better than the middle.
