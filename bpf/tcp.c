@@ -248,7 +248,22 @@ static __always_inline void tcp_from_sockaddrs(struct tcp_flow *f, const void *s
         }                                                                          \
     } while (0)
 
+// Every hit of tcp_retransmit_skb, counted beside the program below. The
+// kernel skips a classic tracepoint's programs whenever another tracing
+// program is running on that CPU (a softirq retransmit that interrupts a
+// uprobe or a send/recv program: the programs' recursion_misses), and can
+// drop a hit before them without a count; a raw tracepoint program is
+// skipped only if it re-enters itself. HITS - SEEN is the retransmits in no
+// link count and no event: nccl_exporter_retransmits_missed_total. Defined
+// first so that BCC attaches it first: a hit between the two attaches
+// counts as missed, not as seen-but-unhit.
+RAW_TRACEPOINT_PROBE(tcp_retransmit_skb) {
+    count_up(CNT_RETRANSMIT_HITS);
+    return 0;
+}
+
 TRACEPOINT_PROBE(tcp, tcp_retransmit_skb) {
+    count_up(CNT_RETRANSMIT_SEEN);
     struct tcp_flow f;
     FLOW_FROM_ARGS(f, args);
     f.state = args->state;

@@ -203,6 +203,10 @@ COUNTERS = {
     "SCHED_EVENTS_LOST": 9,
     "ASYNC_FULL": 10,
     "GPU_EVENTS_LOST": 11,
+    # tcp_retransmit_skb hits: every one (a raw tracepoint), and those bpf/tcp.c's
+    # program ran for; the difference is nccl_exporter_retransmits_missed_total
+    "RETRANSMIT_HITS": 12,
+    "RETRANSMIT_SEEN": 13,
 }
 COUNTER_SLOTS = 16
 

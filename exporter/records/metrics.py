@@ -166,6 +166,11 @@ EXPORTER_BPF_MISSES = _m(
     "Tracepoint/uprobe hits the kernel did not run a program for, because another BPF program "
     "was already running on that CPU (e.g. a retransmit in a softirq that interrupted a "
     "scheduler probe). Those hits are missing from every count.")
+EXPORTER_RETRANSMITS_MISSED = _m(
+    "nccl_exporter_retransmits_missed_total", "counter", ("node",),
+    "TCP retransmits on this node that the TCP program did not run for (a second, raw "
+    "tracepoint program counts every one): missing from every link count and event. The "
+    "kernel skips the program while another BPF program runs on that CPU.")
 
 ALL: tuple[Metric, ...] = tuple(_ALL)
 BY_NAME: dict[str, Metric] = {m.name: m for m in ALL}

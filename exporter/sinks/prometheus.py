@@ -270,6 +270,8 @@ class NcclCollector:
         yield filled(metrics.EXPORTER_EVENTS_LOST,
                      {(node, source): counters[c] for c, source in contract.EVENTS_LOST_COUNTERS})
         yield filled(metrics.EXPORTER_BPF_MISSES, misses)
+        if self.tcp is not None:
+            yield filled(metrics.EXPORTER_RETRANSMITS_MISSED, {(node,): tcp_source.retransmits_missed(counters)})
         if self.spans is not None:
             yield filled(metrics.EXPORTER_SPANS, {(node, o): n for o, n in self.spans.counts().items()})
         if self.recorder is not None:

@@ -24,6 +24,13 @@ MAP_CAPACITY = {
 }
 
 
+def retransmits_missed(counters: dict[str, int]) -> int:
+    """tcp_retransmit_skb hits bpf/tcp.c's program did not run for, from the
+    shared counters (`NcclReader.counters()`): every hit is counted by a raw
+    tracepoint beside it (see bpf/tcp.c)."""
+    return max(0, counters.get("RETRANSMIT_HITS", 0) - counters.get("RETRANSMIT_SEEN", 0))
+
+
 def format_addr(family: int, raw) -> str:
     """An address of bpf/tcp.c (16 bytes; IPv4 in the first 4) as text.
 

@@ -26,7 +26,7 @@ from exporter.sources.plugin import reader as plugin_reader
 from exporter.sources.plugin.reader import PluginSource
 from exporter.sources.processes import ProcessTable
 from exporter.sources.sched import SchedSource
-from exporter.sources.tcp import TcpSource
+from exporter.sources.tcp import TcpSource, retransmits_missed
 
 log = logging.getLogger("nccl_exporter")
 
@@ -311,12 +311,11 @@ class Agent:
     def kernel_losses(self) -> dict:
         """Events the kernel could not hand over, by source (for recordings' meta)."""
         counters = self.reader.counters()
-        misses = self.tcp.recursion_misses()
         return {"kernel_nccl_events": counters.get("EVENTS_LOST", 0),
                 "kernel_tcp_events": counters.get("TCP_EVENTS_LOST", 0),
                 "kernel_sched_events": counters.get("SCHED_EVENTS_LOST", 0),
-                # retransmits the kernel skipped: another BPF program was running on that CPU
-                "kernel_skipped_retransmits": misses.get("tracepoint__tcp__tcp_retransmit_skb", 0)}
+                # retransmits bpf/tcp.c did not run for (e.g. another BPF program was running on that CPU)
+                "kernel_skipped_retransmits": retransmits_missed(counters)}
 
     def close(self) -> None:
         if self._watcher is not None:
