@@ -26,6 +26,7 @@ import pytest
 from exporter.simulator.build import build_library
 from exporter.simulator.cluster import NETNS_DIR, Cluster, start_job
 from exporter.simulator.truth import calls
+from tests.retransmit_observer import Observer, allowed_blind
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and netns")
 
@@ -36,7 +37,6 @@ LOSSY, CLEAN, STRAGGLER = 5, 0, 2
 # uprobe cost and any preemption in between: five agents' probes on 2 cores.
 SLACK_NS = 100_000_000
 TUPLE = re.compile(r"sport=(\d+) dport=(\d+) saddr=(\S+) daddr=(\S+)")
-TRACEFS = pathlib.Path("/sys/kernel/tracing")
 
 
 def documented_queries() -> dict[str, str]:
@@ -71,32 +71,6 @@ def rows(db, sql, *params):
         conn.close()
 
 
-class Observer:
-    """A private tracefs instance counting tcp:tcp_retransmit_skb on the whole host."""
-
-    def __init__(self):
-        self.dir = TRACEFS / "instances" / f"nccl_store_test_{os.getpid()}"
-
-    def __enter__(self):
-        self.dir.mkdir()
-        (self.dir / "buffer_size_kb").write_text("8192")
-        (self.dir / "trace_clock").write_text("mono")  # CLOCK_MONOTONIC, like the truth's *_mono_ns
-        (self.dir / "events/tcp/tcp_retransmit_skb/enable").write_text("1")
-        return self
-
-    def stop(self) -> list[str]:
-        (self.dir / "events/tcp/tcp_retransmit_skb/enable").write_text("0")
-        return [line for line in (self.dir / "trace").read_text().splitlines()
-                if "tcp_retransmit_skb" in line and not line.startswith("#")]
-
-    def __exit__(self, *exc):
-        try:
-            (self.dir / "events/tcp/tcp_retransmit_skb/enable").write_text("0")
-        except OSError:
-            pass
-        self.dir.rmdir()
-
-
 def start_recorder(out, lib, *extra, env=None):
     log = open(str(out) + ".log", "w+")
     p = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--out", str(out), "--node", "simnode",
@@ -115,6 +89,18 @@ def wait_started(procs, timeout=120):
             time.sleep(0.2)
 
 
+def connections(cluster) -> set[tuple[str, int, str, int]]:
+    """(local address, port, remote address, port) of every TCP socket on the cluster's hosts."""
+    out = set()
+    for h in cluster.hosts:
+        for line in cluster.exec(h.index, ["ss", "-tnH"]).stdout.splitlines():
+            f = line.split()
+            if len(f) >= 5:
+                (la, lp), (ra, rp) = f[3].rsplit(":", 1), f[4].rsplit(":", 1)
+                out.add((la.strip("[]"), int(lp), ra.strip("[]"), int(rp)))
+    return out
+
+
 def truth_key(r):
     return (r["pid"], r["tid"], r["op"], r["count"], r["peer"] if r["peer"] >= 0 else None)
 
@@ -129,7 +115,7 @@ def rec(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("store")
     lib = build_library()
     dbs = {name: tmp / f"{name}.db" for name in ("lossy", "clean", "all", "tiny", "killed")}
-    with Cluster(8) as cluster, Observer() as observer:
+    with Cluster(8) as cluster, Observer("store") as observer:
         cluster.set_loss(LOSSY, 5)  # on the wire, each way: the lossy host retransmits too
         procs = {
             "lossy": start_recorder(dbs["lossy"], lib, "--netns", str(NETNS_DIR / cluster.hosts[LOSSY].netns)),
@@ -144,17 +130,19 @@ def rec(tmp_path_factory):
             job = start_job(cluster, lib, "train", iterations=10**6, rendezvous_dir=tmp / "rdv",
                             truth_dir=tmp / "truth", count=256 * 1024, compute_delay_ms={STRAGGLER: 30},
                             extra_env={"NCCL_SIM_DURATION_S": "10"})
-            time.sleep(6)
-            procs["killed"].send_signal(signal.SIGKILL)
-            # this job's connections (other tests may run clusters with the same addresses)
-            links = set()
-            for h in cluster.hosts:
-                for line in cluster.exec(h.index, ["ss", "-tnH"]).stdout.splitlines():
-                    f = line.split()
-                    if len(f) >= 5:
-                        (la, lp), (ra, rp) = f[3].rsplit(":", 1), f[4].rsplit(":", 1)
-                        links.add((la.strip("[]"), int(lp), ra.strip("[]"), int(rp)))
-            result = job.wait(timeout=90)
+            # This job's connections (other tests may run clusters with the same
+            # addresses), seen every second while it runs: under load its
+            # communicators may connect later than any one moment.
+            links, started, killed = set(), time.monotonic(), False
+            while None in job.poll() and time.monotonic() - started < 90:
+                links |= connections(cluster)
+                if not killed and time.monotonic() - started >= 6:
+                    procs["killed"].send_signal(signal.SIGKILL)
+                    killed = True
+                time.sleep(1)
+            if not killed:
+                procs["killed"].send_signal(signal.SIGKILL)
+            result = job.wait(timeout=30)
             assert result.ok, result.summary()
             time.sleep(1.0)  # the last events reach the ring buffers
             # Compared with the observer up to here: orphaned sockets of the ended job
@@ -171,13 +159,19 @@ def rec(tmp_path_factory):
                     p.kill()
                     p.wait()
         observed = observer.stop()
+        _, blind = observer.split(observed)
     logs = {name: pathlib.Path(p.log.name).read_text() for name, p in procs.items()}
     if os.environ.get("NCCL_STORE_TEST_KEEP"):  # debugging: keep the recordings
         import shutil
 
         shutil.copytree(tmp, os.environ["NCCL_STORE_TEST_KEEP"], dirs_exist_ok=True)
+        keep = pathlib.Path(os.environ["NCCL_STORE_TEST_KEEP"])
+        (keep / "observed.txt").write_text("\n".join(observed) + "\n")
+        (keep / "blind.txt").write_text("".join(line + "\n" for line in blind))
+        (keep / "links.json").write_text(json.dumps(sorted(links)))
+        (keep / "window.json").write_text(json.dumps({"stop_mono_ns": stop_mono_ns}))
     return {"dbs": dbs, "truth": result.truth, "pids": result.pids, "logs": logs,
-            "rc": {n: p.returncode for n, p in procs.items()}, "observed": observed,
+            "rc": {n: p.returncode for n, p in procs.items()}, "observed": observed, "blind": set(blind),
             "links": links, "stop_mono_ns": stop_mono_ns}
 
 
@@ -272,13 +266,6 @@ def test_verbatim_join_names_the_lossy_ranks_slow_calls(rec):
     assert sum(r["retransmits_in_window"] == 0 for r in clean) >= len(clean) / 2, clean
 
 
-def tcp_observed(rec):
-    if not rows(rec["dbs"]["all"], "SELECT value FROM meta WHERE key = 'tcp_events_recorded'"):
-        pytest.skip("no TCP recording")
-    sim = [line for line in rec["observed"] if "198.18.0." in line or "2001:2::" in line]
-    return sim
-
-
 def _unrecorded(observed, rec, offset) -> list[str]:
     """The observer's lines with no recorded retransmit on the same ports within 2 ms
     (for the failure message), with the socket's owner in the recording, if any."""
@@ -313,24 +300,32 @@ def test_retransmit_rows_equal_an_independent_observer(rec):
     offset = int(rows(rec["dbs"]["all"], "SELECT value FROM meta WHERE key = 'clock_offset_ns'")[0][0])
     (count,) = query(rec["dbs"]["all"], documented_queries()["retransmit-count"])
     # the tracepoint fires for failed retransmits too (err != 0): tcp_retransmit_failed rows
-    ours = rows(rec["dbs"]["all"], "SELECT pid, event FROM tcp_events "
+    ours = rows(rec["dbs"]["all"], "SELECT pid, event, saddr, sport, daddr, dport FROM tcp_events "
                                    "WHERE event IN ('tcp_retransmit_skb', 'tcp_retransmit_failed') "
                                    "AND timestamp_ns >= ? AND timestamp_ns < ?",
                 since_mono + offset, until_mono + offset)
     ours = [r for r in ours if r[0] in pids]
     states = Counter(re.search(r"state=(\S+)", line).group(1) for line in observed)
-    # Equal, but for the hits the kernel did not run bpf/tcp.c for: another BPF
-    # program (the scheduler probes, or the NCCL uprobes) was running on that
-    # CPU when a softirq retransmitted (recursion protection). The kernel counts
-    # them per program (recursion_misses), the recording keeps the count in meta
-    # (lost_kernel_skipped_retransmits): every missing row is accounted for.
+    # Equal, but for the hits bpf/tcp.c's program did not run for (mostly: another
+    # BPF program, e.g. an NCCL uprobe, was running on that CPU when a softirq
+    # retransmitted). A raw tracepoint counts every hit; the recording keeps the
+    # difference in meta (lost_kernel_skipped_retransmits): every missing row is
+    # accounted for.
     skipped = int(rows(rec["dbs"]["all"], "SELECT value FROM meta "
                                           "WHERE key = 'lost_kernel_skipped_retransmits'")[0][0])
-    assert 0 < len(ours) <= len(observed), f"observed by state: {dict(states)}"
-    assert len(observed) - len(ours) <= skipped, \
-        f"recorded {len(ours)}, tracefs saw {len(observed)}, kernel skipped {skipped} ({dict(states)}); " \
-        f"seen with no row: {_unrecorded(observed, rec, offset)}"
-    print(f"retransmits: tracefs {len(observed)}, recorded {len(ours)}, kernel skipped {skipped}")
+    unlinked = Counter(tuple(r[2:]) for r in ours if tuple(r[2:]) not in rec["links"])
+    assert 0 < len(ours) <= len(observed), \
+        f"observed by state: {dict(states)}; rows on connections ss never showed: {dict(unlinked)}"
+    # Hits the kernel ran no BPF program for (tests/retransmit_observer.py): no
+    # program can count them. Bounded, and left out of the comparison.
+    blind = [line for line in observed if line in rec["blind"]]
+    assert len(blind) <= allowed_blind(len(observed)), blind
+    visible = [line for line in observed if line not in rec["blind"]]
+    assert len(visible) - len(ours) <= skipped, \
+        f"recorded {len(ours)}, tracefs saw {len(observed)} ({len(blind)} with no BPF run), kernel skipped " \
+        f"{skipped} ({dict(states)}); seen with no row: {_unrecorded(visible, rec, offset)}"
+    print(f"retransmits: tracefs {len(observed)} ({len(blind)} with no BPF run), recorded {len(ours)}, "
+          f"missed by bpf/tcp.c {skipped}")
     assert count["COUNT(*)"] >= sum(1 for r in ours if r[1] == "tcp_retransmit_skb") > 0
     by_link = query(rec["dbs"]["all"], documented_queries()["retransmits-by-link"])
     assert any("198.18.0.6" in (r["local"] + r["remote"]) for r in by_link[:3])
@@ -338,8 +333,8 @@ def test_retransmit_rows_equal_an_independent_observer(rec):
     own = rows(rec["dbs"]["lossy"], "SELECT COUNT(*) FROM tcp_events WHERE event LIKE 'tcp_retransmit%' "
                                     "AND timestamp_ns >= ? AND timestamp_ns < ?",
                since_mono + offset, until_mono + offset)[0][0]
-    mine = sum(1 for line in observed if " saddr=198.18.0.6 " in line)
-    # Only hits the kernel skipped (counted in meta, see exporter.tools.agent.Agent.kernel_losses) may be missing.
+    mine = sum(1 for line in visible if " saddr=198.18.0.6 " in line)
+    # Only hits bpf/tcp.c did not run for (counted in meta, see exporter.tools.agent.Agent.kernel_losses) may be missing.
     skipped = int(rows(rec["dbs"]["lossy"], "SELECT value FROM meta WHERE key = 'lost_kernel_skipped_retransmits'")[0][0])
     assert mine > 0 and own <= mine <= own + skipped, (own, mine, skipped)
 

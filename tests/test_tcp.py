@@ -12,12 +12,11 @@ owned by this test's processes, or the port of its own traffic generator.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import textwrap
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 
 import pytest
 
@@ -27,13 +26,14 @@ from exporter.sinks.prometheus import tcp_families
 from exporter.sources.bpf import ephemeral_ports
 from exporter.sources.nccl.probes import NcclProbes
 from exporter.simulator.build import build_library
-from exporter.simulator.cluster import NETNS_DIR, Cluster, start_job
+from exporter.simulator.cluster import Cluster, start_job
 from exporter.records.events import AF_INET, AF_INET6
-from exporter.sources.tcp import TcpSource
+from exporter.sources.nccl.reader import NcclReader
+from exporter.sources.tcp import TcpSource, retransmits_missed
+from tests.retransmit_observer import Observer
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
 
-TRACEFS = "/sys/kernel/tracing"
 LOSSY = 1        # host whose link drops packets
 LOSS_PCT = 3
 GEN_PORT = 5001  # the untraced generator's service port (outside the ephemeral range)
@@ -51,72 +51,48 @@ def link_port(sport: int, dport: int) -> int:
     return min(sport, dport)
 
 
-class Observer:
-    """A tracefs instance recording tcp:tcp_retransmit_skb, independent of BPF."""
-
-    LINE = re.compile(r"family=(AF_INET6?) sport=(\d+) dport=(\d+) saddr=(\S+) daddr=(\S+) "
-                      r"saddrv6=(\S+) daddrv6=(\S+) state=\S+(?: err=(-?\d+))?")
-
-    def __init__(self):
-        self.path = f"{TRACEFS}/instances/nccl_tcp_test_{os.getpid()}_{time.monotonic_ns()}"
-
-    def __enter__(self):
-        os.mkdir(self.path)
-        try:
-            with open(f"{self.path}/buffer_size_kb", "w") as f:
-                f.write("8192")
-            with open(f"{self.path}/events/tcp/tcp_retransmit_skb/enable", "w") as f:
-                f.write("1")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            with open(f"{self.path}/events/tcp/tcp_retransmit_skb/enable", "w") as f:
-                f.write("0")
-        except OSError:
-            pass
-        os.rmdir(self.path)
-
-    def overruns(self) -> int:
-        total = 0
-        for cpu in os.listdir(f"{self.path}/per_cpu"):
-            with open(f"{self.path}/per_cpu/{cpu}/stats") as f:
-                for line in f:
-                    if line.startswith("overrun:"):
-                        total += int(line.split()[1])
-        return total
-
-    def hits(self) -> Counter:
-        """(saddr, daddr, port) -> retransmits that sent (err == 0)."""
-        out: Counter = Counter()
-        with open(f"{self.path}/trace") as f:
-            for line in f:
-                m = self.LINE.search(line)
-                if not m:
-                    continue
-                fam, sport, dport, s4, d4, s6, d6, err = m.groups()
-                if err is not None and int(err) != 0:
-                    continue
-                s, d = (s6, d6) if fam == "AF_INET6" else (s4, d4)
-                s, d = s.removeprefix("::ffff:"), d.removeprefix("::ffff:")
-                out[(s, d, link_port(int(sport), int(dport)))] += 1
-        return out
+def observed_hits(observer: Observer) -> Counter:
+    """(saddr, daddr, port) -> the observer's retransmits that sent, of those the
+    kernel ran BPF programs for (see tests/retransmit_observer.py)."""
+    return Counter((h.saddr, h.daddr, link_port(h.sport, h.dport)) for h in observer.visible() if h.sent)
 
 
 RETRANSMIT_PROGRAM = "tracepoint__tcp__tcp_retransmit_skb"
 
 
+class Missed:
+    """Retransmit hits bpf/tcp.c's program did not run for since this was made:
+    HITS - SEEN of the shared counters (bpf/tcp.c), and the kernel's own count
+    of one cause, the program's recursion_misses."""
+
+    def __init__(self, probes, reader):
+        self.counters, self.reader = NcclReader(probes).counters, reader
+        self.before = self._now()
+
+    def _now(self) -> tuple[int, int, int]:
+        c = self.counters()
+        return (retransmits_missed(c), c["RETRANSMIT_HITS"],
+                self.reader.recursion_misses().get(RETRANSMIT_PROGRAM, 0))
+
+    def since(self, seen: Counter) -> int:
+        """The hits missed since; `seen`: what the observer saw meanwhile."""
+        (missed, hits, recursion), (missed0, hits0, recursion0) = self._now(), self.before
+        # the raw tracepoint counted every hit: at least the observer's (on the whole host)
+        assert hits - hits0 >= sum(seen.values()) > 0, (hits - hits0, seen)
+        # every hit the kernel skipped for recursion is one the raw tracepoint counted
+        assert missed - missed0 >= recursion - recursion0, (missed, recursion, self.before)
+        return missed - missed0
+
+
 def assert_matches_observer(exporter: Counter, seen: Counter, missed: int) -> None:
     """Per link, the exporter counts what the observer saw, except hits the
-    kernel skipped because another BPF program was running on that CPU (a
-    softirq retransmit interrupting a scheduler probe): those are counted in
-    the program's recursion_misses, and only they may be missing."""
+    program did not run for (e.g. the kernel skipped it because another BPF
+    program was running on that CPU: a softirq retransmit interrupting a
+    uprobe): a raw tracepoint counts every hit, and only the difference may be
+    missing."""
     assert all(exporter[k] <= seen[k] for k in exporter), (exporter, seen)
     short = sum(seen[k] - exporter[k] for k in seen)
-    assert short <= missed, f"{short} hits not counted, {missed} recursion misses: {exporter} vs {seen}"
+    assert short <= missed, f"{short} hits not counted, {missed} missed hits: {exporter} vs {seen}"
 
 
 def retrans_segs(cluster: Cluster) -> int:
@@ -191,8 +167,8 @@ def drain(reader):
 # -------------------------------------------------------------------- tests --
 @pytest.mark.parametrize("ipv6", [False, True], ids=["ipv4", "ipv6"])
 def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, simlib, tmp_path, ipv6):
-    missed_before = reader.recursion_misses().get(RETRANSMIT_PROGRAM, 0)
-    with Cluster(4, name=f"tcp{int(ipv6)}") as cluster, Observer() as observer:
+    missed = Missed(probes, reader)
+    with Cluster(4, name=f"tcp{int(ipv6)}") as cluster, Observer("tcp") as observer:
         cluster.set_loss(LOSSY, LOSS_PCT)
         segs_before = retrans_segs(cluster)
         job = start_job(cluster, simlib, "allreduce", iterations=25, count=65536, ipv6=ipv6,
@@ -207,7 +183,7 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
 
         def read():
             drain(reader)
-            return observer.hits(), list(events), tcp_families("n1", reader, pids.get)
+            return observed_hits(observer), list(events), tcp_families("n1", reader, pids.get)
         links, (seen, evs, fams) = settle(reader, mine, read)
         segs = retrans_segs(cluster) - segs_before
         assert observer.overruns() == 0
@@ -227,8 +203,7 @@ def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, s
         for (s, d, _port), v in c.items():
             out[(s, d)] += v
         return +out
-    missed = reader.recursion_misses().get(RETRANSMIT_PROGRAM, 0) - missed_before
-    assert_matches_observer(per_pair(exporter), per_pair(seen), missed)
+    assert_matches_observer(per_pair(exporter), per_pair(seen), missed.since(seen))
     assert total <= segs
 
     # Attribution: a retransmit from the lossy host's address is the lossy rank's.
@@ -304,8 +279,8 @@ GEN_CLIENT = textwrap.dedent("""
 
 def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events, tmp_path):
     # Data into the lossy host: the wire loses some of it, the sender retransmits.
-    missed_before = reader.recursion_misses().get(RETRANSMIT_PROGRAM, 0)
-    with Cluster(2, name="tcpgen") as cluster, Observer() as observer:
+    missed = Missed(probes, reader)
+    with Cluster(2, name="tcpgen") as cluster, Observer("tcp") as observer:
         cluster.set_loss(LOSSY, LOSS_PCT)
         srv, cli = cluster.hosts[LOSSY], cluster.hosts[0]
         segs_before = retrans_segs(cluster)
@@ -318,7 +293,7 @@ def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events,
         assert client.returncode == 0, client.stderr
         server.wait(timeout=30)
         keys = {(cli.addr, srv.addr, GEN_PORT), (srv.addr, cli.addr, GEN_PORT)}
-        links, seen = settle(reader, keys, observer.hits)
+        links, seen = settle(reader, keys, lambda: observed_hits(observer))
         exporter = retransmits_by_key(links)
         seen = Counter({k: v for k, v in seen.items() if k in keys})
         segs = retrans_segs(cluster) - segs_before
@@ -327,8 +302,7 @@ def test_untraced_traffic_counted_without_rank_or_events(probes, reader, events,
     total = sum(exporter.values())
     print(f"\nuntraced: exporter {total} hits, observer {sum(seen.values())}, RetransSegs +{segs}")
     assert exporter[(cli.addr, srv.addr, GEN_PORT)] > 0, "bulk send into the lossy host: no retransmits"
-    missed = reader.recursion_misses().get(RETRANSMIT_PROGRAM, 0) - missed_before
-    assert_matches_observer(exporter, seen, missed)
+    assert_matches_observer(exporter, seen, missed.since(seen))
     assert total <= segs
     assert links and all(l.owner == 0 for l in links)
     samples = [s for f in tcp_families("n1", reader, lambda pid: 7) for s in f.samples
