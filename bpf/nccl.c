@@ -130,6 +130,9 @@ BPF_QUEUE(series_free, u32, SERIES_CAPACITY);
 // Relative slow-call threshold per series (k x its recent p50), written by
 // user space; 0: use the op's absolute threshold in event_config.
 BPF_ARRAY(series_threshold, u64, SERIES_SLOTS);
+// Failed calls by (op, result): NCCL's results in an array (an inlined read
+// on the error path, ~65 ns cheaper than the hash), any other value in the hash.
+BPF_ARRAY(call_errors_fast, u64, OP_COUNT * ERROR_RESULTS);
 BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
 BPF_HASH(communicators, struct comm_key, struct comm_info, MAX_COMMS);
 // (process, communicator pointer) -> its async error state (ncclCommGetAsyncError).
@@ -258,17 +261,26 @@ static __always_inline int events_wanted(u32 op) {
 static __always_inline struct call *begin(u32 op, u32 *tid_out) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     *tid_out = tid;
-    struct call *c = inflight.lookup(&tid);
+    struct call *c = call_slot(tid);
     if (!c) {
-        u32 zero = 0;
-        struct call *idle = empty_call.lookup(&zero);
-        if (!idle || inflight.insert(&tid, idle) != 0) {
-            count_up(CNT_INFLIGHT_FULL);
-            return 0;
+        // The thread's first call: its inflight_fast slot if free (taken
+        // atomically: two new threads may share the low bits), else a hash entry.
+        u32 i = tid & (FAST_THREADS - 1);
+        c = inflight_fast.lookup(&i);
+        if (c && __sync_val_compare_and_swap(&c->owner, 0, (u64)tid) == 0) {
+            c->op = 0;  // a slot freed at a thread's exit keeps its old fields
+            c->depth = 0;
+        } else {
+            u32 zero = 0;
+            struct call *idle = empty_call.lookup(&zero);
+            if (!idle || inflight.insert(&tid, idle) != 0) {
+                count_up(CNT_INFLIGHT_FULL);
+                return 0;
+            }
+            c = inflight.lookup(&tid);
+            if (!c)
+                return 0;
         }
-        c = inflight.lookup(&tid);
-        if (!c)
-            return 0;
         c->cached_gen = ~0ULL;  // nothing cached yet
         // The first NCCL call of a thread: its process is traced from now on.
         u32 tgid = bpf_get_current_pid_tgid() >> 32;
@@ -414,7 +426,7 @@ static __always_inline int enter_p2p(struct pt_regs *ctx, u32 op) {
 static __always_inline int enter_get_unique_id(struct pt_regs *ctx, u32 op) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
-    struct call *outer = inflight.lookup(&tid);
+    struct call *outer = call_slot(tid);
     if (outer && outer->op) {
         // Inside ncclCommInitAll: remember where the id it makes will be.
         outer->depth++;
@@ -899,7 +911,7 @@ static __always_inline s32 account(struct call *c, u64 duration) {
 int on_return(struct pt_regs *ctx) {
     u64 end = bpf_ktime_get_ns();
     u32 tid = (u32)bpf_get_current_pid_tgid();
-    struct call *c = inflight.lookup(&tid);
+    struct call *c = call_slot(tid);
     if (!c || !c->op)
         return 0;
     if (c->depth > 0) {  // an inner public call returned; the outer one goes on
@@ -918,13 +930,22 @@ int on_return(struct pt_regs *ctx) {
         lifecycle_return(c, result);
     s32 slot = account(c, duration);
     if (result != NCCL_SUCCESS) {
-        struct error_key ek = {.op = op, .result = result};
-        u64 one = 1;
-        u64 *n = call_errors.lookup(&ek);
-        if (n)
+        u64 *n = 0;
+        if (result > 0 && result < ERROR_RESULTS) {
+            u32 i = (op & (OP_COUNT - 1)) * ERROR_RESULTS + result;
+            n = call_errors_fast.lookup(&i);
+        }
+        if (n) {
             __sync_fetch_and_add(n, 1);
-        else if (call_errors.insert(&ek, &one) != 0)
-            count_up(CNT_ERRORS_FULL);
+        } else {
+            struct error_key ek = {.op = op, .result = result};
+            u64 one = 1;
+            n = call_errors.lookup(&ek);
+            if (n)
+                __sync_fetch_and_add(n, 1);
+            else if (call_errors.insert(&ek, &one) != 0)
+                count_up(CNT_ERRORS_FULL);
+        }
     }
 
     if (is_rare_lifecycle(op)) {
@@ -987,6 +1008,12 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
         return 0;
     set_thread_traced(tid, 0);
     inflight.delete(&tid);
+    u32 i = tid & (FAST_THREADS - 1);
+    struct call *f = inflight_fast.lookup(&i);
+    if (f && f->owner == tid) {  // free the slot for the next thread with these low bits
+        f->op = 0;
+        f->owner = 0;
+    }
     if ((u32)id == (u32)(id >> 32)) {
         u32 tgid = id >> 32;
         traced_processes.delete(&tgid);

@@ -284,7 +284,7 @@ static __always_inline void switched_in(struct sched_state *st, u64 now) {
     st->runnable_since = 0;
     st->offcpu_since = 0;
     st->offcpu_ns = 0;
-    struct call *c = inflight.lookup(&tid);
+    struct call *c = call_slot(tid);
     u32 kind = comm_is_proxy(st->comm) ? SCHED_KIND_PROXY : c ? SCHED_KIND_CALLER : SCHED_KIND_OTHER;
     if (c && c->op)
         __sync_fetch_and_add(&c->runq_wait_ns, delay);

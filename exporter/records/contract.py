@@ -174,7 +174,11 @@ SERIES_OVERFLOW_COMM = (1 << 64) - 1
 DEFAULT_SERIES_TTL = 300.0  # s: `run --series-ttl`, how long an ended communicator's series stay
 MAX_COMMS = 4096       # live communicators, all processes (also async_errors' size)
 MAX_THREADS = 16384    # threads that have called NCCL (inflight slots)
-MAX_ERRORS = 512       # (op, result) pairs
+# inflight_fast: a fixed call slot per thread-id residue (a power of two); a
+# thread whose slot another thread holds uses `inflight` (bpf/traced.h).
+FAST_THREADS = 1024
+MAX_ERRORS = 512       # (op, result) pairs with a result outside 1..ERROR_RESULTS-1
+ERROR_RESULTS = 16     # call_errors_fast: one counter per op and result 1..15 (NCCL's are 1..8)
 MAX_PROCESSES = 4096   # traced processes
 EVENT_PAGES = 256      # events ring buffer (bpf/nccl.c): 1 MiB
 MAX_SOCKETS = 65536    # sock_owner: sockets of traced processes (bpf/tcp.c)

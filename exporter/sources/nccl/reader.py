@@ -141,10 +141,17 @@ class NcclReader:
         return slots
 
     def errors(self) -> dict[tuple[str, str], int]:
-        return {
-            (contract.op_name(k.op), contract.result_name(k.result)): v.value
-            for k, v in self.probes["call_errors"].items()
-        }
+        """Failed calls by (op, result name): call_errors_fast holds NCCL's own
+        results (slot op * ERROR_RESULTS + result), call_errors any other."""
+        out: dict[tuple[str, str], int] = {}
+        for slot, n in self.probes["call_errors_fast"].items_lookup_batch():  # plain ints
+            if n:
+                op, result = divmod(slot, contract.ERROR_RESULTS)
+                out[(contract.op_name(op), contract.result_name(result))] = n
+        for k, v in self.probes["call_errors"].items():
+            key = (contract.op_name(k.op), contract.result_name(k.result))
+            out[key] = out.get(key, 0) + v.value
+        return out
 
     def communicators(self) -> list[Communicator]:
         return [
@@ -180,16 +187,20 @@ class NcclReader:
         return n
 
     def inflight(self) -> list[InflightCall]:
+        """The calls in progress: in the threads' inflight_fast slots (owner: the
+        thread id, 0 = free) and in `inflight` (bpf/traced.h)."""
+        slots = [(v.owner, v) for _, v in self.probes["inflight_fast"].items_lookup_batch() if v.owner]
+        slots += [(k.value, v) for k, v in self.probes["inflight"].items()]
         return [
             InflightCall(
-                tid=k.value,
+                tid=tid,
                 op=contract.op_name(v.op),
                 comm_hash=v.comm_hash,
                 rank=v.rank,
                 nranks=v.nranks,
                 start_ns=v.start_ns,
             )
-            for k, v in self.probes["inflight"].items()
+            for tid, v in slots
             if v.op and v.start_ns  # op 0: the thread's slot is idle; start 0: being filled
         ]
 
