@@ -265,8 +265,7 @@ static __always_inline struct call *begin(u32 op, u32 *tid_out) {
     if (!c) {
         // The thread's first call: its inflight_fast slot if free (taken
         // atomically: two new threads may share the low bits), else a hash entry.
-        u32 i = tid & (FAST_THREADS - 1);
-        c = inflight_fast.lookup(&i);
+        c = fast_slot(tid);
         if (c && __sync_val_compare_and_swap(&c->owner, 0, (u64)tid) == 0) {
             c->op = 0;  // a slot freed at a thread's exit keeps its old fields
             c->depth = 0;
@@ -1008,8 +1007,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
         return 0;
     set_thread_traced(tid, 0);
     inflight.delete(&tid);
-    u32 i = tid & (FAST_THREADS - 1);
-    struct call *f = inflight_fast.lookup(&i);
+    struct call *f = fast_slot(tid);
     if (f && f->owner == tid) {  // free the slot for the next thread with these low bits
         f->op = 0;
         f->owner = 0;

@@ -79,10 +79,15 @@ SHARED_TABLE("hash", u32, u64, proxy_wait, MAX_PROCESSES);
 // Drops and losses, one slot per CNT_* (exporter/records/contract.py).
 SHARED_TABLE("array", u32, u64, counters, CNT_SLOTS);
 
+// The inflight_fast slot for a thread id's low bits, whoever holds it.
+static __always_inline struct call *fast_slot(u32 tid) {
+    u32 i = tid & (FAST_THREADS - 1);
+    return inflight_fast.lookup(&i);
+}
+
 // The call slot of a thread that has called NCCL, else NULL.
 static __always_inline struct call *call_slot(u32 tid) {
-    u32 i = tid & (FAST_THREADS - 1);
-    struct call *c = inflight_fast.lookup(&i);
+    struct call *c = fast_slot(tid);
     if (c && c->owner == tid)
         return c;
     return inflight.lookup(&tid);

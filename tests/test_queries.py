@@ -26,7 +26,7 @@ import pytest
 from exporter.simulator.build import build_library
 from exporter.simulator.cluster import NETNS_DIR, Cluster, start_job
 from exporter.simulator.truth import calls
-from tests.retransmit_observer import Observer, allowed_blind
+from tests.retransmit_observer import Observer, allowed_blind, parse
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and netns")
 
@@ -36,7 +36,6 @@ LOSSY, CLEAN, STRAGGLER = 5, 0, 2
 # The probe's window encloses the library's own (tests/test_e2e_nccl.py) by the
 # uprobe cost and any preemption in between: five agents' probes on 2 cores.
 SLACK_NS = 100_000_000
-TUPLE = re.compile(r"sport=(\d+) dport=(\d+) saddr=(\S+) daddr=(\S+)")
 
 
 def documented_queries() -> dict[str, str]:
@@ -273,10 +272,9 @@ def _unrecorded(observed, rec, offset) -> list[str]:
                                   "WHERE event LIKE 'tcp_retransmit%'")
     out = []
     for line in observed:
-        m = TUPLE.search(line)
-        ts = float(re.search(r"\s(\d+\.\d+):\s", line).group(1)) * 1e9 + offset
-        ports = (int(m.group(1)), int(m.group(2)))
-        same = [(t, p) for t, s, d, p in got if (s, d) == ports]
+        hit = parse(line)
+        ts = hit.mono_ns + offset
+        same = [(t, p) for t, s, d, p in got if (s, d) == (hit.sport, hit.dport)]
         if not any(abs(t - ts) < 2e6 for t, _ in same):
             out.append(f"{line.strip()} (rows of these ports: {len(same)}, owners {({p for _, p in same})})")
     return out
@@ -291,10 +289,8 @@ def test_retransmit_rows_equal_an_independent_observer(rec):
     until_mono = rec["stop_mono_ns"]
     observed = []
     for line in rec["observed"]:
-        m = TUPLE.search(line)
-        ts = float(re.search(r"\s(\d+\.\d+):\s", line).group(1))
-        if m and (m.group(3), int(m.group(1)), m.group(4), int(m.group(2))) in rec["links"] \
-                and since_mono <= ts * 1e9 < until_mono:
+        hit = parse(line)
+        if (hit.saddr, hit.sport, hit.daddr, hit.dport) in rec["links"] and since_mono <= hit.mono_ns < until_mono:
             observed.append(line)
     pids = set(rec["pids"])
     offset = int(rows(rec["dbs"]["all"], "SELECT value FROM meta WHERE key = 'clock_offset_ns'")[0][0])

@@ -81,7 +81,8 @@ def generated_header() -> str:
     lo, hi = ephemeral_ports()
     values = {
         "OP_COUNT": c.OP_COUNT, "MAX_SERIES": c.MAX_SERIES, "MAX_COMMS": c.MAX_COMMS,
-        "MAX_THREADS": c.MAX_THREADS, "FAST_THREADS": c.FAST_THREADS, "MAX_ERRORS": c.MAX_ERRORS, "ERROR_RESULTS": c.ERROR_RESULTS,
+        "MAX_THREADS": c.MAX_THREADS, "FAST_THREADS": c.FAST_THREADS,
+        "MAX_ERRORS": c.MAX_ERRORS, "ERROR_RESULTS": c.ERROR_RESULTS,
         "MAX_PROCESSES": c.MAX_PROCESSES, "EVENT_PAGES": c.EVENT_PAGES,
         "EVENT_CALL": c.EVENT_CALL, "EVENT_LIFECYCLE": c.EVENT_LIFECYCLE,
         "HIST_MIN_LOG2": histogram.MIN_LOG2, "HIST_MAX_LOG2": histogram.MAX_LOG2,
@@ -100,7 +101,8 @@ def generated_header() -> str:
 
 
 OWNER = "nccl"  # the program that owns (exports) the maps of bpf/traced.h
-SHARED_MAPS = ("inflight", "inflight_fast", "traced_processes", "traced_threads", "proxy_wait", "counters")
+SHARED_MAPS = ("inflight", "inflight_fast", "traced_processes", "traced_threads", "proxy_wait",
+               "counters")
 _owners_loaded = 0
 # BCC keeps the name of an exported map for the life of the process, even
 # after its program is closed: an owner loaded again in the same process
