@@ -23,10 +23,16 @@ rotating order, median kept:
   idle      the agent between jobs (`run --idle-detach`): no process
             traced, so the scheduler and socket tracepoints that run for
             every task are detached (set_hot(False)); the rest attached
-  untraced  tracepoints attached; the workload is NOT traced: the node's
-            other traffic while a job runs (one bitmap test per event)
-  traced    tracepoints attached and both processes traced (trace_process):
-            every switch/wakeup/socket event does the full work
+  untraced  `run` as it ships (`--sched totals`: bpf/sched.c detached, the
+            scheduler read from /proc); the workload is NOT traced: the
+            node's other traffic while a job runs
+  traced    the same, both processes traced (trace_process), and the
+            agent's /proc read of their threads (SchedTotals.poll) once a
+            second meanwhile, as `run` does
+  untraced-waits, traced-waits
+            the same with `--sched waits`: bpf/sched.c's raw tracepoints at
+            every context switch and wakeup (one bitmap test per event for
+            untraced tasks; the full work for traced ones)
 
 Ratios are condition / off (1.00 = no cost; < 1 slower). The machine may be
 shared: look at the spread (min..max of the R runs) before believing a digit.
@@ -47,6 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exporter.sources.bpf import set_tracepoint  # noqa: E402
+from exporter.sources.schedstat import POLL_INTERVAL_S  # noqa: E402
 
 WORKLOAD_C = r"""
 #define _GNU_SOURCE
@@ -123,7 +130,7 @@ int main(int argc, char **argv) {
 }
 """
 
-CONDITIONS = ("off", "floor", "idle", "untraced", "traced")
+CONDITIONS = ("off", "floor", "idle", "untraced", "traced", "untraced-waits", "traced-waits")
 CPU = os.cpu_count() - 1
 WORKLOADS = {"tcp": "bytes/s", "pipe": "round trips/s"}
 
@@ -168,7 +175,7 @@ class Floor:
         self.switch.tps = [(self.bpf, tp, f"floor{i}") for i, (_, tp, _) in enumerate(switch.tps)]
 
 
-def run_once(exe: Path, workload: str, seconds: float, probes, traced: bool) -> float:
+def run_once(exe: Path, workload: str, seconds: float, probes, traced: bool, totals=None) -> float:
     # Both processes on one CPU: every round trip is two context switches,
     # and the spread from where the scheduler puts them is gone.
     p = subprocess.Popen(["taskset", "-c", str(CPU), str(exe), workload, str(seconds)],
@@ -180,6 +187,10 @@ def run_once(exe: Path, workload: str, seconds: float, probes, traced: bool) -> 
             probes.trace_process(pid, None)
     p.stdin.write("go\n")
     p.stdin.flush()
+    if totals is not None:  # the agent's read of the traced threads, once a second
+        while p.poll() is None:
+            totals.poll()
+            time.sleep(min(POLL_INTERVAL_S, seconds / 2))
     out, _ = p.communicate(timeout=seconds + 30)
     if p.returncode != 0:
         raise RuntimeError(f"{workload} workload failed (rc={p.returncode})")
@@ -194,17 +205,21 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         sys.exit("run as root (BPF)")
     from exporter.sources.nccl.probes import NcclProbes
+    from exporter.sources.nccl.reader import NcclReader
     from exporter.sources.sched import SchedSource
+    from exporter.sources.schedstat import SchedTotals
     from exporter.sources.tcp import TcpSource
 
     with tempfile.TemporaryDirectory(prefix="kbench-") as d:
         exe = build(Path(d))
         t = time.monotonic()
         probes = NcclProbes()
-        programs = [probes, TcpSource(), SchedSource()]
+        tcp, sched = TcpSource(), SchedSource()
+        programs = [probes, tcp, sched]
         t_load = time.monotonic() - t
+        reader = NcclReader(probes)
+        totals = SchedTotals(reader.traced_pids, reader.call_threads)
         sw = Switch(programs)
-        hot = programs[1:]  # TcpSource, SchedSource: their HOT_TRACEPOINTS
         floor = Floor(sw)
         print(f"programs loaded in {t_load:.1f} s; tracepoints: "
               + ", ".join(sorted(tp if ":" in tp else f"raw {tp}" for _, tp, _ in sw.tps)))
@@ -215,12 +230,15 @@ def main(argv=None) -> int:
                 for w in WORKLOADS:
                     order = CONDITIONS[rep % n:] + CONDITIONS[:rep % n]
                     for cond in order:
-                        attached = cond in ("idle", "untraced", "traced")
+                        attached = cond not in ("off", "floor")
                         sw.set(attached)
-                        for p in hot if attached else ():
-                            p.set_hot(cond != "idle")
+                        if attached:  # the HOT_TRACEPOINTS of each
+                            tcp.set_hot(cond != "idle")
+                            sched.set_hot(cond.endswith("-waits"))
                         floor.switch.set(cond == "floor")
-                        results[w][cond].append(run_once(exe, w, a.seconds, probes, cond == "traced"))
+                        traced = cond.startswith("traced")
+                        results[w][cond].append(run_once(exe, w, a.seconds, probes, traced,
+                                                         totals if cond == "traced" else None))
         finally:
             floor.switch.set(False)
             floor.bpf.cleanup()
@@ -234,7 +252,7 @@ def main(argv=None) -> int:
         for cond in CONDITIONS:
             vals = results[w][cond]
             ratio = statistics.median(v / o for v, o in zip(vals, results[w]["off"]))
-            print(f"  {w:5s} {cond:9s} {statistics.median(vals):14.4g} {unit:14s} "
+            print(f"  {w:5s} {cond:14s} {statistics.median(vals):14.4g} {unit:14s} "
                   f"({min(vals):.4g}..{max(vals):.4g})  ratio {ratio:.3f}")
     return 0
 

@@ -7,10 +7,13 @@ tests/test_sched.py::test_detached_between_jobs_then_attached_again."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 import time
+
+import pytest
 
 from conftest import require_root, running_exporter, sample_value
 
@@ -24,35 +27,53 @@ sys.stdin.read()
 """
 
 
-def _wait_attached(exporter, want: float, timeout: float = 20) -> float:
-    """Seconds until both sources report `want`."""
+def _wait_attached(exporter, want: float, sched: bool, timeout: float = 20) -> float:
+    """Seconds until the TCP source reports `want`, and the scheduler source
+    too with `sched` (--sched waits), 0 without (--sched totals attaches nothing)."""
     t0 = time.monotonic()
     while True:
         samples = exporter.samples()
         got = {s: sample_value(samples, METRIC, source=s) for s in ("sched", "tcp")}
-        if got == {"sched": want, "tcp": want}:
+        if got == {"sched": want if sched else 0, "tcp": want}:
             return time.monotonic() - t0
         assert time.monotonic() - t0 < timeout, f"{METRIC} {got}, want {want}:\n{exporter.output()}"
         time.sleep(0.1)
 
 
-def test_detached_without_a_traced_process_and_attached_when_libnccl_is_mapped(tmp_path):
+@pytest.mark.parametrize("mode", ["waits", "totals"])
+def test_detached_without_a_traced_process_and_attached_when_libnccl_is_mapped(tmp_path, mode):
     require_root()
     from exporter.simulator.build import build_library
 
     lib = tmp_path / "libnccl.so.2"
     shutil.copy(build_library(), lib)
-    with running_exporter("--idle-detach", "1s", "--log-level", "info") as exporter:
-        _wait_attached(exporter, 0)  # nothing on this node uses NCCL
+    waits = mode == "waits"
+    with running_exporter("--idle-detach", "1s", "--log-level", "info", "--sched", mode) as exporter:
+        _wait_attached(exporter, 0, waits)  # nothing on this node uses NCCL
         child = subprocess.Popen([sys.executable, "-c", CHILD, str(lib)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdout.readline().strip() == "loaded"
-            _wait_attached(exporter, 1)  # the mapping traced it
+            _wait_attached(exporter, 1, waits)  # the mapping traced it
+            if not waits:
+                # The traced process's threads, from /proc: the run-queue
+                # histogram has its +Inf bucket only, off-CPU time grows.
+                _wait_for_series(exporter, 'nccl_offcpu_seconds_total{node=')
+                page = exporter.scrape()
+                assert re.search(r'nccl_runqueue_delay_seconds_bucket\{.*le="\+Inf".*thread="other"', page), page
+                assert 'le="1e-06"' not in page, "--sched totals has no finite run-queue buckets"
         finally:
             child.stdin.close()
             child.wait()
-        _wait_attached(exporter, 0)  # 1 s after it exited
+        _wait_attached(exporter, 0, waits)  # 1 s after it exited
         log = exporter.output()
-    assert "scheduler and socket tracepoints detached" in log
-    assert "a traced process: scheduler and socket tracepoints attached" in log
+    what = "scheduler and socket" if waits else "socket"
+    assert f"{what} tracepoints detached" in log
+    assert f"a traced process: {what} tracepoints attached" in log
+
+
+def _wait_for_series(exporter, prefix: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(line.startswith(prefix) for line in exporter.scrape().splitlines()):
+        assert time.monotonic() < deadline, f"no {prefix} series:\n{exporter.output()}"
+        time.sleep(0.2)

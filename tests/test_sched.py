@@ -163,7 +163,17 @@ def test_detached_between_jobs_then_attached_again(probes, sched):
 # ---------------------------------------------------------------------------
 # CPU starvation on a simulated 4-rank job.
 
-def _totals(reader: SchedSource, pids: list[int]) -> list[tuple[int, int]]:
+@pytest.fixture(scope="module")
+def totals(probes):
+    """`--sched totals`: the kernel's per-thread accounting read from /proc, no BPF program."""
+    from exporter.sources.nccl.reader import NcclReader
+    from exporter.sources.schedstat import SchedTotals
+
+    reader = NcclReader(probes)
+    return SchedTotals(reader.traced_pids, reader.call_threads)
+
+
+def _totals(reader, pids: list[int]) -> list[tuple[int, int]]:
     """Per rank: (sum of run-queue delay ns, samples), caller + proxy threads."""
     out = []
     for pid in pids:
@@ -177,7 +187,10 @@ def _delta(a, b):
     return [(b[i][0] - a[i][0], b[i][1] - a[i][1]) for i in range(len(a))]
 
 
-def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, sched, tmp_path):
+@pytest.mark.parametrize("mode", ["waits", "totals"])
+def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, mode, request, tmp_path):
+    """Both modes of the scheduler side (bpf/sched.c, and the kernel's own
+    per-thread totals read from /proc) must see the same starvation."""
     if os.cpu_count() < 2:
         pytest.skip("needs 2 CPUs")
     from exporter.simulator.build import build_library
@@ -185,7 +198,7 @@ def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, sched, t
 
     lib = build_library()
     probes.attach(str(lib))
-    reader = sched
+    reader = request.getfixturevalue("sched" if mode == "waits" else "totals")
     cpu_of = {0: 0, 1: 1, 2: 0, 3: 0}
     phase_s = 5.0
     with Cluster(4) as cluster:

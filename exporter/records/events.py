@@ -85,8 +85,8 @@ class CallEvent:
     stream: int
     result: int
     color: int
-    runq_wait_ns: int = 0  # the calling thread's run-queue wait during the call
-    proxy_wait_ns: int = 0  # the process's NCCL proxy threads' run-queue wait during it
+    runq_wait_ns: int | None = 0  # the calling thread's run-queue wait during the call (None: not measured)
+    proxy_wait_ns: int | None = 0  # the process's NCCL proxy threads' run-queue wait during it (None: ditto)
 
     @property
     def duration_ns(self) -> int:

@@ -235,7 +235,7 @@ class NcclCollector:
         yield self.nccl.probes, nccl_probes.MAP_CAPACITY
         if self.tcp is not None:
             yield self.tcp, tcp_source.MAP_CAPACITY
-        if self.sched is not None:
+        if isinstance(self.sched, sched_source.SchedSource):  # not SchedTotals: no maps
             yield self.sched, sched_source.MAP_CAPACITY
         if self.plugin is not None:
             yield self.plugin, plugin_reader.MAP_CAPACITY
@@ -314,10 +314,11 @@ def tcp_families(node: str, tcp, rank_of) -> list:
 
 
 def sched_families(node: str, sched, rank_of) -> list:
-    """nccl_runqueue_delay_seconds and nccl_offcpu_seconds_total of a SchedSource,
-    labelled {node, rank, thread}; processes with the same rank and kind are summed
-    (with the retired totals of expired processes: SchedSource.labelled)."""
-    runq = Histograms(metrics.RUNQUEUE_DELAY, list(sched_source.RUNQ_BOUNDS))
+    """nccl_runqueue_delay_seconds and nccl_offcpu_seconds_total of a SchedSource
+    or SchedTotals (whose histogram has its +Inf bucket only), labelled {node,
+    rank, thread}; processes with the same rank and kind are summed (with the
+    retired totals of expired processes: `labelled`)."""
+    runq = Histograms(metrics.RUNQUEUE_DELAY, list(sched.bounds))
     offcpu: dict[tuple, float] = defaultdict(float)
     for lset, s in sched.labelled(lambda pid: _rank_label(rank_of, pid)):
         labels = (node, *lset)

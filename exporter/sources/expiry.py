@@ -24,6 +24,12 @@ def _add(a, b):
     return type(a)(**out)
 
 
+def _ident(key):
+    """A hashable identity of a map key: a ctypes key's bytes; a plain tuple
+    (SchedTotals' keys, not a kernel map's) as it is."""
+    return key if isinstance(key, tuple) else bytes(key)
+
+
 class OwnerExpiry:
     """Expiry of kernel map entries keyed by an owner process whose counters
     the Prometheus sink sums by label set (docs/metrics.md, "Series lifecycle").
@@ -78,7 +84,7 @@ class OwnerExpiry:
         for name, key, owner, labels, rec in entries:
             lset = (*labels, self.label_of(owner, rank_label_once))
             if owner == 0:
-                ident = (name, bytes(key))
+                ident = (name, _ident(key))
                 prev = self.idle.get(ident)
                 idle[ident] = (rec, prev[1] if prev is not None and prev[0] == rec else now)
                 expired = now - idle[ident][1] >= ttl
@@ -103,7 +109,7 @@ class OwnerExpiry:
         deleted = {id(k) for _n, k in delete}  # map keys are ctypes structs: not hashable
         left = {e[2] for e in entries if id(e[1]) not in deleted}
         self.gone = {o: g for o, g in self.gone.items() if o in left}
-        gone_keys = {(n, bytes(k)) for n, k in delete}
+        gone_keys = {(n, _ident(k)) for n, k in delete}
         self.idle = {i: v for i, v in idle.items() if i not in gone_keys}
         return delete
 

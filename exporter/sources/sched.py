@@ -83,6 +83,7 @@ class SchedSource(Program):
     `sched_events` ring buffer."""
 
     HOT_TRACEPOINTS = tuple(RAW_TRACEPOINTS)  # every context switch and wakeup of the node
+    bounds = RUNQ_BOUNDS  # the run-queue histogram's finite buckets (SchedTotals has none)
 
     def __init__(self, clock: ClockOffset | None = None):
         check_raw_tracepoints()

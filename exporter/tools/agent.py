@@ -26,6 +26,7 @@ from exporter.sources.plugin import reader as plugin_reader
 from exporter.sources.plugin.reader import PluginSource
 from exporter.sources.processes import ProcessTable
 from exporter.sources.sched import SchedSource
+from exporter.sources.schedstat import POLL_INTERVAL_S, SchedTotals
 from exporter.sources.tcp import TcpSource, retransmits_missed
 
 log = logging.getLogger("nccl_exporter")
@@ -51,6 +52,11 @@ class AgentConfig:
     # every task and packet of the node are detached (until one is traced
     # again); None: always attached
     idle_detach: float | None = None
+    # The scheduler: False (`run`'s default) reads the kernel's per-thread
+    # totals from /proc (SchedTotals, no program at any context switch); True
+    # loads bpf/sched.c, which runs at every switch and wakeup of the node
+    # (histogram buckets, each call's waits, wait events). docs/sched.md.
+    sched_waits: bool = False
 
 
 class Agent:
@@ -63,7 +69,12 @@ class Agent:
         self.probes = NcclProbes(series_capacity=config.series_capacity)
         self.reader = NcclReader(self.probes, self.clock)
         self.tcp = TcpSource(self.clock)
-        self.sched = SchedSource(self.clock)
+        if config.sched_waits:
+            self.sched = SchedSource(self.clock)
+        else:
+            self.sched = SchedTotals(self.reader.traced_pids, self.reader.call_threads)
+            self.reader.sched_waits = False
+        self._next_sched_poll = 0.0
         self.processes = ProcessTable(self.probes)
         # GPU time from the profiler plugin (bpf/plugin.c): optional, never fatal.
         self.plugin = None
@@ -97,7 +108,8 @@ class Agent:
         self.events_seen = 0
         self.reader.on_event(self._dispatch)
         self.tcp.on_event(self._dispatch_kernel)
-        self.sched.on_event(self._dispatch_kernel)
+        if config.sched_waits:
+            self.sched.on_event(self._dispatch_kernel)
         if self.plugin is not None:  # slow GPU operations, once a threshold is set (spans)
             self.plugin.on_event(self._dispatch_kernel)
         self.waiter = RingWaiter()  # one wait over every program's ring buffers
@@ -108,12 +120,14 @@ class Agent:
             if self.plugin is not None:  # every GPU operation too (recordings' gpu_intervals)
                 for op in contract.COLLECTIVE_OPS.values():
                     self.plugin.set_slow_threshold(op, 1)
-        if config.runq_event_min_ns:
+        if config.runq_event_min_ns and config.sched_waits:
             self.sched.set_runq_event_min(config.runq_event_min_ns)
 
     @property
     def sources(self) -> list:
-        return [p for p in (self.probes, self.tcp, self.sched, self.plugin, self.loader) if p is not None]
+        """The loaded BPF programs (SchedTotals is none)."""
+        sched = self.sched if self.config.sched_waits else None
+        return [p for p in (self.probes, self.tcp, sched, self.plugin, self.loader) if p is not None]
 
     # --- libraries ---------------------------------------------------------
 
@@ -243,6 +257,10 @@ class Agent:
         now = time.monotonic()
         if self.config.idle_detach is not None:
             self._heat(now)
+        if now >= self._next_sched_poll and not self.config.sched_waits:
+            self._next_sched_poll = now + POLL_INTERVAL_S
+            with self.lock:  # it reads bpf/nccl.c's maps
+                self.sched.poll()
         if now >= self._next_clock:
             # Wall-clock time of the kernel's monotonic stamps: sampled again
             # now and then, so an NTP step moves later timestamps with it
@@ -265,13 +283,13 @@ class Agent:
             if next(iter(self.probes["traced_processes"].keys()), None) is not None:
                 self._last_traced = now
             want = now - self._last_traced < self.config.idle_detach
-            if want == self.sched.hot:
+            if want == self.tcp.hot:
                 return
             for source in (self.sched, self.tcp):
                 source.set_hot(want)
-        log.info("%s", "a traced process: scheduler and socket tracepoints attached" if want else
-                 f"no traced process for {self.config.idle_detach:g} s: scheduler and socket "
-                 "tracepoints detached")
+        what = "scheduler and socket" if self.config.sched_waits else "socket"
+        log.info("%s", f"a traced process: {what} tracepoints attached" if want else
+                 f"no traced process for {self.config.idle_detach:g} s: {what} tracepoints detached")
 
     def prune(self) -> None:
         """Forget the map entries and Python state of processes that are gone."""

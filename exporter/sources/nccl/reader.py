@@ -48,6 +48,9 @@ class NcclReader:
         # processes are gone. The agent's prune() keeps the communicators that
         # still have GPU series or a live entry (keep_comm_ids).
         self.comm_ids: dict[int, int] = {}
+        # False without bpf/sched.c (`--sched totals`): calls' waits are not
+        # measured, and events carry None (NULL in recordings), never 0.
+        self.sched_waits = True
 
     def keep_comm_ids(self, nccl_hashes: set[int]) -> None:
         """Forget the commHash -> communicator id of every other communicator."""
@@ -204,6 +207,15 @@ class NcclReader:
             if v.op and v.start_ns  # op 0: the thread's slot is idle; start 0: being filled
         ]
 
+    def traced_pids(self) -> list[int]:
+        """Processes the kernel side traces (`traced_processes`)."""
+        return [k.value for k in self.probes["traced_processes"].keys()]
+
+    def call_threads(self) -> set[int]:
+        """Threads that hold an NCCL call slot (have called NCCL): the `caller` kind."""
+        tids = {v.owner for _, v in self.probes["inflight_fast"].items_lookup_batch() if v.owner}
+        return tids | {k.value for k in self.probes["inflight"].keys()}
+
     def counters(self) -> dict[str, int]:
         table = self.probes["counters"]
         return {name: table[table.Key(slot)].value for name, slot in contract.COUNTERS.items()}
@@ -235,8 +247,8 @@ class NcclReader:
             stream=e.stream,
             result=e.result,
             color=e.color,
-            runq_wait_ns=e.runq_wait_ns,
-            proxy_wait_ns=e.proxy_wait_ns,
+            runq_wait_ns=e.runq_wait_ns if self.sched_waits else None,
+            proxy_wait_ns=e.proxy_wait_ns if self.sched_waits else None,
         )
 
     def on_event(self, callback) -> None:

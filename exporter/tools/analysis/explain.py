@@ -179,8 +179,10 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
         cpu_excess = s.runq_wait_when_last_ns / s.last - cpu_usual
         retx_excess = s.retransmits_when_last / s.last - retx_usual
         cpu = (f"its caller and proxy threads waited {_ms(s.runq_wait_when_last_ns)} for a CPU in those windows, "
-               f"{_ms(s.runq_wait_when_last_ns / s.last)} per collective (the other ranks: {_ms(cpu_usual)})")
-        if cpu_excess >= CPU_SHARE * s.median_lag_ns:
+               f"{_ms(s.runq_wait_when_last_ns / s.last)} per collective (the other ranks: {_ms(cpu_usual)})"
+               if s.runq_measured else
+               "its threads' CPU waits were not recorded (the recording was made with --sched totals)")
+        if s.runq_measured and cpu_excess >= CPU_SHARE * s.median_lag_ns:
             verdict = (f"straggler: {name} is starved of CPU: it arrived last in {100 * s.last_share:.0f} % "
                        f"of {s.op} (median lag {_ms(s.median_lag_ns)}) and waited for a CPU "
                        f"{_ms(s.runq_wait_when_last_ns)} in those windows")

@@ -54,6 +54,7 @@ class Arrival:
     runq_in_call: int | None
     retransmits: int = 0
     runq_wait_ns: int = 0
+    runq_measured: bool = True  # False: recorded without scheduler waits (`run --db --sched totals`)
     links: dict | None = None  # link -> retransmits in the window
 
 
@@ -101,6 +102,7 @@ class RankStats:
     retransmits_when_last: int = 0
     runq_wait_ns: int = 0
     runq_wait_when_last_ns: int = 0
+    runq_measured: bool = True
     links_when_last: dict = field(default_factory=lambda: defaultdict(int))
     durations: list = field(default_factory=list)
 
@@ -217,6 +219,7 @@ def _evidence(conn, collectives: list[Collective]) -> None:
                 a.runq_wait_ns = waits.window(key, lo, hi)[0]
             else:
                 a.runq_wait_ns = a.runq_in_call or 0
+                a.runq_measured = a.runq_in_call is not None
 
 
 def per_rank(collectives: list[Collective]) -> list[RankStats]:
@@ -236,6 +239,7 @@ def per_rank(collectives: list[Collective]) -> list[RankStats]:
             s.offsets.append(a.start - med)
             s.retransmits += a.retransmits
             s.runq_wait_ns += a.runq_wait_ns
+            s.runq_measured = s.runq_measured and a.runq_measured
             s.durations.append(a.end - a.start)
             if a is last:
                 s.last += 1
@@ -255,7 +259,8 @@ RANK_COLUMNS = ["comm", "op", "rank", "node", "pid", "collectives", "last", "las
 def rank_rows(stats: list[RankStats]) -> list[tuple]:
     return [(s.comm, s.op, s.rank, s.node, s.pid, s.collectives, s.last, round(100 * s.last_share, 1),
              round(s.median_lag_ns / 1e6, 3), round(s.median_offset_ns / 1e6, 3), s.retransmits,
-             s.retransmits_when_last, round(s.runq_wait_ns / 1e6, 3), round(s.runq_wait_when_last_ns / 1e6, 3))
+             s.retransmits_when_last, *((round(s.runq_wait_ns / 1e6, 3), round(s.runq_wait_when_last_ns / 1e6, 3))
+                                        if s.runq_measured else (None, None)))
             for s in stats]
 
 

@@ -138,6 +138,9 @@ def stop_on_signals() -> threading.Event:
 
 
 def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
+    """The agent of `run` and `trace`, its libraries attached; --sched waits
+    (args.sched) loads bpf/sched.c, otherwise the scheduler totals come from
+    /proc (docs/sched.md, "Two modes")."""
     from exporter.tools.agent import Agent, AgentConfig, AgentError
     from exporter.sources.identity import node_name
     from exporter.sources.bpf import ProbeError
@@ -151,8 +154,9 @@ def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
         lifecycle = {name: getattr(args, name) for name in
                      ("series_ttl", "series_capacity", "histogram_resolution", "idle_detach")
                      if getattr(args, name, None) is not None}
-        agent = Agent(AgentConfig(node=node, nccl_libs=libs, record_all=record_all,
-                                  runq_event_min_ns=runq_event_min_ns, **lifecycle))
+        waits = getattr(args, "sched", "waits") == "waits"
+        agent = Agent(AgentConfig(node=node, nccl_libs=libs, record_all=record_all, sched_waits=waits,
+                                  runq_event_min_ns=runq_event_min_ns if waits else 0, **lifecycle))
     except ProbeError as e:
         raise CliError(str(e)) from None
     try:
@@ -193,9 +197,17 @@ def add_lib_option(sp) -> None:
                          "mapped by running processes, and new ones as they appear")
 
 
-def add_runq_option(sp, when: str) -> None:
+def add_sched_options(sp, default: str, when: str) -> None:
+    """--sched and --runq-wait-min (run: totals by default; trace: waits)."""
+    sp.add_argument("--sched", choices=["totals", "waits"], default=default,
+                    help="how the scheduler is watched (docs/sched.md): totals reads each traced thread's "
+                         "run-queue and off-CPU time from the kernel's own accounting in /proc once a "
+                         "second, with no program at any context switch; waits runs a BPF program at "
+                         "every context switch and wakeup of the node while a job runs (2-20 %% of a "
+                         "switch-heavy task's speed, bench/KERNEL.md) for run-queue histogram buckets, "
+                         f"each NCCL call's own wait and its proxies', and wait events (default {default})")
     sp.add_argument("--runq-wait-min", type=parse_runq_wait_min, metavar="D|off",
                     default=parse_runq_wait_min(DEFAULT_RUNQ_WAIT_MIN),
-                    help=f"{when}: record each time a thread of a traced process waited at least D "
+                    help=f"{when} and --sched waits: record each time a thread of a traced process waited at least D "
                          f"runnable for a CPU (sched_events; default {DEFAULT_RUNQ_WAIT_MIN}; 0: every "
                          "wait; off: none)")

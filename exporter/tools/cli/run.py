@@ -12,7 +12,7 @@ from exporter.tools.cli.options import (
     DEFAULT_IDLE_DETACH,
     CliError,
     add_lib_option,
-    add_runq_option,
+    add_sched_options,
     load_config,
     open_recorder,
     parse_duration,
@@ -48,9 +48,9 @@ def add_parser(sub) -> None:
                    help="instead of the fixed threshold, a call is slow at K x the recent p50 of "
                         "its op/comm/rank series (recomputed every 10 s; never below 1 ms)")
     r.add_argument("--db", metavar="PATH",
-                   help="also record every NCCL call, TCP retransmit/reset and scheduler wait to this SQLite file "
-                        "(as 'trace --out'; read it with 'query')")
-    add_runq_option(r, "with --db")
+                   help="also record every NCCL call and TCP retransmit/reset (and, with --sched waits, "
+                        "scheduler wait) to this SQLite file (as 'trace --out'; read it with 'query')")
+    add_sched_options(r, "totals", "with --db")
     r.add_argument("--idle-detach", type=parse_idle_detach, metavar="DURATION|off",
                    default=DEFAULT_IDLE_DETACH,
                    help="detach the tracepoints that run at every context switch, wakeup and socket "

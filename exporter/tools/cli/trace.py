@@ -11,7 +11,7 @@ from exporter.records.events import CallEvent
 from exporter.tools.cli.options import (
     CliError,
     add_lib_option,
-    add_runq_option,
+    add_sched_options,
     open_recorder,
     parse_duration,
     recording_scope,
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     t.add_argument("--node", metavar="NAME",
                    help="node name stored in the recording (default: $NCCL_EXPORTER_NODE, hostname)")
     t.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
-    add_runq_option(t, "with --out")
+    add_sched_options(t, "waits", "with --out")
     add_lib_option(t)
     t.set_defaults(func=main)
 

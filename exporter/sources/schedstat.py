@@ -1,0 +1,144 @@
+"""The scheduler's totals without a BPF program: the kernel's own per-thread
+accounting, read from /proc.
+
+The kernel keeps, for every thread, the time it ran, the time it waited
+runnable on a run queue and how many times it was switched in
+(`/proc/<pid>/task/<tid>/schedstat`: sum_exec_runtime, run_delay, pcount,
+in ns; present when the kernel has CONFIG_SCHED_INFO, as Debian's and most
+distribution kernels do). Read once a second for the threads of traced
+processes, the differences give the same per (process, thread kind) totals
+as bpf/sched.c's `sched_stats` — run-queue delay, switch-ins, off-CPU time
+(the wall-clock time between two reads that the thread neither ran nor
+waited runnable) — without any program at the node's context switches and
+wakeups. What it cannot give: the distribution of single waits (histogram
+buckets), each NCCL call's own wait, and wait events for recordings: those
+need `--sched waits` (bpf/sched.c). docs/sched.md, "Two modes".
+
+Thread kinds as bpf/sched.c decides them: `proxy` (name starts with
+"NCCL "), `caller` (holds an NCCL call slot), `other`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from exporter.records.events import SchedStats
+from exporter.sources.expiry import OwnerExpiry, delete_keys
+
+POLL_INTERVAL_S = 1.0  # the agent's loop reads this often: a thread that exits loses at most this much
+NAME_REFRESH_S = 10.0  # a thread's name (its kind) is read again this often: NCCL names its threads after start
+
+
+def read_schedstat(path: str) -> tuple[int, int, int] | None:
+    """(ns run, ns waited runnable, switch-ins) of one thread; None when it is gone."""
+    try:
+        with open(path, "rb") as f:
+            run_ns, wait_ns, switch_ins = f.read().split()[:3]
+        return int(run_ns), int(wait_ns), int(switch_ins)
+    except (OSError, ValueError):
+        return None
+
+
+def thread_kind(name: str, tid: int, callers: set[int]) -> str:
+    if name.startswith("NCCL "):
+        return "proxy"
+    return "caller" if tid in callers else "other"
+
+
+class SchedTotals:
+    """Per (process, thread kind) run-queue delay, switch-ins and off-CPU time
+    of traced processes, from /proc (module docstring). The same accessors as
+    SchedSource (stats, by_process, labelled, expire_owners) so the sinks
+    take either; `bounds` is empty: the histogram has only its +Inf bucket.
+
+    traced_pids() -> iterable of pids; callers() -> set of thread ids that
+    hold an NCCL call slot. Both read bpf/nccl.c's maps (the agent passes
+    them, under its lock)."""
+
+    name = "sched"
+    bounds: tuple[float, ...] = ()
+    hot = False  # no tracepoint: nothing to attach or detach
+
+    def __init__(self, traced_pids, callers, proc: str = "/proc", clock=time.monotonic_ns):
+        self.traced_pids, self.callers = traced_pids, callers
+        self.proc, self.clock = proc, clock
+        self.expiry = OwnerExpiry()
+        self._lock = threading.Lock()  # poll() from the agent's loop and from a scrape
+        self._threads: dict[int, tuple[int, int, int, int, int]] = {}  # tid -> (pid, time, run, wait, n)
+        self._names: dict[int, tuple[str, int]] = {}  # tid -> (name, when read)
+        self._totals: dict[tuple[int, str], SchedStats] = {}  # (pid, kind) -> counts so far
+
+    def set_hot(self, on: bool) -> None:
+        """Nothing runs in the kernel for this source; kept for the agent's idle detach."""
+
+    def poll(self) -> None:
+        """Read every thread of every traced process and add what each did
+        since the last read to its (process, kind) totals. A thread seen for
+        the first time only sets its baseline."""
+        pids, callers = list(self.traced_pids()), self.callers()
+        with self._lock:
+            seen = set()
+            for pid in pids:
+                try:
+                    tids = [int(t) for t in os.listdir(f"{self.proc}/{pid}/task")]
+                except (OSError, ValueError):
+                    continue
+                for tid in tids:
+                    self._read_thread(pid, tid, callers)
+                    seen.add(tid)
+            for tid in [t for t in self._threads if t not in seen]:
+                del self._threads[tid]  # exited (its last interval is lost)
+                self._names.pop(tid, None)
+
+    def _read_thread(self, pid: int, tid: int, callers: set[int]) -> None:
+        now = self.clock()
+        cur = read_schedstat(f"{self.proc}/{pid}/task/{tid}/schedstat")
+        if cur is None:
+            return
+        named = self._names.get(tid)
+        if named is None or now - named[1] > NAME_REFRESH_S * 1e9:
+            try:
+                with open(f"{self.proc}/{pid}/task/{tid}/comm") as f:
+                    named = self._names[tid] = (f.read().rstrip("\n"), now)
+            except OSError:
+                return
+        prev = self._threads.get(tid)
+        self._threads[tid] = (pid, now, *cur)
+        if prev is None or prev[0] != pid:
+            return
+        run, wait, n = (c - p for c, p in zip(cur, prev[2:]))
+        offcpu = max(0, now - prev[1] - run - wait)  # run time lags by up to a tick: never negative
+        key = (pid, thread_kind(named[0], tid, callers))
+        old = self._totals.get(key)
+        self._totals[key] = SchedStats(
+            pid=pid, thread=key[1],
+            count=n + (old.count if old else 0), sum_ns=wait + (old.sum_ns if old else 0),
+            offcpu_ns=offcpu + (old.offcpu_ns if old else 0), buckets=(n + (old.buckets[0] if old else 0),))
+
+    # --- the accessors of SchedSource -------------------------------------
+
+    def stats(self) -> list[SchedStats]:
+        self.poll()
+        with self._lock:
+            return list(self._totals.values())
+
+    def by_process(self, pid: int) -> dict[str, SchedStats]:
+        return {s.thread: s for s in self.stats() if s.pid == pid}
+
+    def labelled(self, rank_label) -> list:
+        out = [((self.expiry.label_of(s.pid, rank_label), s.thread), s) for s in self.stats()]
+        out += [((lset[1], lset[0]), kept["sched_stats"]) for lset, kept in self.expiry.retired.items()]
+        return out
+
+    def expire_owners(self, ttl: float, rank_label, now: float | None = None, proc: str = "/proc") -> int:
+        """OwnerExpiry over the totals, as SchedSource.expire_owners over its map."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            entries = [("sched_stats", k, s.pid, (s.thread,), s) for k, s in self._totals.items()]
+            return delete_keys({"sched_stats": self._totals},
+                               self.expiry.expire(entries, ttl, now, rank_label, proc))
+
+    def close(self) -> None:
+        pass
