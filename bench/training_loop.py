@@ -179,7 +179,12 @@ def main(argv=None) -> int:
             ratio = r
     print(f"  the agent process itself while a job ran: {100 * statistics.median(agent_cpu):.1f} % of one core "
           f"(of {os.cpu_count()}), median of {len(agent_cpu)} runs")
-    print(f"  agent + plugin overhead {100 * (ratio - 1):+.2f} %: goal < 0.5 % {'met' if ratio - 1 < 0.005 else 'MISSED'}")
+    rounds = sorted(v / n for v, n in zip(results["agent"], results["none"]))
+    q1, _, q3 = statistics.quantiles(rounds, n=4) if len(rounds) > 1 else (ratio, ratio, ratio)
+    verdict = ("MISSED" if ratio - 1 >= 0.005 else "met" if q3 - 1 < 0.005 else
+               "met by the median, not resolved by this run: a quarter of the rounds are above +0.5 %")
+    print(f"  agent + plugin overhead {100 * (ratio - 1):+.2f} % (rounds' agent/none, quartiles "
+          f"{100 * (q1 - 1):+.2f} .. {100 * (q3 - 1):+.2f} %): goal < 0.5 % {verdict}")
     if bpf_time:
         runs = len(agent_cpu) * a.iterations * RANKS
         print(f"  the agent's BPF programs per rank-iteration (kernel statistics, {len(agent_cpu)} agent runs; "
