@@ -196,3 +196,12 @@ def test_plugin_lines_in_the_report(built_plugin, fake_tracefs, fake_modules, tm
 def test_default_plugin_path_is_the_build_output():
     from exporter.sources.plugin import build
     assert preflight.plugin_library() == str(build.default_outdir() / build.LIB_NAME)
+
+
+def test_scheduler_totals_check(tmp_path):
+    """`run --sched totals` needs /proc/<pid>/schedstat: present here, optional."""
+    here = preflight.check_schedstat()
+    assert here.ok and not here.required, here
+    (tmp_path / "self").mkdir()
+    gone = preflight.check_schedstat(str(tmp_path))
+    assert not gone.ok and not gone.required and "--sched waits" in gone.detail

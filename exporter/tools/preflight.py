@@ -143,6 +143,18 @@ def check_btf(path: str = "/sys/kernel/btf/vmlinux") -> Check:
                  f"kernels with CONFIG_DEBUG_INFO_BTF=y provide it")
 
 
+def check_schedstat(proc: str = "/proc") -> Check:
+    """`run --sched totals` reads each thread's schedstat (CONFIG_SCHED_INFO)."""
+    from exporter.sources.schedstat import read_schedstat
+
+    path = f"{proc}/self/schedstat"
+    if read_schedstat(path) is not None:
+        return Check("schedstat", True, False, path)
+    return Check("schedstat", False, False,
+                 f"{path} missing (a kernel without CONFIG_SCHED_INFO): `run` shows no run-queue "
+                 "or off-CPU time unless started with --sched waits")
+
+
 def check_kernel_headers(modules_root: str = "/lib/modules", release: str | None = None) -> Check:
     release = release or os.uname().release
     build = os.path.join(modules_root, release, "build")
@@ -287,6 +299,7 @@ def run_checks(
         check_uprobes(tracefs_roots),
         check_tracepoints(tracefs_roots),
         check_btf(btf_path),
+        check_schedstat(proc),
         check_kernel_headers(modules_root, kernel_release),
         check_bcc(bcc_module),
         check_nccl(nccl_libs, proc),
