@@ -405,3 +405,53 @@ def test_resets_are_counted_and_attributed(probes, reader, events):
     evs = {(e.event, e.pid, e.saddr, e.daddr) for e in events if port in (e.sport, e.dport)}
     assert evs == {("tcp_send_reset", server.pid, srv.addr, cli.addr),
                    ("tcp_receive_reset", client.pid, cli.addr, srv.addr)}
+
+
+ECHO_PAIR = textwrap.dedent("""
+    import socket, sys, threading
+    srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+    def echo():
+        c, _ = srv.accept()
+        while (d := c.recv(64)):
+            c.sendall(d)
+    threading.Thread(target=echo, daemon=True).start()
+    cli = socket.create_connection(srv.getsockname())
+    print("ready", flush=True)
+    sys.stdin.readline()  # traced: go
+    while True:
+        cli.sendall(b"x"); cli.recv(64)
+""")
+
+
+def test_srtt_sampled_only_in_its_windows(probes, reader):
+    """`run --srtt-sampling W/P`: tcp_probe is attached for W of every P
+    while hot, and srtt samples arrive only then (TcpSource.srtt_duty)."""
+    p = subprocess.Popen([sys.executable, "-c", ECHO_PAIR], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        probes.trace_process(p.pid, None)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+
+        def samples() -> int:
+            return sum(s.count for s in reader.srtt() if s.owner == p.pid)
+
+        start = reader._srtt_from
+        assert reader.srtt_duty(start + 0.1, 0.25, 5.0)  # in the first window: attached
+        deadline = time.monotonic() + 10
+        while samples() < 3:
+            assert time.monotonic() < deadline, "no srtt sample while tcp_probe was attached"
+            time.sleep(0.05)
+        assert not reader.srtt_duty(start + 1.0, 0.25, 5.0)  # between windows: detached
+        time.sleep(0.1)
+        before = samples()
+        time.sleep(0.5)  # ~50 segments each way, one sample per socket per 10 ms if attached
+        assert samples() == before, "srtt sampled while tcp_probe was detached"
+        assert reader.srtt_duty(start + 5.1, 0.25, 5.0)  # the next window
+        time.sleep(0.5)
+        assert samples() > before
+    finally:
+        reader.set_hot(True)  # as loaded, for the other tests
+        p.kill()
+        p.wait()

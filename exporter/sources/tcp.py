@@ -13,7 +13,7 @@ import time
 
 from exporter.records import contract
 from exporter.records.events import AF_INET, AF_INET6, TcpEvent, TcpLink, TcpSrtt
-from exporter.sources.bpf import ClockOffset, Program
+from exporter.sources.bpf import ClockOffset, Program, set_tracepoint
 from exporter.sources.expiry import OwnerExpiry, delete_keys
 
 # Capacity of each map this program owns, for nccl_exporter_map_capacity.
@@ -60,11 +60,30 @@ class TcpSource(Program):
     # node: only socket ownership and srtt need them. Retransmits, resets,
     # connect() and socket ends stay attached.
     HOT_TRACEPOINTS = ("tcp:tcp_probe", "sock:sock_send_length", "sock:sock_recv_length")
+    SRTT_TRACEPOINT = "tcp:tcp_probe"
 
     def __init__(self, clock: ClockOffset | None = None):
         super().__init__("tcp")
         self.clock = clock or ClockOffset()
         self.expiry = OwnerExpiry()
+        self._srtt_from = time.monotonic()  # start of the srtt duty cycle (attached at load)
+        self._srtt_on = True
+
+    def set_hot(self, on: bool) -> None:
+        super().set_hot(on)
+        self._srtt_from, self._srtt_on = time.monotonic(), on
+
+    def srtt_duty(self, now: float, window: float, period: float) -> bool:
+        """While hot, keep tcp_probe (every incoming segment of every socket
+        of the node) attached for `window` s of every `period` s, from the
+        moment the source went hot: srtt is sampled in those windows only
+        (docs/tcp.md, "srtt"). For the agent's loop; returns whether it is
+        attached now. Without calls it stays attached, as loaded."""
+        want = self.hot and (now - self._srtt_from) % period < window
+        if want != self._srtt_on:
+            set_tracepoint(self.bpf, self.SRTT_TRACEPOINT, want)
+            self._srtt_on = want
+        return want
 
     @staticmethod
     def _link(k, v) -> TcpLink:

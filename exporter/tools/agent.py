@@ -57,6 +57,9 @@ class AgentConfig:
     # loads bpf/sched.c, which runs at every switch and wakeup of the node
     # (histogram buckets, each call's waits, wait events). docs/sched.md.
     sched_waits: bool = False
+    # tcp_probe (srtt samples) attached for (window, period) s of each period
+    # while hot; None: the whole time (docs/tcp.md, "srtt")
+    srtt_sampling: tuple[float, float] | None = None
 
 
 class Agent:
@@ -260,6 +263,9 @@ class Agent:
         now = time.monotonic()
         if self.config.idle_detach is not None:
             self._heat(now)
+        if self.config.srtt_sampling is not None:
+            with self.lock:
+                self.tcp.srtt_duty(now, *self.config.srtt_sampling)
         if now >= self._next_sched_poll and not self.config.sched_waits:
             self._next_sched_poll = now + POLL_INTERVAL_S
             with self.lock:  # it reads bpf/nccl.c's maps

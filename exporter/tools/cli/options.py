@@ -43,6 +43,24 @@ def parse_idle_detach(text: str) -> float:
     return parse_duration(text)
 
 
+DEFAULT_SRTT_SAMPLING = "250ms/5s"  # `run --srtt-sampling`
+
+
+def parse_srtt_sampling(text: str) -> tuple[float, float] | None:
+    """--srtt-sampling: 'W/P' -> (W, P) in s, 0 < W <= P; 'always' -> None."""
+    if str(text).strip().lower() == "always":
+        return None
+    window, _, period = str(text).partition("/")
+    try:
+        w, p = parse_duration(window), parse_duration(period)
+    except argparse.ArgumentTypeError:
+        w = p = 0.0
+    if not 0 < w <= p:
+        raise argparse.ArgumentTypeError(f"not WINDOW/PERIOD (0 < WINDOW <= PERIOD) or 'always': {text!r} "
+                                         f"(try {DEFAULT_SRTT_SAMPLING}, 1s/10s, always)")
+    return w, p
+
+
 def parse_runq_wait_min(text: str) -> int:
     """--runq-wait-min: 'off' -> 0 (no scheduler events); a duration -> ns (0 -> 1: every wait)."""
     if str(text).strip().lower() == "off":
@@ -154,6 +172,8 @@ def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
         lifecycle = {name: getattr(args, name) for name in
                      ("series_ttl", "series_capacity", "histogram_resolution", "idle_detach")
                      if getattr(args, name, None) is not None}
+        if hasattr(args, "srtt_sampling"):  # run only; trace keeps tcp_probe attached
+            lifecycle["srtt_sampling"] = args.srtt_sampling
         waits = getattr(args, "sched", "waits") == "waits"
         agent = Agent(AgentConfig(node=node, nccl_libs=libs, record_all=record_all, sched_waits=waits,
                                   runq_event_min_ns=runq_event_min_ns if waits else 0, **lifecycle))

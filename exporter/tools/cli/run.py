@@ -17,6 +17,8 @@ from exporter.tools.cli.options import (
     open_recorder,
     parse_duration,
     parse_idle_detach,
+    parse_srtt_sampling,
+    DEFAULT_SRTT_SAMPLING,
     parse_listen,
     setup_logging,
     start_agent,
@@ -51,6 +53,12 @@ def add_parser(sub) -> None:
                    help="also record every NCCL call and TCP retransmit/reset (and, with --sched waits, "
                         "scheduler wait) to this SQLite file (as 'trace --out'; read it with 'query')")
     add_sched_options(r, "totals", "with --db")
+    r.add_argument("--srtt-sampling", type=parse_srtt_sampling, metavar="WINDOW/PERIOD|always",
+                   default=parse_srtt_sampling(DEFAULT_SRTT_SAMPLING),
+                   help="while a job runs, sample the smoothed RTT of its sockets (nccl_tcp_srtt_seconds) "
+                        "during WINDOW of every PERIOD only: the tcp_probe tracepoint it needs runs at "
+                        "every incoming TCP segment of the node while attached (default "
+                        f"{DEFAULT_SRTT_SAMPLING}; always: attached the whole time, docs/tcp.md)")
     r.add_argument("--idle-detach", type=parse_idle_detach, metavar="DURATION|off",
                    default=DEFAULT_IDLE_DETACH,
                    help="detach the tracepoints that run at every context switch, wakeup and socket "
