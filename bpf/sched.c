@@ -177,9 +177,7 @@ static __always_inline void runq_record(u32 tgid, u32 kind, u64 delay, u64 offcp
 }
 
 static __always_inline u32 *filter_slot(u64 task) {
-    // Fibonacci hashing: task_structs are slab objects kilobytes apart, so
-    // the product's top bits spread them over the slots.
-    u32 slot = (task * 0x9E3779B97F4A7C15ULL) >> 48;
+    u32 slot = pointer_slot(task, 16);  // task_filter's 65,536 slots
     return task_filter.lookup(&slot);
 }
 

@@ -96,6 +96,15 @@ BPF_HASH(tcp_srtt, struct tcp_link_key, struct tcp_srtt_hist, MAX_LINKS);
 BPF_RINGBUF_OUTPUT(tcp_events, TCP_EVENT_PAGES);
 BPF_ARRAY(tcp_srtt_zero, struct tcp_srtt_hist, 1);  // all zeros, never written
 
+// Sockets already in sock_owner, direct-mapped by pointer in front of the
+// hash: a send or receive on a known socket (nearly every one of a traced
+// thread) costs one inlined array read instead of a hash lookup. A slot
+// only ever claims "this pointer is in sock_owner": tcp_destroy_sock clears
+// it before deleting the entry, so a pointer reused by a new socket is never
+// taken for a known one. Collisions just fall through to the hash.
+#define KNOWN_SOCK_BITS 12
+BPF_ARRAY(known_sock, u64, 1 << KNOWN_SOCK_BITS);
+
 // ---- socket owners (process context only) ---------------------------------
 
 static __always_inline void tcp_remember_owner(u64 sk) {
@@ -103,12 +112,20 @@ static __always_inline void tcp_remember_owner(u64 sk) {
     u32 tid = (u32)id;
     if (!thread_traced(tid))
         return;
-    if (sock_owner.lookup(&sk))  // fires per send/recv: insert only when absent
+    u32 slot = pointer_slot(sk, KNOWN_SOCK_BITS);
+    u64 *known = known_sock.lookup(&slot);
+    if (known && *known == sk)
         return;
-    struct sock_owner_t o = {.tgid = id >> 32, .tid = tid, .srtt_sampled_ns = 0};
-    int err = sock_owner.insert(&sk, &o);
-    if (err && err != -17)  // -EEXIST: another thread of ours won the race
-        count_up(CNT_SOCKETS_FULL);
+    if (!sock_owner.lookup(&sk)) {  // fires per send/recv: insert only when absent
+        struct sock_owner_t o = {.tgid = id >> 32, .tid = tid, .srtt_sampled_ns = 0};
+        int err = sock_owner.insert(&sk, &o);
+        if (err && err != -17) {  // -EEXIST: another thread of ours won the race
+            count_up(CNT_SOCKETS_FULL);
+            return;
+        }
+    }
+    if (known)
+        *known = sk;
 }
 
 TRACEPOINT_PROBE(sock, sock_send_length) {
@@ -142,6 +159,10 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state) {
 // ends here (close, orphan timeout, or its TIME_WAIT hand-off).
 TRACEPOINT_PROBE(tcp, tcp_destroy_sock) {
     u64 sk = (u64)args->skaddr;
+    u32 slot = pointer_slot(sk, KNOWN_SOCK_BITS);
+    u64 *known = known_sock.lookup(&slot);
+    if (known && *known == sk)
+        *known = 0;  // first: see known_sock
     sock_owner.delete(&sk);
     return 0;
 }

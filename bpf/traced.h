@@ -116,6 +116,13 @@ static __always_inline void set_thread_traced(u32 tid, int on) {
         __sync_fetch_and_and(bits, ~(1ULL << (tid % 64)));
 }
 
+// Fibonacci hashing of a kernel pointer (a task_struct or a sock, used as
+// an identity, never dereferenced) to one of 2^bits array slots: slab
+// objects are kilobytes apart, and the product's top bits spread them.
+static __always_inline u32 pointer_slot(u64 p, u32 bits) {
+    return (p * 0x9E3779B97F4A7C15ULL) >> (64 - bits);
+}
+
 static __always_inline u32 log2_floor(u64 v) {
     u32 r = 0;
     if (v >> 32) { v >>= 32; r += 32; }
