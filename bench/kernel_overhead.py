@@ -24,8 +24,9 @@ rotating order, median kept:
             traced, so the scheduler and socket tracepoints that run for
             every task are detached (set_hot(False)); the rest attached
   untraced  `run` as it ships (`--sched totals`: bpf/sched.c detached, the
-            scheduler read from /proc); the workload is NOT traced: the
-            node's other traffic while a job runs
+            scheduler read from /proc; tcp_probe attached in its srtt
+            windows only, `--srtt-sampling 250ms/5s`); the workload is NOT
+            traced: the node's other traffic while a job runs
   traced    the same, both processes traced (trace_process), and the
             agent's /proc read of their threads (SchedTotals.poll) once a
             second meanwhile, as `run` does
@@ -54,6 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exporter.sources.bpf import set_tracepoint  # noqa: E402
 from exporter.sources.schedstat import POLL_INTERVAL_S  # noqa: E402
+from exporter.tools.cli.options import DEFAULT_SRTT_SAMPLING, parse_srtt_sampling  # noqa: E402
+
+SRTT_SAMPLING = parse_srtt_sampling(DEFAULT_SRTT_SAMPLING)  # tcp_probe's window and period in `run`
 
 WORKLOAD_C = r"""
 #define _GNU_SOURCE
@@ -235,6 +239,7 @@ def main(argv=None) -> int:
                         if attached:  # the HOT_TRACEPOINTS of each
                             tcp.set_hot(cond != "idle")
                             sched.set_hot(cond.endswith("-waits"))
+                            tcp.srtt_duty(time.monotonic(), *SRTT_SAMPLING)  # as `run` does
                         floor.switch.set(cond == "floor")
                         traced = cond.startswith("traced")
                         results[w][cond].append(run_once(exe, w, a.seconds, probes, traced,

@@ -70,8 +70,10 @@ class TcpSource(Program):
         self._srtt_on = True
 
     def set_hot(self, on: bool) -> None:
+        if on != self.hot:  # the srtt duty cycle starts again when the source goes hot
+            self._srtt_from = time.monotonic()
         super().set_hot(on)
-        self._srtt_from, self._srtt_on = time.monotonic(), on
+        self._srtt_on = on
 
     def srtt_duty(self, now: float, window: float, period: float) -> bool:
         """While hot, keep tcp_probe (every incoming segment of every socket
