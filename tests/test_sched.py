@@ -39,9 +39,13 @@ n = int(sys.argv[1])
 r1, w1 = os.pipe(); r2, w2 = os.pipe()
 pid = os.fork()
 if pid == 0:
+    os.close(w1); os.close(r2)  # the parent's ends: its death is EOF here, not a hang
     for _ in range(n):
-        os.read(r1, 1); os.write(w2, b"x")
+        if not os.read(r1, 1):
+            break
+        os.write(w2, b"x")
     os._exit(0)
+os.close(r1); os.close(w2)
 sys.stdout.write(f"{os.getpid()} {pid}\n"); sys.stdout.flush()
 sys.stdin.readline()  # go
 for _ in range(n):
