@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 
-def _add(a, b):
+def sum_records(a, b):
     """Two records of the same type summed field by field (ints and bucket tuples)."""
     out = {}
     for f in dataclasses.fields(a):
@@ -101,7 +101,7 @@ class OwnerExpiry:
             for name, key, expired, rec in items:
                 if expired:
                     kept = self.retired.setdefault(lset, {})
-                    kept[name] = _add(kept[name], rec) if name in kept else rec
+                    kept[name] = sum_records(kept[name], rec) if name in kept else rec
                     delete.append((name, key))
         for lset in [s for s in self.retired if s not in groups]:
             del self.retired[lset]  # no entry maps to it any more: it ends whole

@@ -10,13 +10,13 @@ threads): without it nothing is traced and this source reports nothing.
 from __future__ import annotations
 
 import os
-import time
 
 from exporter.records import contract
 from exporter.records.events import SchedEvent, SchedStats
 from exporter.sources import kernel_btf
 from exporter.sources.bpf import ClockOffset, ProbeError, Program
 from exporter.sources.expiry import OwnerExpiry, delete_keys
+from exporter.sources.schedstat import SchedTable
 
 KINDS = contract.THREAD_KINDS
 KIND_CODES = {name: code for code, name in KINDS.items()}
@@ -78,7 +78,7 @@ def tgid_of(tid: int, proc: str = "/proc") -> int:
     return 0
 
 
-class SchedSource(Program):
+class SchedSource(SchedTable, Program):
     """bpf/sched.c: reads `sched_stats` and `thread_sched`, and the
     `sched_events` ring buffer."""
 
@@ -134,29 +134,13 @@ class SchedSource(Program):
         """Entries of sched_stats (kernel only, no retired totals)."""
         return [self._stats(k, v) for k, v in self["sched_stats"].items()]
 
-    def labelled(self, rank_label) -> list:
-        """((rank, thread), SchedStats) pairs as the sink exports them: kernel
-        entries (the frozen rank of a process that is gone) and the retired
-        totals of label sets (OwnerExpiry). rank_label(pid) -> str."""
-        out = [((self.expiry.label_of(s.pid, rank_label), s.thread), s) for s in self.stats()]
-        out += [((lset[1], lset[0]), kept["sched_stats"]) for lset, kept in self.expiry.retired.items()]
-        return out
-
     def expire_owners(self, ttl: float, rank_label, now: float | None = None, proc: str = "/proc") -> int:
         """Apply OwnerExpiry to sched_stats: a gone process's entries leave
         the map `ttl` after it was found gone, their counts kept in the label
         set's retired total while another process shares (rank, thread).
         Returns the entries deleted. For the agent's loop."""
-        now = time.monotonic() if now is None else now
-        entries = []
-        for k, v in self["sched_stats"].items():
-            s = self._stats(k, v)
-            entries.append(("sched_stats", k, s.pid, (s.thread,), s))
-        return delete_keys(self, self.expiry.expire(entries, ttl, now, rank_label, proc))
-
-    def by_process(self, pid: int) -> dict[str, SchedStats]:
-        """thread kind -> stats of one process."""
-        return {s.thread: s for s in self.stats() if s.pid == pid}
+        keyed = [(k, self._stats(k, v)) for k, v in self["sched_stats"].items()]
+        return self._expire(keyed, self, ttl, rank_label, now, proc)
 
     def tracked_threads(self) -> set[int]:
         """Thread ids that have a `thread_sched` entry (keyed by task pointer)."""

@@ -25,7 +25,7 @@ import threading
 import time
 
 from exporter.records.events import SchedStats
-from exporter.sources.expiry import OwnerExpiry, delete_keys
+from exporter.sources.expiry import OwnerExpiry, delete_keys, sum_records
 
 POLL_INTERVAL_S = 1.0  # the agent's loop reads this often: a thread that exits loses at most this much
 NAME_REFRESH_S = 10.0  # a thread's name (its kind) is read again this often: NCCL names its threads after start
@@ -41,17 +41,47 @@ def read_schedstat(path: str) -> tuple[int, int, int] | None:
         return None
 
 
+class SchedTable:
+    """What the sinks and the agent read of either scheduler source
+    (SchedSource: bpf/sched.c's `sched_stats`; SchedTotals: /proc), built on
+    the subclass's `stats()`, and the expiry of ended processes' records."""
+
+    expiry: OwnerExpiry
+
+    def stats(self) -> list[SchedStats]:
+        raise NotImplementedError
+
+    def by_process(self, pid: int) -> dict[str, SchedStats]:
+        """thread kind -> stats of one process."""
+        return {s.thread: s for s in self.stats() if s.pid == pid}
+
+    def labelled(self, rank_label) -> list:
+        """((rank, thread), SchedStats) pairs as the sink exports them: the
+        records (the frozen rank of a process that is gone) and the retired
+        totals of label sets (OwnerExpiry). rank_label(pid) -> str."""
+        out = [((self.expiry.label_of(s.pid, rank_label), s.thread), s) for s in self.stats()]
+        out += [((lset[1], lset[0]), kept["sched_stats"]) for lset, kept in self.expiry.retired.items()]
+        return out
+
+    def _expire(self, keyed, table, ttl: float, rank_label, now: float | None, proc: str) -> int:
+        """OwnerExpiry over (key, SchedStats) pairs; deletes the expired keys
+        from table["sched_stats"] and returns how many went."""
+        now = time.monotonic() if now is None else now
+        entries = [("sched_stats", k, s.pid, (s.thread,), s) for k, s in keyed]
+        return delete_keys(table, self.expiry.expire(entries, ttl, now, rank_label, proc))
+
+
 def thread_kind(name: str, tid: int, callers: set[int]) -> str:
     if name.startswith("NCCL "):
         return "proxy"
     return "caller" if tid in callers else "other"
 
 
-class SchedTotals:
+class SchedTotals(SchedTable):
     """Per (process, thread kind) run-queue delay, switch-ins and off-CPU time
     of traced processes, from /proc (module docstring). The same accessors as
-    SchedSource (stats, by_process, labelled, expire_owners) so the sinks
-    take either; `bounds` is empty: the histogram has only its +Inf bucket.
+    SchedSource (SchedTable, expire_owners) so the sinks take either;
+    `bounds` is empty: the histogram has only its +Inf bucket.
 
     traced_pids() -> iterable of pids; callers() -> set of thread ids that
     hold an NCCL call slot. Both read bpf/nccl.c's maps (the agent passes
@@ -111,34 +141,20 @@ class SchedTotals:
         run, wait, n = (c - p for c, p in zip(cur, prev[2:]))
         offcpu = max(0, now - prev[1] - run - wait)  # run time lags by up to a tick: never negative
         key = (pid, thread_kind(named[0], tid, callers))
+        new = SchedStats(pid=pid, thread=key[1], count=n, sum_ns=wait, offcpu_ns=offcpu, buckets=(n,))
         old = self._totals.get(key)
-        self._totals[key] = SchedStats(
-            pid=pid, thread=key[1],
-            count=n + (old.count if old else 0), sum_ns=wait + (old.sum_ns if old else 0),
-            offcpu_ns=offcpu + (old.offcpu_ns if old else 0), buckets=(n + (old.buckets[0] if old else 0),))
-
-    # --- the accessors of SchedSource -------------------------------------
+        self._totals[key] = sum_records(old, new) if old else new
 
     def stats(self) -> list[SchedStats]:
         self.poll()
         with self._lock:
             return list(self._totals.values())
 
-    def by_process(self, pid: int) -> dict[str, SchedStats]:
-        return {s.thread: s for s in self.stats() if s.pid == pid}
-
-    def labelled(self, rank_label) -> list:
-        out = [((self.expiry.label_of(s.pid, rank_label), s.thread), s) for s in self.stats()]
-        out += [((lset[1], lset[0]), kept["sched_stats"]) for lset, kept in self.expiry.retired.items()]
-        return out
-
     def expire_owners(self, ttl: float, rank_label, now: float | None = None, proc: str = "/proc") -> int:
         """OwnerExpiry over the totals, as SchedSource.expire_owners over its map."""
-        now = time.monotonic() if now is None else now
         with self._lock:
-            entries = [("sched_stats", k, s.pid, (s.thread,), s) for k, s in self._totals.items()]
-            return delete_keys({"sched_stats": self._totals},
-                               self.expiry.expire(entries, ttl, now, rank_label, proc))
+            return self._expire(list(self._totals.items()), {"sched_stats": self._totals},
+                                ttl, rank_label, now, proc)
 
     def close(self) -> None:
         pass
