@@ -189,11 +189,15 @@ class NcclReader:
             forget_dead(self.probes[name], proc)
         return n
 
-    def inflight(self) -> list[InflightCall]:
-        """The calls in progress: in the threads' inflight_fast slots (owner: the
-        thread id, 0 = free) and in `inflight` (bpf/traced.h)."""
+    def _call_slots(self) -> list:
+        """(thread id, struct call) of every thread's call slot: its
+        inflight_fast slot (owner: the thread id, 0 = free) or its `inflight`
+        entry (bpf/traced.h)."""
         slots = [(v.owner, v) for _, v in self.probes["inflight_fast"].items_lookup_batch() if v.owner]
-        slots += [(k.value, v) for k, v in self.probes["inflight"].items()]
+        return slots + [(k.value, v) for k, v in self.probes["inflight"].items()]
+
+    def inflight(self) -> list[InflightCall]:
+        """The calls in progress, from the threads' call slots."""
         return [
             InflightCall(
                 tid=tid,
@@ -203,7 +207,7 @@ class NcclReader:
                 nranks=v.nranks,
                 start_ns=v.start_ns,
             )
-            for tid, v in slots
+            for tid, v in self._call_slots()
             if v.op and v.start_ns  # op 0: the thread's slot is idle; start 0: being filled
         ]
 
@@ -213,8 +217,7 @@ class NcclReader:
 
     def call_threads(self) -> set[int]:
         """Threads that hold an NCCL call slot (have called NCCL): the `caller` kind."""
-        tids = {v.owner for _, v in self.probes["inflight_fast"].items_lookup_batch() if v.owner}
-        return tids | {k.value for k in self.probes["inflight"].keys()}
+        return {tid for tid, _ in self._call_slots()}
 
     def counters(self) -> dict[str, int]:
         table = self.probes["counters"]
