@@ -105,6 +105,11 @@ BPF_ARRAY(tcp_srtt_zero, struct tcp_srtt_hist, 1);  // all zeros, never written
 #define KNOWN_SOCK_BITS 12
 BPF_ARRAY(known_sock, u64, 1 << KNOWN_SOCK_BITS);
 
+static __always_inline u64 *known_slot(u64 sk) {
+    u32 slot = pointer_slot(sk, KNOWN_SOCK_BITS);
+    return known_sock.lookup(&slot);
+}
+
 // ---- socket owners (process context only) ---------------------------------
 
 static __always_inline void tcp_remember_owner(u64 sk) {
@@ -112,8 +117,7 @@ static __always_inline void tcp_remember_owner(u64 sk) {
     u32 tid = (u32)id;
     if (!thread_traced(tid))
         return;
-    u32 slot = pointer_slot(sk, KNOWN_SOCK_BITS);
-    u64 *known = known_sock.lookup(&slot);
+    u64 *known = known_slot(sk);
     if (known && *known == sk)
         return;
     if (!sock_owner.lookup(&sk)) {  // fires per send/recv: insert only when absent
@@ -159,8 +163,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state) {
 // ends here (close, orphan timeout, or its TIME_WAIT hand-off).
 TRACEPOINT_PROBE(tcp, tcp_destroy_sock) {
     u64 sk = (u64)args->skaddr;
-    u32 slot = pointer_slot(sk, KNOWN_SOCK_BITS);
-    u64 *known = known_sock.lookup(&slot);
+    u64 *known = known_slot(sk);
     if (known && *known == sk)
         *known = 0;  // first: see known_sock
     sock_owner.delete(&sk);

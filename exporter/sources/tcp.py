@@ -59,8 +59,8 @@ class TcpSource(Program):
     # Every incoming segment, and every send and receive on any socket of the
     # node: only socket ownership and srtt need them. Retransmits, resets,
     # connect() and socket ends stay attached.
-    HOT_TRACEPOINTS = ("tcp:tcp_probe", "sock:sock_send_length", "sock:sock_recv_length")
-    SRTT_TRACEPOINT = "tcp:tcp_probe"
+    SRTT_TRACEPOINT = "tcp:tcp_probe"  # attached in windows only by srtt_duty
+    HOT_TRACEPOINTS = (SRTT_TRACEPOINT, "sock:sock_send_length", "sock:sock_recv_length")
 
     def __init__(self, clock: ClockOffset | None = None):
         super().__init__("tcp")
