@@ -26,8 +26,9 @@ from exporter.sources.plugin import reader as plugin_reader
 from exporter.sources.plugin.reader import PluginSource
 from exporter.sources.processes import ProcessTable
 from exporter.sources.sched import SchedSource
-from exporter.sources.schedstat import POLL_INTERVAL_S, SchedTotals, read_schedstat
+from exporter.sources.schedstat import POLL_INTERVAL_S, SchedTotals
 from exporter.sources.tcp import TcpSource, retransmits_missed
+from exporter.tools.preflight import check_schedstat
 
 log = logging.getLogger("nccl_exporter")
 
@@ -77,9 +78,9 @@ class Agent:
         else:
             self.sched = SchedTotals(self.reader.traced_pids, self.reader.call_threads)
             self.reader.sched_waits = False
-            if read_schedstat("/proc/self/schedstat") is None:
-                log.warning("no /proc/<pid>/schedstat on this kernel (CONFIG_SCHED_INFO off): no run-queue "
-                            "or off-CPU time unless started with --sched waits")
+            schedstat = check_schedstat()
+            if not schedstat.ok:
+                log.warning("%s", schedstat.detail)
         self._next_sched_poll = 0.0
         self.processes = ProcessTable(self.probes)
         # GPU time from the profiler plugin (bpf/plugin.c): optional, never fatal.
