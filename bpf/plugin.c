@@ -13,7 +13,8 @@
 //   coll_queued    in-flight entry (pid, id) state QUEUED since enqueue
 //   gpu_start      the entry becomes RUNNING since the GPU start
 //   abandoned      forgets the in-flight entry
-//   comm_init/fini the process has the plugin (plugin_procs: pid -> last seen)
+//   comm_init/fini the process has the plugin (plugin_procs: pid -> comms,
+//                  drops; every record hook makes sure the entry exists)
 // In-flight entries of processes that died without a hook are dropped by the
 // agent's loop (forget_dead); the exit tracepoint drops plugin_procs.
 //
@@ -118,8 +119,7 @@ struct gpu_flight {
 
 struct plugin_proc {
     u64 first_seen_ns;
-    u64 last_seen_ns;
-    u64 records;     // hook calls with a valid record
+    u64 last_seen_ns;  // its last comm_init/fini (or its first record)
     u64 dropped;     // plugin's pool drops, as of the last comm_init/fini
     s64 comms;       // comm_init - comm_fini seen
     u32 iface_version;
@@ -168,29 +168,21 @@ static __always_inline void drop(u32 slot) {
         __sync_fetch_and_add(v, 1);
 }
 
-static __always_inline void touch_proc(u32 tgid, u32 iface, int comms, u64 dropped, int is_comm) {
-    u64 now = bpf_ktime_get_ns();
+// The process has the plugin: an entry in plugin_procs. A record hook only
+// makes sure the entry exists (one lookup; the agent may have started after
+// the process's comm_init); comm_init/fini also keep the communicator
+// count, the pool drops and when they were last seen.
+static __always_inline struct plugin_proc *proc_entry(u32 tgid, u32 iface) {
     struct plugin_proc *p = plugin_procs.lookup(&tgid);
-    if (!p) {
-        struct plugin_proc n = {.first_seen_ns = now, .last_seen_ns = now};
-        if (plugin_procs.insert(&tgid, &n) && !plugin_procs.lookup(&tgid)) {
-            drop(PD_PROCS_FULL);
-            return;
-        }
-        p = plugin_procs.lookup(&tgid);
-        if (!p)
-            return;
+    if (p)
+        return p;
+    u64 now = bpf_ktime_get_ns();
+    struct plugin_proc n = {.first_seen_ns = now, .last_seen_ns = now, .iface_version = iface};
+    if (plugin_procs.insert(&tgid, &n) && !plugin_procs.lookup(&tgid)) {
+        drop(PD_PROCS_FULL);
+        return NULL;
     }
-    p->last_seen_ns = now;
-    if (iface)
-        p->iface_version = iface;
-    if (is_comm) {
-        __sync_fetch_and_add(&p->comms, comms);
-        if (dropped > p->dropped)
-            p->dropped = dropped;
-    } else {
-        __sync_fetch_and_add(&p->records, 1);
-    }
+    return plugin_procs.lookup(&tgid);
 }
 
 // One copy of the record (PARM1 of every record hook) and its in-flight key;
@@ -204,7 +196,7 @@ static __always_inline int read_record(struct pt_regs *ctx, struct nx_record *r,
         return 0;
     }
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    touch_proc(tgid, r->iface_version, 0, 0, 0);
+    proc_entry(tgid, r->iface_version);
     k->tgid = tgid;
     k->id = r->id;
     return 1;
@@ -241,6 +233,13 @@ int on_gpu_start(struct pt_regs *ctx) {
     u64 since = r.gpu_start_mono_ns;
     if (!since || since > r.host_event_mono_ns)
         since = r.host_event_mono_ns;
+    struct gpu_flight *f = gpu_inflight.lookup(&k);
+    if (f) {  // in place: the common case, no new element
+        f->start_ns = since;  // before the state: a reader never sees RUNNING since 0
+        f->state = NX_STATE_RUNNING;
+        return 0;
+    }
+    // no queued entry (the agent attached after the enqueue, or the map was full)
     set_flight(&k, &r, NX_STATE_RUNNING, r.host_enqueue_mono_ns, since);
     return 0;
 }
@@ -322,7 +321,15 @@ static __always_inline int on_comm(struct pt_regs *ctx, int delta) {
         drop(PD_BAD_RECORD);
         return 0;
     }
-    touch_proc(bpf_get_current_pid_tgid() >> 32, c.iface_version, delta, c.dropped, 1);
+    struct plugin_proc *p = proc_entry(bpf_get_current_pid_tgid() >> 32, c.iface_version);
+    if (!p)
+        return 0;
+    p->last_seen_ns = bpf_ktime_get_ns();
+    if (c.iface_version)
+        p->iface_version = c.iface_version;
+    __sync_fetch_and_add(&p->comms, delta);
+    if (c.dropped > p->dropped)
+        p->dropped = c.dropped;
     return 0;
 }
 

@@ -220,7 +220,8 @@ def test_comm_label_is_the_host_series_id_when_known():
                                 time.clock_gettime_ns(time.CLOCK_MONOTONIC) - 2_000_000_000)]
 
         def processes(self):
-            return [PluginProcess(os.getpid(), 0, 0, 1, 1, 0, 7)]
+            return [PluginProcess(pid=os.getpid(), first_seen_ns=0, last_seen_ns=0, comms=1, dropped=0,
+                                  iface_version=7)]
 
     text = _exposition(gpu_families("n1", FakePlugin(), comms, {os.getpid()}))
     assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="0123456789abcdef") == 1

@@ -248,8 +248,7 @@ class PluginProcess:
 
     pid: int
     first_seen_ns: int  # CLOCK_MONOTONIC
-    last_seen_ns: int
-    records: int
+    last_seen_ns: int  # its last communicator init/fini (or its first record)
     comms: int  # communicators initialised and not finalized
     dropped: int  # the plugin's pool drops (process-wide)
     iface_version: int

@@ -195,7 +195,7 @@ class PluginSource(Program):
     def processes(self) -> list[PluginProcess]:
         return [
             PluginProcess(pid=k.value, first_seen_ns=v.first_seen_ns, last_seen_ns=v.last_seen_ns,
-                          records=v.records, comms=v.comms, dropped=v.dropped,
+                          comms=v.comms, dropped=v.dropped,
                           iface_version=v.iface_version)
             for k, v in self["plugin_procs"].items()
         ]
