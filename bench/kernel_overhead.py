@@ -23,13 +23,20 @@ rotating order, median kept:
   idle      the agent between jobs (`run --idle-detach`): no process
             traced, so the scheduler and socket tracepoints that run for
             every task are detached (set_hot(False)); the rest attached
-  untraced  `run` as it ships (`--sched totals`: bpf/sched.c detached, the
-            scheduler read from /proc; tcp_probe attached in its srtt
-            windows only, `--srtt-sampling 250ms/5s`); the workload is NOT
-            traced: the node's other traffic while a job runs
+  untraced  `run` as it ships, in a job's steady state (`--sched totals`:
+            bpf/sched.c detached, the scheduler read from /proc; tcp_probe
+            attached in its srtt windows only, `--srtt-sampling 250ms/5s`;
+            the send/recv tracepoints that learn socket owners detached, as
+            `--owner-window` leaves them once no new socket has appeared);
+            the workload is NOT traced: the node's other traffic while a
+            job runs
   traced    the same, both processes traced (trace_process), and the
             agent's /proc read of their threads (SchedTotals.poll) once a
             second meanwhile, as `run` does
+  traced-window
+            `traced` inside an owner window (a job's first seconds, and a
+            few seconds after each connection it accepts): the send/recv
+            tracepoints attached
   untraced-waits, traced-waits
             the same with `--sched waits`: bpf/sched.c's raw tracepoints at
             every context switch and wakeup (one bitmap test per event for
@@ -134,7 +141,7 @@ int main(int argc, char **argv) {
 }
 """
 
-CONDITIONS = ("off", "floor", "idle", "untraced", "traced", "untraced-waits", "traced-waits")
+CONDITIONS = ("off", "floor", "idle", "untraced", "traced", "traced-window", "untraced-waits", "traced-waits")
 CPU = os.cpu_count() - 1
 WORKLOADS = {"tcp": "bytes/s", "pipe": "round trips/s"}
 
@@ -240,10 +247,12 @@ def main(argv=None) -> int:
                             tcp.set_hot(cond != "idle")
                             sched.set_hot(cond.endswith("-waits"))
                             tcp.srtt_duty(time.monotonic(), *SRTT_SAMPLING)  # as `run` does
+                            for tp in tcp.OWNER_TRACEPOINTS:  # attached only in an owner window
+                                set_tracepoint(tcp.bpf, tp, cond == "traced-window")
                         floor.switch.set(cond == "floor")
                         traced = cond.startswith("traced")
                         results[w][cond].append(run_once(exe, w, a.seconds, probes, traced,
-                                                         totals if cond == "traced" else None))
+                                                         totals if cond in ("traced", "traced-window") else None))
         finally:
             floor.switch.set(False)
             floor.bpf.cleanup()

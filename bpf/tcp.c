@@ -12,7 +12,12 @@
 // timer context, where the current task is whoever was interrupted. So the
 // owner of a socket is learnt only in process context -- send/recv on it,
 // or connect() -- by a thread of a traced process, and kept in sock_owner
-// until the socket is closed or destroyed.
+// until the socket is closed or destroyed. The send/recv tracepoints fire
+// for every socket call of the node: `run` attaches them only in windows
+// (TcpSource.owner_duty), opened by user space when a socket may have an
+// owner it does not know yet -- among them a connection accepted on a
+// traced process's listening port, which this program counts
+// (CNT_OWNERS_WANTED).
 
 // tcp_send_reset's `reason` field is an `enum sk_rst_reason` (kernel >= 6.10)
 // that the build's kernel headers may lack: BCC copies the field's type from
@@ -25,7 +30,10 @@ enum tcp_rst_reason_compat { TCP_RST_REASON_COMPAT_ = 0 };
 #define TCP_AF_INET 2
 #define TCP_AF_INET6 10
 #define TCP_IPPROTO 6
+#define TCP_ST_ESTABLISHED 1
 #define TCP_ST_SYN_SENT 2
+#define TCP_ST_CLOSE 7
+#define TCP_ST_LISTEN 10
 
 // Event kinds on tcp_events (TCP_EV_*, from the contract) also say which
 // tcp_link_stats field counts it.
@@ -110,6 +118,19 @@ static __always_inline u64 *known_slot(u64 sk) {
     return known_sock.lookup(&slot);
 }
 
+// Local ports a thread of a traced process listens on (listen() runs in
+// its context), so that a connection accepted there -- which becomes
+// ESTABLISHED in softirq, its owner unknown until its first send/recv --
+// can ask for an owner window. Keyed by port alone: the same port in
+// another network namespace only opens a window for nothing. LRU: never
+// full, a listener closed without our seeing it just ages out.
+BPF_TABLE("lru_hash", u32, u8, traced_listeners, 1024);
+
+static __always_inline int traced_listener(u16 port) {
+    u32 key = port;
+    return traced_listeners.lookup(&key) != NULL;
+}
+
 // ---- socket owners (process context only) ---------------------------------
 
 static __always_inline void tcp_remember_owner(u64 sk) {
@@ -147,12 +168,32 @@ TRACEPOINT_PROBE(sock, sock_recv_length) {
 }
 
 TRACEPOINT_PROBE(sock, inet_sock_set_state) {
-    // connect() moves CLOSE -> SYN_SENT in the caller's context. The other
-    // changes (an accepted child becoming ESTABLISHED, FIN handling) happen
-    // in softirq where the current task is unrelated: accepted sockets are
-    // learnt at their first send/recv instead.
-    if (args->protocol == TCP_IPPROTO && args->newstate == TCP_ST_SYN_SENT)
+    // connect() moves CLOSE -> SYN_SENT, and listen() CLOSE -> LISTEN, in
+    // the caller's context. The other changes (an accepted child becoming
+    // ESTABLISHED, FIN handling) happen in softirq where the current task
+    // is unrelated: accepted sockets are learnt at their first send/recv.
+    if (args->protocol != TCP_IPPROTO)
+        return 0;
+    int to = args->newstate;
+    if (to == TCP_ST_SYN_SENT) {
         tcp_remember_owner((u64)args->skaddr);
+    } else if (to == TCP_ST_LISTEN) {
+        if (thread_traced((u32)bpf_get_current_pid_tgid())) {
+            u32 key = args->sport;
+            u8 one = 1;
+            traced_listeners.update(&key, &one);
+        }
+    } else if (args->oldstate == TCP_ST_LISTEN && to == TCP_ST_CLOSE) {
+        // (not LISTEN -> SYN_RECV: that is a new child, cloned from the listener)
+        u32 key = args->sport;
+        traced_listeners.delete(&key);
+    } else if (to == TCP_ST_ESTABLISHED && args->oldstate != TCP_ST_SYN_SENT &&
+               traced_listener(args->sport)) {
+        // accepted on a traced listener: its owner is wanted (see the top)
+        u64 sk = (u64)args->skaddr;
+        if (!sock_owner.lookup(&sk))
+            count_up(CNT_OWNERS_WANTED);
+    }
     return 0;
 }
 
@@ -213,8 +254,13 @@ static __always_inline void tcp_account(struct tcp_flow *f, u32 kind) {
     } else {
         __sync_fetch_and_add(&s->resets_received, 1);
     }
-    if (!o)
+    if (!o) {
+        // A socket of a traced listener whose owner was missed (no owner
+        // window when it was used): ask for one, for its next events.
+        if (traced_listener(f->sport))
+            count_up(CNT_OWNERS_WANTED);
         return;
+    }
     struct tcp_event *e = tcp_events.ringbuf_reserve(sizeof(struct tcp_event));
     if (!e) {
         count_up(CNT_TCP_EVENTS_LOST);

@@ -102,6 +102,17 @@ def test_bad_trace_duration(value):
     assert_one_line_error(r, "--duration", "not a duration", "nccl-exporter trace --help")
 
 
+@pytest.mark.parametrize("flag,value,fragment", [
+    ("--owner-window", "0", "above 0 or 'always'"),
+    ("--owner-window", "soon", "above 0 or 'always'"),
+    ("--srtt-sampling", "5s/1s", "WINDOW/PERIOD"),
+    ("--idle-detach", "never", "not a duration"),
+])
+def test_bad_run_duty_cycle(flag, value, fragment):
+    r = run_cli("run", flag, value)
+    assert_one_line_error(r, flag, fragment, "nccl-exporter run --help")
+
+
 def test_unknown_command():
     r = run_cli("serve")
     assert_one_line_error(r, "invalid choice: 'serve'")

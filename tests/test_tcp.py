@@ -438,7 +438,7 @@ def test_srtt_sampled_only_in_its_windows(probes, reader):
         def samples() -> int:
             return sum(s.count for s in reader.srtt() if s.owner == p.pid)
 
-        start = reader._srtt_from
+        start = reader._hot_since
         assert reader.srtt_duty(start + 0.1, 0.25, 5.0)  # in the first window: attached
         deadline = time.monotonic() + 10
         while samples() < 3:
@@ -452,6 +452,67 @@ def test_srtt_sampled_only_in_its_windows(probes, reader):
         assert reader.srtt_duty(start + 5.1, 0.25, 5.0)  # the next window
         time.sleep(0.5)
         assert samples() > before
+    finally:
+        reader.set_hot(True)  # as loaded, for the other tests
+        p.kill()
+        p.wait()
+
+
+OWNER_PAIRS = textwrap.dedent("""
+    import socket, sys
+    pairs = []
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "pair":    # a listener, a connection to it, the accepted end
+            srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+            cli = socket.create_connection(srv.getsockname())
+            acc, _ = srv.accept()
+            pairs.append((srv, cli, acc))
+        else:                          # talk: one exchange on every connection
+            for _, cli, acc in pairs:
+                cli.sendall(b"x"); acc.recv(1); acc.sendall(b"y"); cli.recv(1)
+        print("ok", flush=True)
+""")
+
+
+def test_owners_learnt_in_windows(probes, reader):
+    """`run --owner-window W`: the send/recv tracepoints that learn socket
+    owners are attached for W after a new traced process or an accept on a
+    traced listening port, not otherwise; a connecting socket is learnt at
+    connect() all the same (TcpSource.owner_duty, bpf/tcp.c)."""
+    wanted_slot = probes["counters"].Key(COUNTERS["OWNERS_WANTED"])
+
+    def wanted() -> int:
+        return probes["counters"][wanted_slot].value
+
+    p = subprocess.Popen([sys.executable, "-c", OWNER_PAIRS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+
+    def say(cmd: str) -> None:
+        p.stdin.write(cmd + "\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "ok"
+
+    def owned() -> int:
+        return sum(1 for v in reader["sock_owner"].values() if v.tgid == p.pid)
+
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        probes.trace_process(p.pid, None)
+        attached = reader.bpf.tracepoint_fds
+        t0, w = time.monotonic(), wanted()
+        assert reader.owner_duty(t0, 3.0, w, {p.pid})  # a new traced process: a window
+        assert not reader.owner_duty(t0 + 10, 3.0, w, {p.pid})  # nothing new since: closed
+        assert not any(tp.encode() in attached for tp in reader.OWNER_TRACEPOINTS)
+        say("pair")
+        say("talk")
+        assert owned() == 1, "only the connecting socket is learnt while no window is open"
+        assert wanted() == w + 1, "the accept on a traced listener was not counted"
+        assert reader.owner_duty(t0 + 11, 3.0, wanted(), {p.pid})  # ... and opens a window
+        say("talk")
+        assert owned() == 2, "the accepted socket was not learnt in its window"
+        assert not reader.owner_duty(t0 + 20, 3.0, wanted(), {p.pid})
+        assert reader.owner_duty(t0 + 21, 3.0, wanted(), {p.pid, 1})  # another traced process
     finally:
         reader.set_hot(True)  # as loaded, for the other tests
         p.kill()

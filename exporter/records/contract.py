@@ -211,6 +211,10 @@ COUNTERS = {
     # program ran for; the difference is nccl_exporter_retransmits_missed_total
     "RETRANSMIT_HITS": 12,
     "RETRANSMIT_SEEN": 13,
+    # connections accepted on a traced process's listening port, and its
+    # retransmits/resets, whose socket owner was not known (bpf/tcp.c): each
+    # opens an owner window (TcpSource.owner_duty)
+    "OWNERS_WANTED": 14,
 }
 COUNTER_SLOTS = 16
 

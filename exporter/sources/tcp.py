@@ -57,23 +57,28 @@ class TcpSource(Program):
     """bpf/tcp.c: reads tcp_links / tcp_srtt and decodes tcp_events."""
 
     # Every incoming segment, and every send and receive on any socket of the
-    # node: only socket ownership and srtt need them. Retransmits, resets,
-    # connect() and socket ends stay attached.
-    SRTT_TRACEPOINT = "tcp:tcp_probe"  # attached in windows only by srtt_duty
-    HOT_TRACEPOINTS = (SRTT_TRACEPOINT, "sock:sock_send_length", "sock:sock_recv_length")
+    # node: only srtt and socket ownership need them, and `run` attaches them
+    # in windows (srtt_duty, owner_duty). Retransmits, resets, connect(),
+    # listen() and socket ends stay attached.
+    SRTT_TRACEPOINT = "tcp:tcp_probe"
+    OWNER_TRACEPOINTS = ("sock:sock_send_length", "sock:sock_recv_length")
+    HOT_TRACEPOINTS = (SRTT_TRACEPOINT, *OWNER_TRACEPOINTS)
 
     def __init__(self, clock: ClockOffset | None = None):
         super().__init__("tcp")
         self.clock = clock or ClockOffset()
         self.expiry = OwnerExpiry()
-        self._srtt_from = time.monotonic()  # start of the srtt duty cycle (attached at load)
-        self._srtt_on = True
+        self._hot_since = time.monotonic()  # the duty cycles start here (attached at load)
+        self._srtt_on = self._owners_on = True
+        self._owners_asked = -1.0  # monotonic s of the last reason for an owner window
+        self._owners_wanted = 0    # counters[OWNERS_WANTED] last seen
+        self._owner_pids: set[int] = set()
 
     def set_hot(self, on: bool) -> None:
-        if on != self.hot:  # the srtt duty cycle starts again when the source goes hot
-            self._srtt_from = time.monotonic()
+        if on != self.hot:  # the duty cycles start again when the source goes hot
+            self._hot_since = time.monotonic()
         super().set_hot(on)
-        self._srtt_on = on
+        self._srtt_on = self._owners_on = on
 
     def srtt_duty(self, now: float, window: float, period: float) -> bool:
         """While hot, keep tcp_probe (every incoming segment of every socket
@@ -81,10 +86,32 @@ class TcpSource(Program):
         moment the source went hot: srtt is sampled in those windows only
         (docs/tcp.md, "srtt"). For the agent's loop; returns whether it is
         attached now. Without calls it stays attached, as loaded."""
-        want = self.hot and (now - self._srtt_from) % period < window
+        want = self.hot and (now - self._hot_since) % period < window
         if want != self._srtt_on:
             set_tracepoint(self.bpf, self.SRTT_TRACEPOINT, want)
             self._srtt_on = want
+        return want
+
+    def owner_duty(self, now: float, window: float, wanted: int, pids) -> bool:
+        """While hot, keep the send/recv tracepoints (every socket call of the
+        node), which only learn socket owners, attached for `window` s after
+        each moment a socket may have an owner not yet known: the source
+        going hot, a traced process not seen before (its older sockets), and
+        a rise of `wanted` (counters[OWNERS_WANTED]: a connection accepted on
+        a traced listening port, or a retransmit/reset there with no owner).
+        A socket a traced thread connects is learnt at connect(), windows or
+        not (docs/tcp.md, "Owners"). `pids`: the traced processes now. For
+        the agent's loop; returns whether they are attached now. Without
+        calls they stay attached, as loaded."""
+        pids = set(pids)
+        if wanted != self._owners_wanted or pids - self._owner_pids:
+            self._owners_asked = now
+        self._owners_wanted, self._owner_pids = wanted, pids
+        want = self.hot and now - max(self._hot_since, self._owners_asked) < window
+        if want != self._owners_on:
+            for tp in self.OWNER_TRACEPOINTS:
+                set_tracepoint(self.bpf, tp, want)
+            self._owners_on = want
         return want
 
     @staticmethod

@@ -61,6 +61,10 @@ class AgentConfig:
     # tcp_probe (srtt samples) attached for (window, period) s of each period
     # while hot; None: the whole time (docs/tcp.md, "srtt")
     srtt_sampling: tuple[float, float] | None = None
+    # the send/recv tracepoints that learn socket owners attached only for
+    # this many s after a socket may have an unknown owner, while hot; None:
+    # the whole time (docs/tcp.md, "Owners")
+    owner_window: float | None = None
 
 
 class Agent:
@@ -81,7 +85,7 @@ class Agent:
             schedstat = check_schedstat()
             if not schedstat.ok:
                 log.warning("%s", schedstat.detail)
-        self._next_sched_poll = 0.0
+        self._next_poll = 0.0
         self.processes = ProcessTable(self.probes)
         # GPU time from the profiler plugin (bpf/plugin.c): optional, never fatal.
         self.plugin = None
@@ -267,10 +271,14 @@ class Agent:
         if self.config.srtt_sampling is not None:
             with self.lock:
                 self.tcp.srtt_duty(now, *self.config.srtt_sampling)
-        if now >= self._next_sched_poll and not self.config.sched_waits:
-            self._next_sched_poll = now + POLL_INTERVAL_S
-            with self.lock:  # it reads bpf/nccl.c's maps
-                self.sched.poll()
+        if now >= self._next_poll:
+            self._next_poll = now + POLL_INTERVAL_S
+            with self.lock:  # they read bpf/nccl.c's maps
+                if not self.config.sched_waits:
+                    self.sched.poll()
+                if self.config.owner_window is not None:
+                    self.tcp.owner_duty(now, self.config.owner_window, self.reader.counter("OWNERS_WANTED"),
+                                        self.reader.traced_pids())
         if now >= self._next_clock:
             # Wall-clock time of the kernel's monotonic stamps: sampled again
             # now and then, so an NTP step moves later timestamps with it

@@ -220,8 +220,12 @@ class NcclReader:
         return {tid for tid, _ in self._call_slots()}
 
     def counters(self) -> dict[str, int]:
+        return {name: self.counter(name) for name in contract.COUNTERS}
+
+    def counter(self, name: str) -> int:
+        """One slot of the shared `counters` array (contract.COUNTERS)."""
         table = self.probes["counters"]
-        return {name: table[table.Key(slot)].value for name, slot in contract.COUNTERS.items()}
+        return table[table.Key(contract.COUNTERS[name])].value
 
     def decode_event(self, data) -> CallEvent:
         e = self.probes["events"].event(data)

@@ -61,6 +61,23 @@ def parse_srtt_sampling(text: str) -> tuple[float, float] | None:
     return w, p
 
 
+DEFAULT_OWNER_WINDOW = "3s"  # `run --owner-window`
+
+
+def parse_owner_window(text: str) -> float | None:
+    """--owner-window: a duration > 0 in s; 'always' -> None."""
+    if str(text).strip().lower() == "always":
+        return None
+    try:
+        window = parse_duration(text)
+    except argparse.ArgumentTypeError:
+        window = 0.0
+    if window <= 0:
+        raise argparse.ArgumentTypeError(f"not a duration above 0 or 'always': {text!r} "
+                                         f"(try {DEFAULT_OWNER_WINDOW}, 10s, always)")
+    return window
+
+
 def parse_runq_wait_min(text: str) -> int:
     """--runq-wait-min: 'off' -> 0 (no scheduler events); a duration -> ns (0 -> 1: every wait)."""
     if str(text).strip().lower() == "off":
@@ -172,8 +189,9 @@ def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
         lifecycle = {name: getattr(args, name) for name in
                      ("series_ttl", "series_capacity", "histogram_resolution", "idle_detach")
                      if getattr(args, name, None) is not None}
-        if hasattr(args, "srtt_sampling"):  # run only; trace keeps tcp_probe attached
-            lifecycle["srtt_sampling"] = args.srtt_sampling
+        for name in ("srtt_sampling", "owner_window"):  # run only; trace keeps them attached
+            if hasattr(args, name):
+                lifecycle[name] = getattr(args, name)
         waits = getattr(args, "sched", "waits") == "waits"
         agent = Agent(AgentConfig(node=node, nccl_libs=libs, record_all=record_all, sched_waits=waits,
                                   runq_event_min_ns=runq_event_min_ns if waits else 0, **lifecycle))

@@ -10,6 +10,7 @@ from exporter import __version__
 from exporter.records import contract
 from exporter.tools.cli.options import (
     DEFAULT_IDLE_DETACH,
+    DEFAULT_OWNER_WINDOW,
     CliError,
     add_lib_option,
     add_sched_options,
@@ -17,6 +18,7 @@ from exporter.tools.cli.options import (
     open_recorder,
     parse_duration,
     parse_idle_detach,
+    parse_owner_window,
     parse_srtt_sampling,
     DEFAULT_SRTT_SAMPLING,
     parse_listen,
@@ -59,6 +61,13 @@ def add_parser(sub) -> None:
                         "during WINDOW of every PERIOD only: the tcp_probe tracepoint it needs runs at "
                         "every incoming TCP segment of the node while attached (default "
                         f"{DEFAULT_SRTT_SAMPLING}; always: attached the whole time, docs/tcp.md)")
+    r.add_argument("--owner-window", type=parse_owner_window, metavar="DURATION|always",
+                   default=parse_owner_window(DEFAULT_OWNER_WINDOW),
+                   help="learn which traced thread owns each TCP socket (the rank label of retransmits "
+                        "and resets) by watching every socket send and receive of the node only for this "
+                        "long after a job starts, after a traced process appears and after each connection "
+                        "one accepts; sockets a traced thread connects are learnt at connect() anyway "
+                        f"(default {DEFAULT_OWNER_WINDOW}; always: watched the whole time, docs/tcp.md)")
     r.add_argument("--idle-detach", type=parse_idle_detach, metavar="DURATION|off",
                    default=DEFAULT_IDLE_DETACH,
                    help="detach the tracepoints that run at every context switch, wakeup and socket "
