@@ -15,6 +15,7 @@ in plugin/nccl_exporter_plugin.h).
 
 from __future__ import annotations
 
+import platform
 import re
 import shutil
 import subprocess
@@ -22,11 +23,13 @@ from pathlib import Path
 
 import pytest
 
+from exporter.sources.nccl.elf import exported_functions, vaddr_to_offset
 from exporter.sources.plugin.build import build_plugin
 from conftest import require_real_nccl
 
 REPO = Path(__file__).resolve().parent.parent
 VERSIONS = (4, 5, 6, 7)
+HOOKS = ("coll_queued", "gpu_start", "gpu_done", "abandoned", "comm_init", "comm_fini")  # nccl_exporter_*
 
 # our type name -> NCCL's type name
 TYPE_PAIRS = {f"nxp_descr_v{v}": f"ncclProfilerEventDescr_v{v}_t" for v in VERSIONS}
@@ -228,13 +231,25 @@ def test_exports(layouts):
         assert syms.get(f"ncclProfiler_v{v}") in ("D", "R"), f"ncclProfiler_v{v} not exported"
     for v in (1, 2, 3):  # no GPU timers: not exported on purpose
         assert f"ncclProfiler_v{v}" not in syms
-    for h in ("coll_queued", "gpu_start", "gpu_done", "abandoned", "comm_init", "comm_fini"):
+    for h in HOOKS:
         assert syms.get(f"nccl_exporter_{h}") == "T", h
     # nothing else leaks into the dynamic symbol table
     ours = {s for s in syms if not s.startswith("_")}
     assert ours == {f"ncclProfiler_v{v}" for v in VERSIONS} | \
-        {f"nccl_exporter_{h}" for h in ("coll_queued", "gpu_start", "gpu_done", "abandoned", "comm_init",
-                                        "comm_fini", "profiler_stats")}
+        {f"nccl_exporter_{h}" for h in (*HOOKS, "profiler_stats")}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the nop5 hook entry is x86-64's")
+def test_hooks_start_with_a_five_byte_nop():
+    """Each hook's first instruction is the 5-byte nop the kernel can turn
+    into a call to its uprobe trampoline (plugin/nccl_profiler.c, "Hooks"):
+    with a `ret` there every hit costs a trap and a single-step."""
+    plugin = build_plugin()
+    addresses = exported_functions(plugin)
+    data = plugin.read_bytes()
+    for h in HOOKS:
+        offset = vaddr_to_offset(plugin, addresses[f"nccl_exporter_{h}"])
+        assert data[offset:offset + 6] == b"\x0f\x1f\x44\x00\x00\xc3", (h, data[offset:offset + 6].hex())
 
 
 def test_record_layout_is_the_documented_one(layouts):

@@ -268,17 +268,20 @@ class Agent:
         now = time.monotonic()
         if self.config.idle_detach is not None:
             self._heat(now)
+        # The duty cycles attach and detach tracepoints without the lock: a
+        # detach waits ~70 ms for the kernel (RCU), which a scrape need not
+        # share; scrapes never attach or detach, and this thread's _heat is
+        # the only other caller.
         if self.config.srtt_sampling is not None:
-            with self.lock:
-                self.tcp.srtt_duty(now, *self.config.srtt_sampling)
+            self.tcp.srtt_duty(now, *self.config.srtt_sampling)
         if now >= self._next_poll:
             self._next_poll = now + POLL_INTERVAL_S
-            with self.lock:  # they read bpf/nccl.c's maps
-                if not self.config.sched_waits:
+            if self.config.owner_window is not None:
+                self.tcp.owner_duty(now, self.config.owner_window, self.reader.counter("OWNERS_WANTED"),
+                                    self.reader.traced_pids())
+            if not self.config.sched_waits:
+                with self.lock:  # a scrape polls it too
                     self.sched.poll()
-                if self.config.owner_window is not None:
-                    self.tcp.owner_duty(now, self.config.owner_window, self.reader.counter("OWNERS_WANTED"),
-                                        self.reader.traced_pids())
         if now >= self._next_clock:
             # Wall-clock time of the kernel's monotonic stamps: sampled again
             # now and then, so an NTP step moves later timestamps with it
