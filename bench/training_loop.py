@@ -15,12 +15,16 @@ reference results, which would cost more than the collective). Two conditions, i
 The figure is the loop's time per iteration from the simulator's own truth
 (per rank: first AllReduce entry to last AllReduce return, over the
 iterations; the median rank), so process start-up and rendezvous are not
-in it. The conditions run --reps times in a rotating order; a ratio is the
-median over the rounds of (condition / the `none` run of the same round). Goal (issue 11): < 0.5 %.
+in it. The conditions run --reps times in a rotating order; a round's ratio
+is its condition / the `none` run of the same round. Goal (issue 11): < 0.5 %,
+judged on the mean of the rounds' agent/none ratios: "met" only when the
+upper end of its 90 % bootstrap interval is below +0.5 %, "MISSED" when the
+lower end is at or above it, else "not resolved" (the median and quartiles
+are printed too).
 
 As root, under the heavy-test lock (a few minutes):
 
-    flock /tmp/nccl-heavy.lock .venv/bin/python bench/training_loop.py [--reps 5] [--iterations 200] [--bpf-time]
+    flock /tmp/nccl-heavy.lock .venv/bin/python bench/training_loop.py [--reps 5] [--iterations 600] [--bpf-time]
 
 --bpf-time also prints, per BPF program of the agent, runs and µs per
 iteration of one rank (the kernel's BPF statistics, bench/bpf_time.py):
@@ -29,7 +33,9 @@ clock reads slow the `agent` runs: take the overhead figure from a run
 without it.
 
 On a machine with fewer cores than ranks the ranks share CPUs: look at the
-spread of the `none` runs before believing a digit below it.
+spread of the `none` runs before believing a digit below it. A real job
+runs for hours; the agent's per-job work (finding the ranks, its owner
+windows) weighs more in a run of seconds.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -57,6 +64,20 @@ RANKS = 8
 COMPUTE_MS = 10
 COUNT = 262_144  # floats: 1 MB
 KERNEL_US = 1000  # the simulated GPU spends at least this long per AllReduce
+
+
+GOAL = 0.005  # issue 11: agent + plugin cost the loop < 0.5 %
+
+
+def bootstrap_ci(ratios: list[float], level: float = 0.90, resamples: int = 4000) -> tuple[float, float]:
+    """The `level` interval of the mean of the rounds' ratios, by resampling
+    the rounds (seeded: the same runs give the same interval)."""
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    rnd = random.Random(11)
+    means = sorted(statistics.fmean(rnd.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    tail = int(resamples * (1 - level) / 2)
+    return means[tail], means[resamples - 1 - tail]
 
 
 def loop_time_per_iteration(truth) -> float:
@@ -125,7 +146,9 @@ class Agent:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5, help="runs per condition (default 5)")
-    ap.add_argument("--iterations", type=int, default=200, help="iterations per run (default 200)")
+    ap.add_argument("--iterations", type=int, default=600,
+                    help="iterations per run (default 600, ~11 s: the first ~3 s of an agent run are inside "
+                         "its owner window, docs/tcp.md)")
     ap.add_argument("--bpf-time", action="store_true",
                     help="also time each of the agent's BPF programs (kernel.bpf_stats_enabled while the agent runs)")
     a = ap.parse_args(argv)
@@ -179,12 +202,15 @@ def main(argv=None) -> int:
             ratio = r
     print(f"  the agent process itself while a job ran: {100 * statistics.median(agent_cpu):.1f} % of one core "
           f"(of {os.cpu_count()}), median of {len(agent_cpu)} runs")
-    rounds = sorted(v / n for v, n in zip(results["agent"], results["none"]))
+    rounds = [v / n for v, n in zip(results["agent"], results["none"])]
     q1, _, q3 = statistics.quantiles(rounds, n=4) if len(rounds) > 1 else (ratio, ratio, ratio)
-    verdict = ("MISSED" if ratio - 1 >= 0.005 else "met" if q3 - 1 < 0.005 else
-               "met by the median, not resolved by this run: a quarter of the rounds are above +0.5 %")
-    print(f"  agent + plugin overhead {100 * (ratio - 1):+.2f} % (rounds' agent/none, quartiles "
-          f"{100 * (q1 - 1):+.2f} .. {100 * (q3 - 1):+.2f} %): goal < 0.5 % {verdict}")
+    mean, (lo, hi) = statistics.mean(rounds), bootstrap_ci(rounds)
+    verdict = ("met" if hi - 1 < GOAL else "MISSED" if lo - 1 >= GOAL else
+               "not resolved by this run (the interval holds +0.5 %)")
+    print(f"  agent + plugin overhead: rounds' agent/none mean {100 * (mean - 1):+.2f} %, 90 % interval "
+          f"{100 * (lo - 1):+.2f} .. {100 * (hi - 1):+.2f} % (bootstrap); median {100 * (ratio - 1):+.2f} %, "
+          f"quartiles {100 * (q1 - 1):+.2f} .. {100 * (q3 - 1):+.2f} %")
+    print(f"  goal < 0.5 % (the interval's upper end below it): {verdict}")
     if bpf_time:
         runs = len(agent_cpu) * a.iterations * RANKS
         print(f"  the agent's BPF programs per rank-iteration (kernel statistics, {len(agent_cpu)} agent runs; "
@@ -192,7 +218,7 @@ def main(argv=None) -> int:
         print("\n".join(table(bpf_time, runs, "iter")))
     want = RANKS * a.iterations
     print(f"  GPU AllReduces counted by the agent per run: {sorted(set(int(c) for c in counted))} (made: {want})")
-    return 0 if ratio - 1 < 0.005 and all(int(c) == want for c in counted) else 1
+    return 0 if hi - 1 < GOAL and all(int(c) == want for c in counted) else 1
 
 
 if __name__ == "__main__":
