@@ -69,7 +69,6 @@ class TcpSource(Program):
         self.clock = clock or ClockOffset()
         self.expiry = OwnerExpiry()
         self._hot_since = time.monotonic()  # the duty cycles start here (attached at load)
-        self._srtt_on = self._owners_on = True
         self._owners_asked = -1.0  # monotonic s of the last reason for an owner window
         self._owners_wanted = 0    # counters[OWNERS_WANTED] last seen
         self._owner_pids: set[int] = set()
@@ -78,7 +77,6 @@ class TcpSource(Program):
         if on != self.hot:  # the duty cycles start again when the source goes hot
             self._hot_since = time.monotonic()
         super().set_hot(on)
-        self._srtt_on = self._owners_on = on
 
     def srtt_duty(self, now: float, window: float, period: float) -> bool:
         """While hot, keep tcp_probe (every incoming segment of every socket
@@ -87,9 +85,7 @@ class TcpSource(Program):
         (docs/tcp.md, "srtt"). For the agent's loop; returns whether it is
         attached now. Without calls it stays attached, as loaded."""
         want = self.hot and (now - self._hot_since) % period < window
-        if want != self._srtt_on:
-            set_tracepoint(self.bpf, self.SRTT_TRACEPOINT, want)
-            self._srtt_on = want
+        set_tracepoint(self.bpf, self.SRTT_TRACEPOINT, want)  # idempotent: acts on a change only
         return want
 
     def owner_duty(self, now: float, window: float, wanted: int, pids) -> bool:
@@ -100,7 +96,7 @@ class TcpSource(Program):
         a rise of `wanted` (counters[OWNERS_WANTED]: a connection accepted on
         a traced listening port, or a retransmit/reset there with no owner).
         A socket a traced thread connects is learnt at connect(), windows or
-        not (docs/tcp.md, "Owners"). `pids`: the traced processes now. For
+        not (docs/tcp.md, "Owner windows"). `pids`: the traced processes now. For
         the agent's loop; returns whether they are attached now. Without
         calls they stay attached, as loaded."""
         pids = set(pids)
@@ -108,10 +104,8 @@ class TcpSource(Program):
             self._owners_asked = now
         self._owners_wanted, self._owner_pids = wanted, pids
         want = self.hot and now - max(self._hot_since, self._owners_asked) < window
-        if want != self._owners_on:
-            for tp in self.OWNER_TRACEPOINTS:
-                set_tracepoint(self.bpf, tp, want)
-            self._owners_on = want
+        for tp in self.OWNER_TRACEPOINTS:
+            set_tracepoint(self.bpf, tp, want)  # idempotent: acts on a change only
         return want
 
     @staticmethod

@@ -63,7 +63,7 @@ class AgentConfig:
     srtt_sampling: tuple[float, float] | None = None
     # the send/recv tracepoints that learn socket owners attached only for
     # this many s after a socket may have an unknown owner, while hot; None:
-    # the whole time (docs/tcp.md, "Owners")
+    # the whole time (docs/tcp.md, "Owner windows")
     owner_window: float | None = None
 
 
