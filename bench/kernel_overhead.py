@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         sys.exit("run as root (BPF)")
     from exporter.sources.nccl.probes import NcclProbes
-    from exporter.sources.nccl.reader import NcclReader
+    from exporter.sources.nccl.maps import NcclReader
     from exporter.sources.sched import SchedSource
     from exporter.sources.schedstat import SchedTotals
     from exporter.sources.tcp import TcpSource

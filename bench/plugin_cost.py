@@ -117,7 +117,7 @@ def main() -> int:
             shutil.copy2(plugin, real_copy)
             try:
                 from exporter.sources.nccl.probes import NcclProbes
-                from exporter.sources.plugin.reader import PluginSource
+                from exporter.sources.plugin.source import PluginSource
                 real = [NcclProbes()]
                 real.append(PluginSource())
                 real[1].attach(str(real_copy))

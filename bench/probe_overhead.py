@@ -141,7 +141,7 @@ def function_address(lib: Path, function: str) -> int:
 
 def product_calls(probes, op_name: str = OP) -> tuple[int, int]:
     """(calls, errors) of op_name counted in the product's maps."""
-    from exporter.sources.nccl.reader import NcclReader
+    from exporter.sources.nccl.maps import NcclReader
 
     reader = NcclReader(probes)
     calls = sum(s.calls for s in reader.series() if s.op == op_name)

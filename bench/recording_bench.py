@@ -1,6 +1,6 @@
-"""SQLite store benchmark: recording rate and the documented join query.
+"""Recording (SQLite) benchmark: recording rate and the documented join query.
 
-    .venv/bin/python bench/store_bench.py [--events 1000000] [--rows 1000000]
+    .venv/bin/python bench/recording_bench.py [--events 1000000] [--rows 1000000]
 
 1. Recording: synthetic CallEvents pushed into a Recorder as fast as one
    producer thread can; the rate is events committed per second until the
@@ -8,7 +8,7 @@
    naive baseline inserts and commits one event at a time into the same
    tables without indexes.
 2. Query: the verbatim "slow AllReduce vs retransmits" join of
-   docs/queries.md on N nccl_events x N tcp_events, on the store's schema
+   docs/queries.md on N nccl_events x N tcp_events, on the recording schema
    and on the same tables without indexes (naive baseline).
 """
 
@@ -195,7 +195,7 @@ def main() -> int:
 
         build_query_db(f"{d}/q.db", a.rows, a.rows, indexed=True)
         build_query_db(f"{d}/qn.db", a.rows, a.rows, indexed=False)
-        for name, path in (("store schema", f"{d}/q.db"), ("naive, no indexes", f"{d}/qn.db")):
+        for name, path in (("recording schema", f"{d}/q.db"), ("naive, no indexes", f"{d}/qn.db")):
             best, nrows = None, 0
             for _ in range(3):
                 t, n = time_query(path, JOIN, a.naive_limit_s)

@@ -123,7 +123,7 @@ struct event {
 // a series' labels to its slot, and each thread caches that slot per op.
 // Free slots wait in `series_free` (filled by user space at load; a slot
 // goes back when the agent's loop expires its series, see
-// exporter/sources/nccl/reader.py expire_series): popping is atomic.
+// exporter/sources/nccl/maps.py expire_series): popping is atomic.
 BPF_HASH(series_index, struct series_key, u32, SERIES_CAPACITY);
 BPF_ARRAY(series_stats, struct series_stats, SERIES_SLOTS);
 BPF_QUEUE(series_free, u32, SERIES_CAPACITY);

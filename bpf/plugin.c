@@ -2,7 +2,7 @@
 //
 // The plugin calls empty exported hook functions with a pointer to a
 // fixed-layout record (plugin/nccl_exporter_plugin.h); the agent attaches
-// uprobes on them by file path (exporter/sources/plugin/reader.py), so every
+// uprobes on them by file path (exporter/sources/plugin/source.py), so every
 // process that loaded that plugin file is covered. Each handler copies the
 // record with one bpf_probe_read_user of PARM1 and:
 //   gpu_done       folds gpu_stop_mono_ns - gpu_start_mono_ns into the

@@ -63,7 +63,7 @@ struct call {
 // the slot of inflight_fast at the thread id's low bits, if the thread holds
 // it (most do: an array read the verifier inlines, ~65 ns cheaper per call
 // than the hash lookup on this VM), else its entry in `inflight`. User space
-// reads both (exporter/sources/nccl/reader.py).
+// reads both (exporter/sources/nccl/maps.py).
 SHARED_TABLE("hash", u32, struct call, inflight, MAX_THREADS);
 SHARED_TABLE("array", u32, struct call, inflight_fast, FAST_THREADS);
 // Traced processes: those that use NCCL. Value: the process's rank (launcher

@@ -120,7 +120,7 @@ def test_async_error_after_a_peer_dies_on_the_simulator(tmp_path):
     _bcc_or_skip()
     from exporter.simulator.build import build_library
     from exporter.sources.nccl.probes import NcclProbes
-    from exporter.sources.nccl.reader import NcclReader
+    from exporter.sources.nccl.maps import NcclReader
 
     lib = str(build_library(tmp_path / "sim"))
     rdv = tmp_path / "rdv"
@@ -238,7 +238,7 @@ def test_real_wheel_attaches_and_decodes_null_comm_calls(tmp_path):
     _bcc_or_skip()
     from exporter.sources.nccl.elf import exported_functions
     from exporter.sources.nccl.probes import NcclProbes
-    from exporter.sources.nccl.reader import NcclReader
+    from exporter.sources.nccl.maps import NcclReader
 
     exported = exported_functions(lib)
     assert all(fn in exported for fn in NEW_FUNCTIONS), "NCCL 2.32.3 exports them all"

@@ -30,7 +30,7 @@ import pytest
 from exporter.records import contract
 from exporter.simulator.build import build_library
 from exporter.sources.nccl.probes import NcclProbes
-from exporter.sources.nccl.reader import NcclReader
+from exporter.sources.nccl.maps import NcclReader
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
 

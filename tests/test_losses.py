@@ -19,7 +19,7 @@ import pytest
 from conftest import require_root
 from exporter.records import contract, metrics
 from exporter.records.events import CallEvent
-from exporter.sinks.recording.schema import StoreError
+from exporter.sinks.recording.schema import RecordingError
 from exporter.sinks.recording.writer import Recorder
 from exporter.sinks.slow import SlowCallPolicy
 from exporter.sinks.spans import SpanSink
@@ -86,7 +86,7 @@ def test_disk_full_is_reported_once_and_counted(tmp_path):
         assert len(messages) == 1, messages
         assert "full" in messages[0] and str(d / "rec.db") in messages[0]
         assert "\n" not in messages[0]
-        with pytest.raises(StoreError) as e:
+        with pytest.raises(RecordingError) as e:
             rec.close()
         assert str(e.value) == messages[0]
         drops = rec.drops()
@@ -113,7 +113,7 @@ def test_locked_database_is_reported_and_counted(tmp_path):
         holder.execute("ROLLBACK")
         holder.close()
     assert len(messages) == 1 and "locked" in messages[0], messages
-    with pytest.raises(StoreError, match="locked"):
+    with pytest.raises(RecordingError, match="locked"):
         rec.close()
     assert rec.drops()["write_failed"] == 57
     assert rec.total_recorded == 10
@@ -121,14 +121,14 @@ def test_locked_database_is_reported_and_counted(tmp_path):
 
 def test_full_disk_at_open_is_one_line(tmp_path):
     with tmpfs(tmp_path / "tiny", "16k") as d:
-        with pytest.raises(StoreError) as e:
+        with pytest.raises(RecordingError) as e:
             Recorder(str(d / "rec.db"), node="n", identify_processes=False)
     assert "\n" not in str(e.value) and "rec.db" in str(e.value)
 
 
 def test_read_only_file_system_fails_at_open(tmp_path):
     with tmpfs(tmp_path / "ro", "1m", "ro") as d:
-        with pytest.raises(StoreError) as e:
+        with pytest.raises(RecordingError) as e:
             Recorder(str(d / "rec.db"), node="n", identify_processes=False)
     assert "\n" not in str(e.value) and "rec.db" in str(e.value)
 

@@ -55,7 +55,7 @@ def bins(tmp_path_factory):
 def sources(bins):
     require_root()
     from exporter.sources.nccl.probes import NcclProbes
-    from exporter.sources.plugin.reader import PluginSource
+    from exporter.sources.plugin.source import PluginSource
 
     probes = NcclProbes()
     plugin = None
@@ -236,7 +236,7 @@ def test_comm_label_is_the_host_series_id_when_known():
     # The job ended (no communicator entries) while its GPU series live on
     # (--series-ttl): the NCCL reader's memory (learnt from the init events)
     # keeps the label from flipping to NCCL's hash.
-    from exporter.sources.nccl.reader import NcclReader
+    from exporter.sources.nccl.maps import NcclReader
 
     reader = NcclReader(types.SimpleNamespace(bpf=None))
     reader.comm_ids.update({0x1111222233334444: 0x0123456789ABCDEF, 0x9999: 0x8888})

@@ -55,7 +55,7 @@ class Traced:
     """One probe set on the real library, and every call of this module made once."""
 
     def __init__(self, lib_path: str):
-        from exporter.sources.nccl.reader import NcclReader
+        from exporter.sources.nccl.maps import NcclReader
         from exporter.sources.nccl.probes import NcclProbes
 
         self.lib_path = lib_path

@@ -1,4 +1,4 @@
-"""The SQLite store without BPF: schema and migrations, batching, scope, losses, query guard."""
+"""A recording (SQLite) without BPF: schema and migrations, batching, scope, losses, query guard."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from exporter.records.events import CallEvent
-from exporter.sinks.recording import reader, schema, writer
+from exporter.sinks.recording import query, schema, writer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,7 +79,7 @@ def test_refuses_a_newer_schema(tmp_path):
     c = sqlite3.connect(db)
     c.execute(f"PRAGMA user_version = {schema.SCHEMA_VERSION + 1}")
     c.close()
-    with pytest.raises(schema.StoreError, match="newer"):
+    with pytest.raises(schema.RecordingError, match="newer"):
         writer.Recorder(str(db))
 
 
@@ -119,7 +119,7 @@ def test_scope_by_pid_and_netns(tmp_path):
     assert os.getpid() in s and 999_999_999 not in s
     assert writer.netns_inode("/proc/self/ns/net") == mine == writer.netns_inode(str(mine))
     assert writer.netns_inode(f"net:[{mine}]") == mine
-    with pytest.raises(schema.StoreError):
+    with pytest.raises(schema.RecordingError):
         writer.netns_inode("/nonexistent/ns")
     db = tmp_path / "s.db"
     with writer.Recorder(str(db), node="n", scope=writer.Scope(pids=[7]), identify_processes=False) as r:
@@ -158,11 +158,11 @@ def test_query_formats(tmp_path):
     ("DROP TABLE meta", "refused"),
     ("CREATE TABLE x (a)", "refused"),
     ("CREATE TEMP TABLE x (a)", "refused"),
-    ("ATTACH DATABASE '/tmp/nccl-store-attach.db' AS x", "refused: ATTACH"),
+    ("ATTACH DATABASE '/tmp/nccl-recording-attach.db' AS x", "refused: ATTACH"),
     ("PRAGMA user_version = 7", "refused: PRAGMA user_version"),
     ("PRAGMA journal_mode = WAL", "refused: PRAGMA journal_mode"),
     ("PRAGMA wal_checkpoint", "refused: PRAGMA wal_checkpoint"),
-    ("VACUUM INTO '/tmp/nccl-store-vacuum.db'", "refused: VACUUM"),
+    ("VACUUM INTO '/tmp/nccl-recording-vacuum.db'", "refused: VACUUM"),
     ("SELEC 1", "SQL error"),
     ("SELECT nope FROM nccl_events", "SQL error: no such column"),
     ("SELECT 1; SELECT 2", "SQL error"),
@@ -174,12 +174,12 @@ def test_query_refuses_writes_and_reports_errors_in_one_line(tmp_path, sql, why)
     assert p.returncode == 2
     assert p.stderr.startswith("nccl-exporter: error: ") and why in p.stderr and p.stderr.count("\n") == 1
     assert db.read_bytes() == before
-    assert not os.path.exists("/tmp/nccl-store-attach.db") and not os.path.exists("/tmp/nccl-store-vacuum.db")
+    assert not os.path.exists("/tmp/nccl-recording-attach.db") and not os.path.exists("/tmp/nccl-recording-vacuum.db")
 
 
 def test_query_reads_with_read_only_pragmas(tmp_path):
     db = recording(tmp_path)
-    names, rows = reader.run(str(db), "PRAGMA table_info(tcp_events)")
+    names, rows = query.run(str(db), "PRAGMA table_info(tcp_events)")
     assert "event" in [r[1] for r in rows]
 
 

@@ -170,7 +170,7 @@ def test_detached_between_jobs_then_attached_again(probes, sched):
 @pytest.fixture(scope="module")
 def totals(probes):
     """`--sched totals`: the kernel's per-thread accounting read from /proc, no BPF program."""
-    from exporter.sources.nccl.reader import NcclReader
+    from exporter.sources.nccl.maps import NcclReader
     from exporter.sources.schedstat import SchedTotals
 
     reader = NcclReader(probes)

@@ -28,7 +28,7 @@ from exporter.sources.nccl.probes import NcclProbes
 from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, start_job
 from exporter.records.events import AF_INET, AF_INET6
-from exporter.sources.nccl.reader import NcclReader
+from exporter.sources.nccl.maps import NcclReader
 from exporter.sources.tcp import TcpSource, retransmits_missed
 from tests.retransmit_observer import Observer
 

@@ -27,7 +27,7 @@ from exporter.sources import sched as sched_source
 from exporter.sources.processes import alive_checker
 from exporter.sources import tcp as tcp_source
 from exporter.sources.nccl import probes as nccl_probes
-from exporter.sources.plugin import reader as plugin_reader
+from exporter.sources.plugin import source as plugin_source
 
 
 
@@ -117,7 +117,7 @@ class NcclCollector:
         self.tcp = tcp
         self.sched = sched
         self.spans = spans
-        self.plugin = plugin  # exporter.sources.plugin.reader.PluginSource, None when not loaded
+        self.plugin = plugin  # exporter.sources.plugin.source.PluginSource, None when not loaded
         self.recorder = recorder  # run --db's Recorder: its drops, by reason
 
     def collect(self):
@@ -238,7 +238,7 @@ class NcclCollector:
         if isinstance(self.sched, sched_source.SchedSource):  # not SchedTotals: no maps
             yield self.sched, sched_source.MAP_CAPACITY
         if self.plugin is not None:
-            yield self.plugin, plugin_reader.MAP_CAPACITY
+            yield self.plugin, plugin_source.MAP_CAPACITY
 
     def _self_metrics(self):
         node = self.node
@@ -265,7 +265,7 @@ class NcclCollector:
         full = {(node, m): counters[c] for c, m in contract.MAP_FULL_COUNTERS}
         if self.plugin is not None:
             drops = self.plugin.drops()
-            full.update({(node, m): drops[d] for d, m in plugin_reader.MAP_FULL})
+            full.update({(node, m): drops[d] for d, m in plugin_source.MAP_FULL})
         yield filled(metrics.EXPORTER_MAP_FULL, full)
         yield filled(metrics.EXPORTER_EVENTS_LOST,
                      {(node, source): counters[c] for c, source in contract.EVENTS_LOST_COUNTERS})

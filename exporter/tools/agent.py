@@ -21,9 +21,9 @@ from exporter.sources.bpf import ClockOffset, RingWaiter
 from exporter.sources.loader import LoaderSource
 from exporter.sources.nccl import libfind
 from exporter.sources.nccl.probes import NcclProbes
-from exporter.sources.nccl.reader import NcclReader
-from exporter.sources.plugin import reader as plugin_reader
-from exporter.sources.plugin.reader import PluginSource
+from exporter.sources.nccl.maps import NcclReader
+from exporter.sources.plugin import source as plugin_source
+from exporter.sources.plugin.source import PluginSource
 from exporter.sources.processes import ProcessTable
 from exporter.sources.sched import SchedSource
 from exporter.sources.schedstat import POLL_INTERVAL_S, SchedTotals
@@ -153,7 +153,7 @@ class Agent:
                 self.loader.attach_loaders()  # for profiler plugins mapped later
             for lib in libraries:
                 self._attach(lib)
-            self._attach_plugins(plugin_reader.plugin_paths(), scan=True)
+            self._attach_plugins(plugin_source.plugin_paths(), scan=True)
             self.ready.set()
             return
         if self.loader is not None:
@@ -162,7 +162,7 @@ class Agent:
             self.loader.attach_loaders()
         for lib in libfind.mapped_nccl_libraries():
             self._attach(lib)
-        self._attach_plugins(plugin_reader.plugin_paths(), scan=True)
+        self._attach_plugins(plugin_source.plugin_paths(), scan=True)
         if self.loader is None:
             self._watcher = libfind.LibraryWatcher(self._found.put, interval=self.config.rescan_interval)
             self._watcher.start()

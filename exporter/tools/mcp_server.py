@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from exporter.records import contract
-from exporter.sinks.recording import reader
+from exporter.sinks.recording import query
 from exporter.tools.fleet import client
 
 try:  # mcp 2.x
@@ -53,24 +53,24 @@ class Sources:
 
 def _node_of(path: str) -> str:
     try:
-        conn = reader.open_readonly(path)
+        conn = query.open_readonly(path)
         try:
             row = conn.execute("SELECT value FROM meta WHERE key = 'node'").fetchone()
         finally:
             conn.close()
         return row[0] if row and row[0] else Path(path).stem
-    except (reader.QueryError, sqlite3.DatabaseError):
+    except (query.QueryError, sqlite3.DatabaseError):
         return Path(path).stem
 
 
 def _local_query(path: str, sql: str, max_rows: int) -> tuple[list[str], list[tuple], bool]:
-    """Read-only, like the endpoint: the reader's authorizer, a row cap and a time limit."""
+    """Read-only, like the endpoint: query.py's authorizer, a row cap and a time limit."""
     import time
 
-    if reader._first_word(sql) == "VACUUM":
-        raise reader.QueryError("refused: VACUUM writes a database; queries are read-only")
-    conn = reader.open_readonly(path)
-    guard = reader._Guard()
+    if query._first_word(sql) == "VACUUM":
+        raise query.QueryError("refused: VACUUM writes a database; queries are read-only")
+    conn = query.open_readonly(path)
+    guard = query._Guard()
     conn.set_authorizer(guard)
     deadline = time.monotonic() + 30
     conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, 10_000)
@@ -80,10 +80,10 @@ def _local_query(path: str, sql: str, max_rows: int) -> tuple[list[str], list[tu
         rows = cur.fetchmany(max_rows + 1)
     except sqlite3.DatabaseError as e:
         if guard.refused:
-            raise reader.QueryError(f"refused: {guard.refused} (queries are read-only)") from None
-        raise reader.QueryError(f"SQL error: {e}") from None
+            raise query.QueryError(f"refused: {guard.refused} (queries are read-only)") from None
+        raise query.QueryError(f"SQL error: {e}") from None
     except (sqlite3.Warning, sqlite3.ProgrammingError) as e:
-        raise reader.QueryError(f"SQL error: {e}") from None
+        raise query.QueryError(f"SQL error: {e}") from None
     finally:
         conn.close()
     return names, rows[:max_rows], len(rows) > max_rows
@@ -125,7 +125,7 @@ def run_everywhere(src: Sources, sql: str, max_rows: int, source: str = "all") -
             asked += 1
             try:
                 cols, got, cut = _local_query(path, sql, max_rows)
-            except reader.QueryError as e:
+            except query.QueryError as e:
                 warnings.append(f"{path}: {e}")
                 continue
             if names is None:
@@ -270,8 +270,8 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
                 raise ToolError(f"db: one of the server's recordings ({', '.join(src.dbs) or 'none'}), "
                                 f"not {db!r}")
             try:
-                return reader.open_readonly(db)
-            except reader.QueryError as e:
+                return query.open_readonly(db)
+            except query.QueryError as e:
                 raise ToolError(str(e)) from None
 
         @mcp.tool()

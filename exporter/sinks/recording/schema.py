@@ -195,7 +195,7 @@ INSERT = {
 }
 
 
-class StoreError(RuntimeError):
+class RecordingError(RuntimeError):
     """The database cannot be created or written (one line)."""
 
 
@@ -203,7 +203,7 @@ def migrate(conn: sqlite3.Connection, target: int = SCHEMA_VERSION) -> int:
     """Bring a database to `target`; returns the version it had."""
     have = conn.execute("PRAGMA user_version").fetchone()[0]
     if have > SCHEMA_VERSION:
-        raise StoreError(f"database schema version {have} is newer than this nccl-exporter "
+        raise RecordingError(f"database schema version {have} is newer than this nccl-exporter "
                          f"({SCHEMA_VERSION}): upgrade nccl-exporter")
     for version in range(have, target):
         with conn:  # one transaction per step: a crash leaves the previous version
@@ -225,5 +225,5 @@ def open_db(path: str) -> sqlite3.Connection:
         conn.execute("PRAGMA wal_autocheckpoint = 8192")
         migrate(conn)
     except sqlite3.DatabaseError as e:
-        raise StoreError(f"cannot record to {path}: {e}") from None
+        raise RecordingError(f"cannot record to {path}: {e}") from None
     return conn

@@ -26,7 +26,7 @@ from exporter import __version__
 from exporter.records.events import CallEvent, GpuCall
 from exporter.records.render import Renderer, table_of
 from exporter.sinks.recording.schema import (DEFERRED_INDEXES, FOLD_GPU_INTERVALS, INSERT, SCHEMA_VERSION,
-                                             StoreError, open_db)
+                                             RecordingError, open_db)
 
 # Batching and bounds (env overrides are for tests and benchmarks).
 BATCH_ROWS = 5000
@@ -59,7 +59,7 @@ def netns_inode(spec: str | int) -> int:
     try:
         return os.stat(text).st_ino
     except OSError as e:
-        raise StoreError(f"--netns {spec}: {e.strerror or e}") from None
+        raise RecordingError(f"--netns {spec}: {e.strerror or e}") from None
 
 
 def pid_netns(pid: int, proc: str = "/proc") -> int | None:
@@ -170,8 +170,8 @@ class Recorder:
         except sqlite3.Error as e:  # disk full, read-only, locked: one line, no traceback
             self.conn.close()
             self._error = e
-            raise StoreError(self.error_message) from None
-        self._thread = threading.Thread(target=self._writer, name="nccl-store", daemon=True)
+            raise RecordingError(self.error_message) from None
+        self._thread = threading.Thread(target=self._writer, name="nccl-recording", daemon=True)
         self._thread.start()
 
     # --- producer side (the ring-buffer poll): never blocks ----------------------
@@ -458,7 +458,7 @@ class Recorder:
         finally:
             self.conn.close()
         if self._error is not None:
-            raise StoreError(self.error_message)
+            raise RecordingError(self.error_message)
 
     def __enter__(self):
         return self

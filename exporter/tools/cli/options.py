@@ -207,23 +207,23 @@ def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
 
 def recording_scope(args):
     """--pid / --netns of `trace` -> a recording Scope (everything when neither is given)."""
-    from exporter.sinks.recording.schema import StoreError
+    from exporter.sinks.recording.schema import RecordingError
     from exporter.sinks.recording.writer import Scope, netns_inode
 
     try:
         netns = netns_inode(args.netns) if args.netns else None
-    except StoreError as e:
+    except RecordingError as e:
         raise CliError(str(e)) from None
     return Scope(pids=args.pid or (), netns=netns)
 
 
 def open_recorder(path, node, scope=None):
-    from exporter.sinks.recording.schema import StoreError
+    from exporter.sinks.recording.schema import RecordingError
     from exporter.sinks.recording.writer import Recorder
 
     try:
         return Recorder(path, node=node, scope=scope)
-    except StoreError as e:
+    except RecordingError as e:
         raise CliError(str(e)) from None
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from exporter.sinks.recording import reader
+from exporter.sinks.recording import query
 from exporter.tools import output
 from exporter.tools.cli.options import CliError
 
@@ -19,8 +19,8 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     try:
-        names, rows = reader.run(args.db, args.sql)
-    except reader.QueryError as e:
+        names, rows = query.run(args.db, args.sql)
+    except query.QueryError as e:
         raise CliError(str(e)) from None
     output.write(names, rows, args.format)
     return 0

@@ -95,7 +95,7 @@ def main(args) -> int:
     from prometheus_client import CollectorRegistry
 
     from exporter.sinks.http import HttpServer, notify_systemd
-    from exporter.sinks.recording.schema import StoreError
+    from exporter.sinks.recording.schema import RecordingError
 
     cfg = load_config(args.config)
     setup_logging(args.log_level or cfg.get("log_level") or "info")
@@ -162,7 +162,7 @@ def main(args) -> int:
         if recorder is not None:
             try:
                 recorder.close()
-            except StoreError:
+            except RecordingError:
                 pass  # already logged when it happened
             print(f"nccl-exporter: {recorder.summary()}", flush=True)
     print("nccl-exporter: stopped", flush=True)

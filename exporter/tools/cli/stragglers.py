@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from exporter.sinks.recording import reader
+from exporter.sinks.recording import query
 from exporter.tools import output
 from exporter.tools.cli.options import CliError
 
@@ -28,8 +28,8 @@ def add_parser(sub) -> None:
 
 def open_recording(path: str) -> sqlite3.Connection:
     try:
-        return reader.open_readonly(path)
-    except reader.QueryError as e:
+        return query.open_readonly(path)
+    except query.QueryError as e:
         raise CliError(str(e)) from None
 
 

@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from exporter.sinks.recording.schema import StoreError
+    from exporter.sinks.recording.schema import RecordingError
     from exporter.sources.identity import node_name
     from exporter.tools.progress import Progress
 
@@ -99,7 +99,7 @@ def main(args) -> int:
                 progress.done()
             try:
                 recorder.close()
-            except StoreError as e:
+            except RecordingError as e:
                 raise CliError(str(e)) from None
     if recorder is not None:
         print(f"recorded in {time.monotonic() - started:.1f} s: {recorder.summary()}",

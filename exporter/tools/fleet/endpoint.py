@@ -16,7 +16,7 @@ starts it on its own listener, apart from /metrics (docs/fleet-live.md):
     GET  /api/v1/time        {"node": ..., "time_ns": wall clock} (clock estimate)
 
 Every request needs `Authorization: Bearer <token>` (401 otherwise). The
-recording is opened read-only (reader.open_readonly) with the reader's
+recording is opened read-only (query.open_readonly) with its
 authorizer, which refuses writes, ATTACH, PRAGMA writes and extension loading
 before a statement runs; a progress handler ends a query past its time limit;
 rows and bytes are capped. Every answer names the node (X-Nccl-Node header).
@@ -38,7 +38,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from exporter.sinks.recording import reader
+from exporter.sinks.recording import query
 
 QUERY_PATH = "/api/v1/query"
 RECORDING_PATH = "/api/v1/recording"
@@ -103,7 +103,7 @@ class _Cut(Exception):
 def window_copy(db: str, dest: str, since_ns: int | None, until_ns: int | None) -> None:
     """Copy the recording `db` to `dest`, keeping only rows of [since, until] in every table
     with a timestamp_ns column (the others, e.g. processes and meta, whole)."""
-    src = reader.open_readonly(db)
+    src = query.open_readonly(db)
     try:
         out = sqlite3.connect(dest)
         try:
@@ -227,15 +227,15 @@ class Handler(BaseHTTPRequestHandler):
         if not sql.strip():
             self._error(400, "empty SQL")
             return
-        if reader._first_word(sql) == "VACUUM":
+        if query._first_word(sql) == "VACUUM":
             self._error(400, "refused: VACUUM writes a database; queries are read-only")
             return
         try:
-            conn = reader.open_readonly(ep.db)
-        except reader.QueryError as e:
+            conn = query.open_readonly(ep.db)
+        except query.QueryError as e:
             self._error(503, str(e))
             return
-        guard = reader._Guard()
+        guard = query._Guard()
         conn.set_authorizer(guard)
         deadline = time.monotonic() + ep.time_limit
         conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, PROGRESS_STEPS)
@@ -335,7 +335,7 @@ class Handler(BaseHTTPRequestHandler):
             path = os.path.join(tmp, "window.db")
             try:
                 window_copy(ep.db, path, since, until)
-            except reader.QueryError as e:
+            except query.QueryError as e:
                 self._error(503, str(e))
                 return
             except sqlite3.DatabaseError as e:
