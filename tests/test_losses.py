@@ -278,7 +278,7 @@ def test_recorder_forgets_dead_processes(tmp_path):
     proc = tmp_path / "proc"
     (proc / "100").mkdir(parents=True)
     (proc / "200").mkdir()
-    from exporter.sinks.recording.writer import Scope
+    from exporter.sinks.recording.scope import Scope
 
     rec = Recorder(str(tmp_path / "r.db"), node="n", batch_seconds=0.01, identify_processes=False,
                    scope=Scope(proc=str(proc)))
@@ -304,7 +304,7 @@ def test_recorder_state_is_flat_over_many_processes(tmp_path):
     """A thousand short-lived processes: nothing per process stays."""
     proc = tmp_path / "proc"
     proc.mkdir()
-    from exporter.sinks.recording.writer import Scope
+    from exporter.sinks.recording.scope import Scope
 
     rec = Recorder(str(tmp_path / "r.db"), node="n", batch_seconds=0.01, identify_processes=False,
                    scope=Scope(proc=str(proc)))

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from exporter.records.events import CallEvent
-from exporter.sinks.recording import query, schema, writer
+from exporter.sinks.recording import query, schema, scope, writer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,14 +115,14 @@ def test_full_queue_counts_drops_and_never_blocks(tmp_path):
 
 def test_scope_by_pid_and_netns(tmp_path):
     mine = os.stat("/proc/self/ns/net").st_ino
-    s = writer.Scope(netns=mine)
+    s = scope.Scope(netns=mine)
     assert os.getpid() in s and 999_999_999 not in s
-    assert writer.netns_inode("/proc/self/ns/net") == mine == writer.netns_inode(str(mine))
-    assert writer.netns_inode(f"net:[{mine}]") == mine
+    assert scope.netns_inode("/proc/self/ns/net") == mine == scope.netns_inode(str(mine))
+    assert scope.netns_inode(f"net:[{mine}]") == mine
     with pytest.raises(schema.RecordingError):
-        writer.netns_inode("/nonexistent/ns")
+        scope.netns_inode("/nonexistent/ns")
     db = tmp_path / "s.db"
-    with writer.Recorder(str(db), node="n", scope=writer.Scope(pids=[7]), identify_processes=False) as r:
+    with writer.Recorder(str(db), node="n", scope=scope.Scope(pids=[7]), identify_processes=False) as r:
         r(ev(1, pid=7))
         r(ev(2, pid=8))
         r(tcp(3, pid=8))

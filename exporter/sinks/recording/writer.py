@@ -27,6 +27,7 @@ from exporter.records.events import CallEvent, GpuCall
 from exporter.records.render import Renderer, table_of
 from exporter.sinks.recording.schema import (DEFERRED_INDEXES, FOLD_GPU_INTERVALS, INSERT, SCHEMA_VERSION,
                                              RecordingError, open_db)
+from exporter.sinks.recording.scope import Scope, pid_netns
 
 # Batching and bounds (env overrides are for tests and benchmarks).
 BATCH_ROWS = 5000
@@ -45,63 +46,6 @@ def _read_id(path: str) -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-# --- scope ----------------------------------------------------------------------
-
-def netns_inode(spec: str | int) -> int:
-    """--netns PATH|INODE -> the namespace inode ('net:[4026532]' also accepted)."""
-    text = str(spec).strip()
-    if text.startswith("net:[") and text.endswith("]"):
-        text = text[5:-1]
-    if text.isdigit():
-        return int(text)
-    try:
-        return os.stat(text).st_ino
-    except OSError as e:
-        raise RecordingError(f"--netns {spec}: {e.strerror or e}") from None
-
-
-def pid_netns(pid: int, proc: str = "/proc") -> int | None:
-    try:
-        return os.stat(f"{proc}/{pid}/ns/net").st_ino
-    except OSError:
-        return None
-
-
-class Scope:
-    """Which processes a recording keeps: given pids and/or one network namespace.
-
-    Empty scope: everything. A process's namespace is read once, on its
-    first event, and remembered (an event arrives while its process lives).
-    """
-
-    def __init__(self, pids=(), netns: int | None = None, proc: str = "/proc"):
-        self.pids = set(int(p) for p in pids)
-        self.netns = netns
-        self.proc = proc
-        self._verdict: dict[int, bool] = {}
-
-    @property
-    def everything(self) -> bool:
-        return not self.pids and self.netns is None
-
-    def __contains__(self, pid) -> bool:
-        if self.everything:
-            return True
-        v = self._verdict.get(pid)
-        if v is None:
-            v = pid in self.pids or (self.netns is not None and pid_netns(pid, self.proc) == self.netns)
-            self._verdict[pid] = v
-        return v
-
-    def describe(self) -> str:
-        parts = []
-        if self.pids:
-            parts.append("pid " + ",".join(str(p) for p in sorted(self.pids)))
-        if self.netns is not None:
-            parts.append(f"netns {self.netns}")
-        return " or ".join(parts) or "all processes"
 
 
 # --- the recorder -----------------------------------------------------------------

@@ -208,7 +208,7 @@ def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
 def recording_scope(args):
     """--pid / --netns of `trace` -> a recording Scope (everything when neither is given)."""
     from exporter.sinks.recording.schema import RecordingError
-    from exporter.sinks.recording.writer import Scope, netns_inode
+    from exporter.sinks.recording.scope import Scope, netns_inode
 
     try:
         netns = netns_inode(args.netns) if args.netns else None
