@@ -95,7 +95,7 @@ def test_weak_aliases_share_address_with_strong_pnccl(lib):
 
 INPROC = r"""
 import ctypes, os, sys
-from exporter.simulator.rank import ncclUniqueId
+from exporter.simulator.binding import ncclUniqueId
 L = ctypes.CDLL(sys.argv[1])
 c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 L.ncclAllReduce.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]

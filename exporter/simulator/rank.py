@@ -1,5 +1,8 @@
-"""One simulated training rank: loads libnccl.so.2 with ctypes and calls it the
-way PyTorch's ProcessGroupNCCL would (ncclUniqueId passed by value).
+"""One simulated training rank: NCCL workloads, every result checked.
+
+The workloads call libnccl.so.2 the way PyTorch's ProcessGroupNCCL would
+(ncclUniqueId passed by value) through binding.py, and check each result
+against numerics.py.
 
     python -m exporter.simulator.rank --lib build/sim/libnccl.so.2 \
         --rank 0 --nranks 4 --rendezvous /tmp/rdv --workload mixed
@@ -17,231 +20,12 @@ import random
 import struct
 import sys
 import time
+from ctypes import c_int, c_void_p
 
-NCCL_UNIQUE_ID_BYTES = 128
-
-
-class ncclUniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * NCCL_UNIQUE_ID_BYTES)]
-
-
-# ncclDataType_t -> struct format ("bf16" handled by hand), size
-DTYPES = {
-    0: ("b", 1), 1: ("B", 1), 2: ("i", 4), 3: ("I", 4), 4: ("q", 8), 5: ("Q", 8),
-    6: ("e", 2), 7: ("f", 4), 8: ("d", 8), 9: ("bf16", 2),
-}
-INT_DTYPES = {0: (8, True), 1: (8, False), 2: (32, True), 3: (32, False), 4: (64, True), 5: (64, False)}
-SUM, PROD, MAX, MIN, AVG = 0, 1, 2, 3, 4
-FLOAT32, INT32, FLOAT16, BF16, FLOAT64, INT8, UINT8, UINT32, INT64, UINT64 = 7, 2, 6, 9, 8, 0, 1, 3, 4, 5
-c_p = ctypes.c_void_p
-c_sz = ctypes.c_size_t
-c_i = ctypes.c_int
-
-
-class NcclError(RuntimeError):
-    pass
-
-
-# Position of the communicator argument of each collective (GPU-like mode syncs on it).
-COMM_ARG = {"ncclAllReduce": 5, "ncclAllReduceConfig": 5, "ncclReduceScatter": 5, "ncclAllGather": 4,
-            "ncclAlltoAll": 4, "ncclBroadcast": 5, "ncclBcast": 4, "ncclReduce": 6, "ncclGather": 5,
-            "ncclScatter": 5, "ncclSend": 4, "ncclRecv": 4}
-
-
-def _f32(x: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", x))[0]
-
-
-def _f2bf_bits(x: float) -> int:
-    u = struct.unpack("<I", struct.pack("<f", x))[0]
-    if (u & 0x7FFFFFFF) > 0x7F800000:
-        return ((u >> 16) | 0x40) & 0xFFFF
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF
-    return u >> 16
-
-
-def _bf_bits2f(b: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", (b & 0xFFFF) << 16))[0]
-
-
-def encode(dt: int, values: list) -> bytes:
-    fmt, _ = DTYPES[dt]
-    if fmt == "bf16":
-        return struct.pack(f"<{len(values)}H", *(_f2bf_bits(float(v)) for v in values))
-    if dt in INT_DTYPES:
-        values = [wrap(dt, int(v)) for v in values]
-    return struct.pack(f"<{len(values)}{fmt}", *values)
-
-
-def decode(dt: int, raw: bytes) -> list:
-    fmt, size = DTYPES[dt]
-    n = len(raw) // size
-    if fmt == "bf16":
-        return [_bf_bits2f(b) for b in struct.unpack(f"<{n}H", raw[: n * 2])]
-    return list(struct.unpack(f"<{n}{fmt}", raw[: n * size]))
-
-
-def wrap(dt: int, v: int) -> int:
-    bits, signed = INT_DTYPES[dt]
-    v &= (1 << bits) - 1
-    if signed and v >= 1 << (bits - 1):
-        v -= 1 << bits
-    return v
-
-
-def quantize(dt: int, v: float) -> float:
-    """What one float value looks like after a store in dtype dt."""
-    if dt == FLOAT32:
-        return _f32(v)
-    if dt == FLOAT16:
-        return struct.unpack("<e", struct.pack("<e", _f32(v)))[0]
-    if dt == BF16:
-        return _bf_bits2f(_f2bf_bits(_f32(v)))
-    return float(v)
-
-
-def reduce_expected(dt: int, op: int, per_rank: list[list]) -> list:
-    n = len(per_rank)
-    out = []
-    for vals in zip(*per_rank):
-        if op in (SUM, AVG):
-            v = sum(vals)
-        elif op == PROD:
-            v = 1
-            for x in vals:
-                v *= x
-        elif op == MAX:
-            v = max(vals)
-        else:
-            v = min(vals)
-        if dt in INT_DTYPES:
-            v = wrap(dt, v)
-            if op == AVG:
-                v = int(v / n)  # C division truncates toward zero
-        else:
-            if op == AVG:
-                v = v / n
-            v = quantize(dt, v)
-        out.append(v)
-    return out
-
-
-def close_enough(dt: int, got: list, want: list) -> bool:
-    if len(got) != len(want):
-        return False
-    if dt in INT_DTYPES:
-        return got == want
-    rel = 1e-2 if dt in (FLOAT16, BF16) else 1e-6
-    return all(abs(g - w) <= 1e-6 + rel * abs(w) for g, w in zip(got, want))
-
-
-class Nccl:
-    """Thin ctypes wrapper with NCCL's exact prototypes."""
-
-    def __init__(self, path: str, rank: int):
-        self.lib = ctypes.CDLL(path)
-        L = self.lib
-        pcomm = ctypes.POINTER(c_p)
-        protos = {
-            "ncclGetVersion": [ctypes.POINTER(c_i)],
-            "ncclGetUniqueId": [ctypes.POINTER(ncclUniqueId)],
-            "ncclCommInitRank": [pcomm, c_i, ncclUniqueId, c_i],
-            "ncclCommInitRankConfig": [pcomm, c_i, ncclUniqueId, c_i, c_p],
-            "ncclCommSplit": [c_p, c_i, c_i, pcomm, c_p],
-            "ncclCommFinalize": [c_p], "ncclCommDestroy": [c_p], "ncclCommAbort": [c_p],
-            "ncclCommCount": [c_p, ctypes.POINTER(c_i)], "ncclCommUserRank": [c_p, ctypes.POINTER(c_i)],
-            "ncclCommCuDevice": [c_p, ctypes.POINTER(c_i)],
-            "ncclGroupStart": [], "ncclGroupEnd": [],
-            "ncclAllReduce": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p],
-            "ncclAllReduceConfig": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p, c_p],
-            "ncclReduceScatter": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p],
-            "ncclAllGather": [c_p, c_p, c_sz, c_i, c_p, c_p],
-            "ncclAlltoAll": [c_p, c_p, c_sz, c_i, c_p, c_p],
-            "ncclBroadcast": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p],
-            "ncclBcast": [c_p, c_sz, c_i, c_i, c_p, c_p],
-            "ncclReduce": [c_p, c_p, c_sz, c_i, c_i, c_i, c_p, c_p],
-            "ncclGather": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p],
-            "ncclScatter": [c_p, c_p, c_sz, c_i, c_i, c_p, c_p],
-            "ncclSend": [c_p, c_sz, c_i, c_i, c_p, c_p],
-            "ncclRecv": [c_p, c_sz, c_i, c_i, c_p, c_p],
-        }
-        for name, args in protos.items():
-            f = getattr(L, name)
-            f.argtypes = args
-            f.restype = c_i
-        L.ncclGetErrorString.argtypes = [c_i]
-        L.ncclGetErrorString.restype = ctypes.c_char_p
-        self.ncalls = 0
-        # GPU-like mode (NCCL_SIM_GPU=1): calls only enqueue; results are there after
-        # simStreamSynchronize (the simulator's cudaStreamSynchronize). With autosync
-        # every collective is followed by one, so the checking workloads stay correct.
-        self.gpu = os.environ.get("NCCL_SIM_GPU", "0") not in ("", "0") and hasattr(L, "simStreamSynchronize")
-        self.autosync = self.gpu
-        self._group_comms: list = []
-        self._group_depth = 0
-        if self.gpu:
-            L.simStreamSynchronize.argtypes = [c_p]
-            L.simStreamSynchronize.restype = c_i
-        # An opaque, per-rank "stream" handle (host memory stands in for the GPU).
-        self._stream_obj = ctypes.create_string_buffer(64)
-        self.stream = c_p(ctypes.addressof(self._stream_obj))
-
-    def __call__(self, name: str, *args) -> None:
-        self.ncalls += 1
-        rc = getattr(self.lib, name)(*args)
-        if rc != 0:
-            msg = self.lib.ncclGetErrorString(rc).decode()
-            raise NcclError(f"{name} -> {rc} ({msg})")
-        if self.autosync:
-            if name == "ncclGroupStart":
-                self._group_depth += 1
-            elif name == "ncclGroupEnd":
-                self._group_depth -= 1
-                if self._group_depth == 0:
-                    comms, self._group_comms = self._group_comms, []
-                    for c in comms:
-                        self.sync(c)
-            elif name in COMM_ARG:
-                comm = args[COMM_ARG[name]]
-                if self._group_depth:
-                    if all(comm is not c for c in self._group_comms):
-                        self._group_comms.append(comm)
-                else:
-                    self.sync(comm)
-
-    def sync(self, comm) -> None:
-        """Wait for the communicator's stream (GPU-like mode; a no-op otherwise)."""
-        if not self.gpu:
-            return
-        rc = self.lib.simStreamSynchronize(comm)
-        if rc != 0:
-            raise NcclError(f"simStreamSynchronize -> {rc} ({self.lib.ncclGetErrorString(rc).decode()})")
-
-
-# --------------------------------------------------------------- rendezvous --
-def publish_or_fetch(nccl: Nccl, rank: int, rdv: pathlib.Path, name: str, timeout: float = 120.0) -> ncclUniqueId:
-    path = rdv / f"{name}.uid"
-    if rank == 0:
-        uid = ncclUniqueId()
-        nccl("ncclGetUniqueId", ctypes.byref(uid))
-        tmp = rdv / f".{name}.uid.{os.getpid()}.tmp"
-        # uid.internal (a c_char array) stops at the first NUL: take the raw 128 bytes
-        tmp.write_bytes(ctypes.string_at(ctypes.addressof(uid), NCCL_UNIQUE_ID_BYTES))
-        os.replace(tmp, path)
-        return uid
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            raw = path.read_bytes()
-            if len(raw) == NCCL_UNIQUE_ID_BYTES:
-                uid = ncclUniqueId()
-                ctypes.memmove(ctypes.addressof(uid), raw, NCCL_UNIQUE_ID_BYTES)
-                return uid
-        except FileNotFoundError:
-            pass
-        if time.monotonic() > deadline:
-            raise NcclError(f"rendezvous: {path} did not appear in {timeout:.0f}s")
-        time.sleep(0.02)
+from exporter.simulator.binding import Nccl, NcclError, publish_or_fetch
+from exporter.simulator.numerics import (AVG, BF16, DTYPES, FLOAT16, FLOAT32, FLOAT64, INT8, INT32, INT64,
+                                         INT_DTYPES, MAX, MIN, PROD, SUM, UINT8, UINT32, UINT64,
+                                         close_enough, decode, encode, quantize, reduce_expected)
 
 
 # ----------------------------------------------------------------- workloads --
@@ -283,9 +67,9 @@ class Rank:
             base = [((rank * 7 + i * 3 + it + salt) % 5) + 1 for i in range(count)]
         return base if dt in INT_DTYPES else [float(v) for v in base]
 
-    def comm_init(self, name: str, config: bool = False) -> c_p:
+    def comm_init(self, name: str, config: bool = False) -> c_void_p:
         uid = publish_or_fetch(self.nccl, self.rank, self.rdv, name)
-        comm = c_p()
+        comm = c_void_p()
         if config:
             cfg = ctypes.create_string_buffer(256)  # opaque ncclConfig_t; ignored by the simulator
             self.nccl("ncclCommInitRankConfig", ctypes.byref(comm), self.n, uid, self.rank, cfg)
@@ -392,9 +176,9 @@ class Rank:
         r, n, cnt = self.rank, self.n, self.a.count
         world = self.comm_init("world")
         world2 = self.comm_init("world2", config=True)
-        split = c_p()
+        split = c_void_p()
         self.nccl("ncclCommSplit", world, r % 2, r, ctypes.byref(split), None)
-        srank, scount = c_i(-1), c_i(-1)
+        srank, scount = c_int(-1), c_int(-1)
         self.nccl("ncclCommUserRank", split, ctypes.byref(srank))
         self.nccl("ncclCommCount", split, ctypes.byref(scount))
         want_n = len([x for x in range(n) if x % 2 == r % 2])
@@ -435,9 +219,9 @@ class Rank:
         cnt = max(2, self.a.count)
         world = self.comm_init("world")
         # A second communicator, as data/tensor-parallel groups are: even and odd ranks.
-        half = c_p()
+        half = c_void_p()
         self.nccl("ncclCommSplit", world, r % 2, r, ctypes.byref(half), None)
-        hrank, hcount = c_i(-1), c_i(-1)
+        hrank, hcount = c_int(-1), c_int(-1)
         self.nccl("ncclCommUserRank", half, ctypes.byref(hrank))
         self.nccl("ncclCommCount", half, ctypes.byref(hcount))
         vals = [[float((q * 7 + i * 3) % 5 + 1) for i in range(cnt)] for q in range(n)]
@@ -476,7 +260,7 @@ class Rank:
         r, n, cnt = self.rank, self.n, self.a.count
         L = self.nccl
         world = self.comm_init("world")
-        solo = c_p()
+        solo = c_void_p()
         L("ncclCommSplit", world, r, 0, ctypes.byref(solo), None)
         self.allreduce(solo, 0, 1, FLOAT32, SUM, 0, cnt)
         L.sync(solo)
