@@ -52,7 +52,7 @@ def test_build_is_cached_and_atomic(tmp_path):
 def test_build_error_is_one_clear_line(tmp_path, monkeypatch):
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(build, "SOURCE", bad)
+    monkeypatch.setattr(build, "SOURCES", [bad])
     with pytest.raises(RuntimeError, match="gcc failed") as ei:
         build_library(tmp_path / "out")
     assert "\n" not in str(ei.value)

@@ -32,7 +32,8 @@ def expected_data_files() -> set[str]:
     """Repository files the package reads at run time -> their names in the wheel."""
     out = {f"exporter/_bpf/{p.name}" for p in (REPO / "bpf").iterdir() if p.suffix in (".c", ".h")}
     out |= {f"exporter/_plugin/{p.name}" for p in (REPO / "plugin").iterdir() if p.suffix in (".c", ".h")}
-    out.add("exporter/simulator/nccl_sim.c")
+    out |= {f"exporter/simulator/nccl_sim/{p.name}" for p in (REPO / "exporter/simulator/nccl_sim").iterdir()
+            if p.suffix in (".c", ".h")}
     return out
 
 

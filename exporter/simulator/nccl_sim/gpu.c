@@ -1,0 +1,589 @@
+/* gpu.c -- GPU-like mode (NCCL_SIM_GPU=1): a stream thread per communicator, NCCL's
+ * commHash, a drifting GPU timer and the profiler plugin loaded and called as
+ * NCCL does (v4..v7). Nothing here runs with NCCL_SIM_GPU unset. */
+#include "nccl_sim.h"
+
+__thread int tl_gpu_seq_valid;
+__thread uint64_t tl_gpu_seq;
+
+/* ================================================ GPU-like mode (opt-in) ==
+ * NCCL_SIM_GPU=1: a collective call only *enqueues* (host time: microseconds);
+ * each communicator has a "stream" thread that runs the enqueued work in order
+ * (the TCP data movement above happens there).  A profiler plugin named by
+ * NCCL_PROFILER_PLUGIN is loaded the way NCCL loads one (ncclProfiler_v7, v6,
+ * v5, v4; init per communicator with NCCL's commHash; finalize at destroy /
+ * abort) and gets NCCL's callbacks, with NCCL's habits.  See docs/simulator.md.
+ * With NCCL_SIM_GPU unset nothing here runs. */
+int gpu_on(void) {
+  static int v = -1;
+  if (v < 0) v = env_int("NCCL_SIM_GPU", 0) ? 1 : 0;
+  return v;
+}
+
+/* ---- NCCL's hash (src/include/bitops.h, NCCL >= 2.23; exporter/sources/nccl/hashing.py) */
+static void nh_eat(uint64_t acc[2], const void *data, size_t len) {
+  uint64_t a0 = acc[0] ^ (uint64_t)len, a1 = acc[1];
+  const uint8_t *p = data;
+  for (size_t off = 0; off < len; off += 8) {
+    a0 += a1; a1 ^= a0;
+    a0 = (a0 ^ (a0 >> 31)) * 0x9DE62BBC8CEF3CE3ull;
+    a1 = (a1 ^ (a1 >> 32)) * 0x485CD6311B599E79ull;
+    uint64_t w = 0;
+    memcpy(&w, p + off, len - off < 8 ? len - off : 8);
+    a0 += w;
+  }
+  acc[0] = a0; acc[1] = a1;
+}
+static uint64_t nh_digest(const uint64_t acc[2]) {
+  uint64_t h = (acc[0] ^ (acc[0] >> 31)) * 0xBAC3BD562846DE6Bull;
+  h += acc[1];
+  return (h ^ (h >> 32)) * 0x995A187A14E7B445ull;
+}
+uint64_t nccl_root_hash(const ncclUniqueId *id) {
+  uint64_t acc[2] = {1, 1};
+  nh_eat(acc, id->internal, NCCL_UNIQUE_ID_BYTES);
+  return nh_digest(acc);
+}
+uint64_t nccl_split_hash(uint64_t parent, uint32_t count, uint32_t color) {
+  uint64_t acc[2] = {1, 1};
+  nh_eat(acc, &parent, 8); nh_eat(acc, &count, 4); nh_eat(acc, &color, 4);
+  return nh_digest(acc);
+}
+
+/* ---- the GPU timer: %globaltimer-like, offset from CLOCK_MONOTONIC and drifting */
+static uint64_t g_t0;
+static int64_t g_timer_off;
+static double g_drift_ppm;
+static pthread_once_t g_timer_once = PTHREAD_ONCE_INIT;
+static void timer_setup(void) {
+  g_t0 = now_ns(CLOCK_MONOTONIC);
+  const char *o = getenv("NCCL_SIM_GPU_TIMER_OFFSET_NS");
+  g_timer_off = (o && *o) ? strtoll(o, NULL, 0) : 1700000000000000000ll;
+  const char *d = getenv("NCCL_SIM_GPU_DRIFT_PPM");
+  g_drift_ppm = (d && *d) ? atof(d) : 200.0;
+}
+static uint64_t gpu_timer(uint64_t mono) {
+  pthread_once(&g_timer_once, timer_setup);
+  int64_t dt = (int64_t)(mono - g_t0);
+  return (uint64_t)((int64_t)mono + g_timer_off + (int64_t)((double)dt * g_drift_ppm * 1e-6));
+}
+
+/* ---- our declarations of the profiler interface (v4 .. v7; layouts as in
+ * NCCL 2.27 .. 2.32.3, the same facts as plugin/profiler_abi.h) ---------- */
+enum { EV_GROUP = 0x1, EV_COLL = 0x2, EV_P2P = 0x4, EV_PROXY_OP = 0x8, EV_PROXY_STEP = 0x10, EV_KERNEL_CH = 0x40,
+       EV_NET_PLUGIN = 0x80, EV_GROUP_API = 0x100, EV_COLL_API = 0x200, EV_P2P_API = 0x400, EV_KERNEL_LAUNCH = 0x800 };
+enum { ST_KERNEL_CH_STOP = 22, ST_GROUP_START_API_STOP = 23, ST_GROUP_END_API_START = 24 };
+typedef struct {
+  uint64_t type;        /* v4: uint8_t at @0 (the other 7 bytes are padding) */
+  void *parentObj;      /* @8 */
+  int rank;             /* @16 */
+  union {               /* @24 */
+    struct { bool graphCaptured; int groupDepth; } groupApi;
+    struct { const char *func; size_t count; const char *datatype; int root; void *stream; bool graphCaptured;
+             uint64_t userTag; } collApi;
+    struct { const char *func; size_t count; const char *datatype; void *stream; bool graphCaptured;
+             uint64_t userTag; } p2pApi;
+    struct { void *stream; } kernelLaunch;
+    struct { uint64_t seqNumber; const char *func; const void *sendBuff; void *recvBuff; size_t count; int root;
+             const char *datatype; uint8_t nChannels; uint8_t nWarps; const char *algo; const char *proto;
+             void *parentGroup; const char *kernelVariant; bool isSymColl; uint64_t userTag; } coll; /* v4 ends at proto */
+    struct { const char *func; void *buff; const char *datatype; size_t count; int peer; uint8_t nChannels;
+             void *parentGroup; uint64_t userTag; } p2p;                                          /* v4 ends at nChannels */
+    struct { uint8_t channelId; uint64_t pTimer; } kernelCh;
+    char raw[112];
+  };
+} sim_descr_t;          /* 136 bytes = v7's size; v4 reads 104, v5/v6 112 */
+typedef union { struct { uint64_t pTimer; } kernelCh; char raw[8]; } sim_state_args_t;
+typedef void (*sim_logger_t)(int level, unsigned long flags, const char *file, int line, const char *fmt, ...);
+typedef struct {
+  const char *name;
+  void *init;
+  int (*startEvent)(void *ctx, void **handle, void *descr);
+  int (*stopEvent)(void *handle);
+  int (*recordEventState)(void *handle, int state, void *args);
+  int (*finalize)(void *ctx);
+} sim_prof_t;
+typedef int (*prof_init_v4_t)(void **, int *, const char *, uint64_t, int, int, int, sim_logger_t);
+typedef int (*prof_init_v5_t)(void **, uint64_t, int *, const char *, int, int, int, sim_logger_t);
+
+static sim_prof_t *g_prof;
+static int g_prof_ver;
+static int g_prof_mask;                 /* NCCL's one process-wide activation mask */
+static pthread_once_t g_prof_once = PTHREAD_ONCE_INIT;
+static long long g_prof_starts, g_prof_nulls, g_prof_purged_kch, g_prof_purged_ops;
+
+static void sim_logger(int level, unsigned long flags, const char *file, int line, const char *fmt, ...) {
+  (void)flags; (void)file; (void)line;
+  const char *dbg = getenv("NCCL_DEBUG");
+  if (level > 2 && !(dbg && (!strcasecmp(dbg, "INFO") || !strcasecmp(dbg, "TRACE")))) return;
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "NCCL %s %s\n", level <= 2 ? "WARN" : "INFO", buf);
+}
+
+static void prof_load(void) {
+  const char *p = getenv("NCCL_PROFILER_PLUGIN");
+  if (!gpu_on() || !p || !*p) return;
+  void *dl = dlopen(p, RTLD_NOW | RTLD_LOCAL);
+  if (!dl) { sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: Could not find: %s (%s)", p, dlerror()); return; }
+  int maxv = env_int("NCCL_SIM_GPU_PROFILER_VERSION", 7);
+  for (int v = 7; v >= 4; v--) {      /* newest first, as NCCL does */
+    if (v > maxv) continue;
+    char sym[32];
+    snprintf(sym, sizeof sym, "ncclProfiler_v%d", v);
+    sim_prof_t *t = dlsym(dl, sym);
+    if (t) { g_prof = t; g_prof_ver = v; break; }
+  }
+  if (g_prof) sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: Loaded %s (v%d)", g_prof->name ? g_prof->name : "?", g_prof_ver);
+  else sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: %s has no ncclProfiler_v4..v%d", p, maxv);
+}
+
+/* NCCL's gating: is an event of type t started, given the mask? */
+static int prof_gated(uint64_t t) {
+  const int net = EV_PROXY_OP | EV_PROXY_STEP | EV_KERNEL_CH | EV_NET_PLUGIN;
+  int m = __atomic_load_n(&g_prof_mask, __ATOMIC_RELAXED);
+  switch (t) {
+    case EV_GROUP_API: return (m & (EV_GROUP_API | EV_P2P_API | EV_COLL_API | EV_KERNEL_LAUNCH | EV_GROUP | EV_COLL | EV_P2P | net)) != 0;
+    case EV_COLL_API: return (m & (EV_COLL_API | EV_COLL | net)) != 0;
+    case EV_P2P_API: return (m & (EV_P2P_API | EV_P2P | net)) != 0;
+    case EV_GROUP: return (m & (EV_GROUP | EV_COLL | EV_P2P | net)) != 0;
+    case EV_COLL: return (m & (EV_COLL | net)) != 0;
+    case EV_P2P: return (m & (EV_P2P | net)) != 0;
+    default: return (m & (int)t) != 0;
+  }
+}
+
+/* v4/v5 descriptors are not zeroed by NCCL: garbage in what the event type does not set. */
+static void d_init(sim_descr_t *d, uint64_t type, void *parent, int rank) {
+  memset(d, g_prof_ver <= 5 ? 0xA5 : 0, sizeof *d);
+  if (g_prof_ver == 4) *(uint8_t *)d = (uint8_t)type; else d->type = type;
+  d->parentObj = parent; d->rank = rank;
+}
+static uint64_t d_type(const sim_descr_t *d) { return g_prof_ver == 4 ? *(const uint8_t *)d : d->type; }
+
+static void *p_start(ncclComm_t c, sim_descr_t *d) {
+  uint64_t t = d_type(d);
+  if (!g_prof || !c->prof_inited || !prof_gated(t)) return NULL;
+  if (g_prof_ver == 4 && (t & (EV_GROUP_API | EV_COLL_API | EV_P2P_API | EV_KERNEL_LAUNCH))) return NULL;
+  void *h = (void *)0xdeadbeef; /* NCCL's slot may hold a stale value: the plugin must write it */
+  __atomic_fetch_add(&g_prof_starts, 1, __ATOMIC_RELAXED);
+  g_prof->startEvent(c->prof_ctx, &h, d);
+  if (!h) __atomic_fetch_add(&g_prof_nulls, 1, __ATOMIC_RELAXED);
+  return h;                     /* NULL: NCCL makes no further call for this event */
+}
+static void p_stop(void *h) { if (g_prof && h) g_prof->stopEvent(h); }
+static void p_record(void *h, int st, uint64_t ptimer, int null_args) {
+  if (!g_prof || !h) return;
+  sim_state_args_t a;
+  memset(&a, g_prof_ver <= 5 ? 0xA5 : 0, sizeof a);
+  a.kernelCh.pTimer = ptimer;
+  g_prof->recordEventState(h, st, null_args ? NULL : &a);
+}
+
+static void gpu_truth_simple(const char *fn, const char *op, ncclComm_t c, const char *extra) {
+  uint64_t m = now_ns(CLOCK_MONOTONIC), r = now_ns(CLOCK_REALTIME);
+  rec_t rec = {fn, op, (uint64_t)(uintptr_t)c, c ? c->rank : -1, c ? c->nranks : -1, 0, -1, -1, -1, -1, 0,
+               m, m, r, r, 0, extra};
+  truth_write(&rec);
+}
+
+/* Called once a communicator exists (init, split): profiler init with its identity. */
+void gpu_comm_ready(ncclComm_t c) {
+  if (!gpu_on() || !c) return;
+  if (!c->p2p_seq) c->p2p_seq = calloc(2 * (size_t)c->nranks, sizeof(uint64_t));
+  pthread_once(&g_prof_once, prof_load);
+  char extra[160];
+  snprintf(extra, sizeof extra, ",\"comm_hash\":\"%016llx\"", (unsigned long long)c->nccl_hash);
+  gpu_truth_simple("gpuCommReady", "GPU_COMM_READY", c, extra);
+  if (!g_prof) return;
+  int r;
+  int nnodes = env_int("NCCL_SIM_GPU_NNODES", c->nranks);
+  if (g_prof_ver == 4) r = ((prof_init_v4_t)g_prof->init)(&c->prof_ctx, &g_prof_mask, NULL, c->nccl_hash, nnodes, c->nranks, c->rank, sim_logger);
+  else r = ((prof_init_v5_t)g_prof->init)(&c->prof_ctx, c->nccl_hash, &g_prof_mask, NULL, nnodes, c->nranks, c->rank, sim_logger);
+  if (r != 0) { sim_logger(2, 0, __FILE__, __LINE__, "PROFILER/Plugin: init failed (%d)", r); return; }
+  c->prof_inited = 1;
+  snprintf(extra, sizeof extra, ",\"comm_hash\":\"%016llx\",\"iface\":%d,\"mask\":%d", (unsigned long long)c->nccl_hash,
+           g_prof_ver, __atomic_load_n(&g_prof_mask, __ATOMIC_RELAXED));
+  gpu_truth_simple("profilerInit", "PROFILER_INIT", c, extra);
+}
+
+/* ---- streams ----------------------------------------------------------- */
+typedef struct gpu_op {
+  collargs_t a;
+  void *h;                 /* the Coll / P2p handle (NULL: no KernelCh events) */
+  int nch;
+} gpu_op_t;
+typedef struct gpu_work {
+  struct gpu_work *next;
+  int n;
+  gpu_op_t ops[];
+} gpu_work_t;
+typedef struct sim_stream {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  pthread_t th;
+  ncclComm_t comm;
+  gpu_work_t *head, *tail;
+  int qlen, busy, stop, abort, stalled;
+  uint64_t ran;            /* works run */
+} sim_stream_t;
+
+static const char *func_name(int kind) {
+  switch (kind) {
+    case K_ALLREDUCE: return "AllReduce"; case K_ALLGATHER: return "AllGather";
+    case K_REDUCESCATTER: return "ReduceScatter"; case K_BROADCAST: return "Broadcast";
+    case K_REDUCE: return "Reduce"; case K_SEND: return "Send"; case K_RECV: return "Recv";
+    case K_ALLTOALL: return "AlltoAll"; case K_GATHER: return "Gather"; case K_SCATTER: return "Scatter";
+  }
+  return "Unknown";
+}
+static const char *op_name_of(int kind) {
+  switch (kind) {
+    case K_ALLREDUCE: return "ALL_REDUCE"; case K_ALLGATHER: return "ALL_GATHER";
+    case K_REDUCESCATTER: return "REDUCE_SCATTER"; case K_BROADCAST: return "BROADCAST";
+    case K_REDUCE: return "REDUCE"; case K_SEND: return "SEND"; case K_RECV: return "RECV";
+    case K_ALLTOALL: return "ALL_TO_ALL"; case K_GATHER: return "GATHER"; case K_SCATTER: return "SCATTER";
+  }
+  return "?";
+}
+static const char *dt_name(int dt) {
+  static const char *n[] = {"ncclInt8", "ncclUint8", "ncclInt32", "ncclUint32", "ncclInt64", "ncclUint64",
+                            "ncclFloat16", "ncclFloat32", "ncclFloat64", "ncclBfloat16", "ncclFloat8e4m3", "ncclFloat8e5m2"};
+  return (dt >= 0 && dt < 12) ? n[dt] : "Unknown";
+}
+static int is_p2p(int kind) { return kind == K_SEND || kind == K_RECV; }
+
+/* seq (coll: per comm and kind; p2p: per comm, peer and direction) and enqueue time, at the call */
+void gpu_assign(collargs_t *a) {
+  ncclComm_t c = a->comm;
+  if (is_p2p(a->kind)) a->seq = c->p2p_seq ? c->p2p_seq[2 * a->peer + (a->kind == K_RECV)]++ : 0;
+  else a->seq = c->coll_seq[a->kind & 15]++;
+  a->enq_mono = now_ns(CLOCK_MONOTONIC);
+  tl_gpu_seq = a->seq;
+  tl_gpu_seq_valid = 1;
+}
+
+static void gpu_truth(ncclComm_t c, const gpu_op_t *o, uint64_t ts, uint64_t te, int late, const char *state, int nstarted) {
+  char extra[640];
+  snprintf(extra, sizeof extra,
+           ",\"coll_fn\":\"%s\",\"coll_op\":\"%s\",\"seq\":%llu,\"comm_hash\":\"%016llx\",\"enqueue_mono_ns\":%llu,"
+           "\"gpu_start_mono_ns\":%llu,\"gpu_stop_mono_ns\":%llu,\"gpu_start_timer\":%llu,\"gpu_stop_timer\":%llu,"
+           "\"nchannels\":%d,\"kernelch_started\":%d,\"late\":%d,\"profiled\":%d,\"state\":\"%s\"",
+           func_name(o->a.kind), op_name_of(o->a.kind), (unsigned long long)o->a.seq, (unsigned long long)c->nccl_hash,
+           (unsigned long long)o->a.enq_mono, (unsigned long long)ts, (unsigned long long)te,
+           (unsigned long long)(ts ? gpu_timer(ts) : 0), (unsigned long long)(te ? gpu_timer(te) : 0), o->nch, nstarted,
+           late, o->h != NULL, state);
+  int64_t off = (int64_t)now_ns(CLOCK_REALTIME) - (int64_t)now_ns(CLOCK_MONOTONIC); /* wall time of the GPU interval */
+  rec_t rec = {"gpuKernel", "GPU_KERNEL", (uint64_t)(uintptr_t)c, c->rank, c->nranks, o->a.count, o->a.dt, o->a.op,
+               o->a.root, o->a.peer, 0, ts, te, ts ? (uint64_t)((int64_t)ts + off) : 0, te ? (uint64_t)((int64_t)te + off) : 0,
+               0, extra};
+  truth_write(&rec);
+}
+
+static void kch_start(ncclComm_t c, gpu_op_t *o, void **kh, uint64_t ts) {
+  for (int ch = 0; ch < o->nch; ch++) {
+    kh[ch] = NULL;
+    if (!o->h) continue;
+    sim_descr_t d;
+    d_init(&d, EV_KERNEL_CH, o->h, 0);     /* NCCL does not set rank for KernelCh */
+    d.kernelCh.channelId = (uint8_t)ch;
+    d.kernelCh.pTimer = gpu_timer(ts + (uint64_t)ch * 300);
+    kh[ch] = p_start(c, &d);
+  }
+}
+static void kch_stop(gpu_op_t *o, void **kh, uint64_t te) {
+  for (int ch = o->nch - 1; ch >= 0; ch--) {
+    p_record(kh[ch], ST_KERNEL_CH_STOP, gpu_timer(te - (uint64_t)ch * 200), 0);
+    p_stop(kh[ch]);
+  }
+}
+
+/* Run ops[0..n) as one "kernel" (a collective, or a batch of p2p ops run together). */
+static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
+  ncclComm_t c = s->comm;
+  int nch = 0;
+  for (int i = 0; i < n; i++) nch += ops[i].nch;
+  void **kh = calloc((size_t)(nch ? nch : 1), sizeof(void *));
+  int late_every = env_int("NCCL_SIM_GPU_LATE_EVERY", 5);
+  int late = late_every > 0 && (c->ncoll++ % (uint64_t)late_every) == (uint64_t)(late_every - 1);
+  uint64_t ts = now_ns(CLOCK_MONOTONIC);
+  if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, ts);
+  ncclResult_t res;
+  if (n == 1 && !is_p2p(ops[0].a.kind)) res = exec_coll(&ops[0].a);
+  else {
+    p2p_t *p = malloc(sizeof(p2p_t) * (size_t)n);
+    for (int i = 0; i < n; i++) {
+      collargs_t *a = &ops[i].a;
+      p[i] = (p2p_t){a->peer, a->kind == K_SEND, a->kind == K_SEND ? (char *)a->sb : (char *)a->rb, a->count * dt_size(a->dt), 0};
+    }
+    res = p ? run_p2p(c, p, n) : ncclSystemError;
+    free(p);
+  }
+  /* the kernel's own time beyond the data movement, and room for the channels' timer spread */
+  uint64_t min_ns = (uint64_t)env_int("NCCL_SIM_GPU_KERNEL_US", 0) * 1000ull;
+  uint64_t spread = (uint64_t)nch * 500 + 1000;
+  if (min_ns < spread) min_ns = spread;
+  for (;;) {   /* sleep most of it (a spinning "GPU" would starve the host threads of small machines) */
+    uint64_t el = now_ns(CLOCK_MONOTONIC) - ts;
+    if (el >= min_ns) break;
+    if (min_ns - el > 200000) { struct timespec sl = {0, (long)(min_ns - el - 100000)}; nanosleep(&sl, NULL); }
+  }
+  uint64_t te = now_ns(CLOCK_MONOTONIC);
+  pthread_mutex_lock(&s->mu);
+  int aborted = s->abort;
+  pthread_mutex_unlock(&s->mu);
+  if (res != ncclSuccess && !aborted && c->async_err == ncclSuccess) c->async_err = res;
+  if (aborted || res != ncclSuccess) {
+    /* abort purges pending KernelCh work: no stopEvent.  A kernel whose peers
+     * failed never ends on a GPU either: no stopEvent, the communicator carries
+     * the async error, and its abort/destroy finalizes the plugin. */
+    for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) {
+      int started = 0;
+      for (int ch = 0; ch < ops[i].nch; ch++) if (kh[k + ch]) { started++; __atomic_fetch_add(&g_prof_purged_kch, 1, __ATOMIC_RELAXED); }
+      __atomic_fetch_add(&g_prof_purged_ops, 1, __ATOMIC_RELAXED);
+      gpu_truth(c, &ops[i], ts, 0, late, aborted ? "purged" : "error", started);
+    }
+    free(kh);
+    return;
+  }
+  if (late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, ts);
+  for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) {
+    kch_stop(&ops[i], kh + k, te);
+    gpu_truth(c, &ops[i], ts, te, late, "done", ops[i].h ? ops[i].nch : 0);
+  }
+  free(kh);
+}
+
+static int stall_rank_of(ncclComm_t c) {
+  const char *r = getenv("RANK");
+  return (r && *r) ? atoi(r) : c->rank;
+}
+
+static void *stream_main(void *arg) {
+  sim_stream_t *s = arg;
+  char name[16];
+  snprintf(name, sizeof name, "NCCL Stream %d", s->comm->rank);
+  pthread_setname_np(pthread_self(), name);
+  int stall_rank = env_int("NCCL_SIM_GPU_STALL_RANK", -1);
+  int stall_after = env_int("NCCL_SIM_GPU_STALL_AFTER", 0);
+  int me = stall_rank_of(s->comm);
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    while ((!s->head || s->stalled) && !s->stop && !s->abort) pthread_cond_wait(&s->cv, &s->mu);
+    if (s->abort || (s->stop && !s->head)) break;
+    if (stall_rank >= 0 && me == stall_rank && s->ran >= (uint64_t)stall_after) {
+      s->stalled = 1;       /* a GPU-side hang: nothing runs any more; the host keeps enqueuing */
+      pthread_mutex_unlock(&s->mu);
+      char extra[64];
+      snprintf(extra, sizeof extra, ",\"after\":%d", stall_after);
+      gpu_truth_simple("gpuStall", "GPU_STALL", s->comm, extra);
+      pthread_mutex_lock(&s->mu);
+      continue;
+    }
+    gpu_work_t *w = s->head;
+    s->head = w->next;
+    if (!s->head) s->tail = NULL;
+    s->qlen--;
+    s->busy = 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    int err = s->comm->async_err != ncclSuccess;
+    /* collectives in call order, then the p2p ops together (as the blocking mode does) */
+    int np = 0;
+    for (int i = 0; i < w->n; i++) {
+      if (is_p2p(w->ops[i].a.kind)) { np++; continue; }
+      if (err) { gpu_truth(s->comm, &w->ops[i], 0, 0, 0, "skipped", 0); continue; }
+      run_kernel(s, &w->ops[i], 1);
+    }
+    if (np) {
+      gpu_op_t *p = malloc(sizeof(gpu_op_t) * (size_t)np);
+      int k = 0;
+      for (int i = 0; i < w->n; i++) if (is_p2p(w->ops[i].a.kind)) p[k++] = w->ops[i];
+      if (s->comm->async_err == ncclSuccess) run_kernel(s, p, np);
+      else for (int i = 0; i < np; i++) gpu_truth(s->comm, &p[i], 0, 0, 0, "skipped", 0);
+      free(p);
+    }
+    free(w);
+    pthread_mutex_lock(&s->mu);
+    s->busy = 0;
+    s->ran++;
+    pthread_cond_broadcast(&s->cv);
+  }
+  /* abort: queued work is dropped (its Coll/P2p got no KernelCh) */
+  while (s->head) {
+    gpu_work_t *w = s->head;
+    s->head = w->next;
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < w->n; i++) {
+      __atomic_fetch_add(&g_prof_purged_ops, 1, __ATOMIC_RELAXED);
+      gpu_truth(s->comm, &w->ops[i], 0, 0, 0, "purged", 0);
+    }
+    free(w);
+    pthread_mutex_lock(&s->mu);
+  }
+  s->tail = NULL; s->qlen = 0;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+static pthread_mutex_t g_stream_mu = PTHREAD_MUTEX_INITIALIZER;
+static sim_stream_t *stream_of(ncclComm_t c) {
+  pthread_mutex_lock(&g_stream_mu);
+  sim_stream_t *s = c->stream;
+  if (!s) {
+    s = calloc(1, sizeof *s);
+    if (s) {
+      pthread_mutex_init(&s->mu, NULL);
+      pthread_cond_init(&s->cv, NULL);
+      s->comm = c;
+      if (pthread_create(&s->th, NULL, stream_main, s) != 0) { free(s); s = NULL; }
+      else c->stream = s;
+    }
+  }
+  pthread_mutex_unlock(&g_stream_mu);
+  return s;
+}
+
+/* Profiler callbacks of one group's ops on one communicator, NCCL's order:
+ * GroupApi, its API children (stopped at once), KernelLaunch, Group, then each
+ * Coll / P2p started and stopped ("enqueued", not done) -- every parent is
+ * stopped before its KernelCh children start on the stream thread. */
+static void prof_enqueue(ncclComm_t c, gpu_op_t *ops, int n) {
+  if (!g_prof || !c->prof_inited || c->nranks == 1) return;   /* nranks = 1: NCCL gives no events */
+  int v7 = g_prof_ver >= 7;
+  sim_descr_t d;
+  d_init(&d, EV_GROUP_API, NULL, 0);
+  d.groupApi.graphCaptured = false; d.groupApi.groupDepth = 1;
+  void *gapi = p_start(c, &d);
+  p_record(gapi, ST_GROUP_START_API_STOP, 0, v7);
+  void **api = calloc((size_t)n, sizeof(void *));
+  for (int i = 0; i < n; i++) {
+    collargs_t *a = &ops[i].a;
+    if (is_p2p(a->kind)) {
+      d_init(&d, EV_P2P_API, gapi, 0);
+      d.p2pApi.func = func_name(a->kind); d.p2pApi.count = a->count; d.p2pApi.datatype = dt_name(a->dt);
+      d.p2pApi.stream = NULL; d.p2pApi.graphCaptured = false; if (v7) d.p2pApi.userTag = 0;
+    } else {
+      d_init(&d, EV_COLL_API, gapi, 0);
+      d.collApi.func = func_name(a->kind); d.collApi.count = a->count; d.collApi.datatype = dt_name(a->dt);
+      d.collApi.root = a->root; d.collApi.stream = NULL; d.collApi.graphCaptured = false; if (v7) d.collApi.userTag = 0;
+    }
+    void *h = p_start(c, &d);
+    if (api) api[i] = h;
+    p_stop(h);                 /* the API parent stops before its Coll starts */
+  }
+  p_record(gapi, ST_GROUP_END_API_START, 0, v7);
+  d_init(&d, EV_KERNEL_LAUNCH, gapi, 0);
+  d.kernelLaunch.stream = NULL;
+  p_stop(p_start(c, &d));
+  d_init(&d, EV_GROUP, NULL, 0);
+  void *grp = p_start(c, &d);
+  int nch = env_int("NCCL_SIM_GPU_CHANNELS", 2);
+  if (nch < 1) nch = 1;
+  if (nch > 32) nch = 32;
+  for (int i = 0; i < n; i++) {
+    collargs_t *a = &ops[i].a;
+    void *parent = g_prof_ver == 4 ? grp : (api ? api[i] : NULL);
+    ops[i].nch = nch;
+    if (is_p2p(a->kind)) {
+      d_init(&d, EV_P2P, parent, c->rank);
+      d.p2p.func = func_name(a->kind); d.p2p.buff = a->kind == K_SEND ? (void *)a->sb : a->rb;
+      d.p2p.datatype = dt_name(a->dt); d.p2p.count = a->count; d.p2p.peer = a->peer; d.p2p.nChannels = (uint8_t)nch;
+      if (g_prof_ver >= 5) d.p2p.parentGroup = grp;
+      if (v7) d.p2p.userTag = 0;
+    } else {
+      d_init(&d, EV_COLL, parent, c->rank);
+      d.coll.seqNumber = a->seq; d.coll.func = func_name(a->kind); d.coll.sendBuff = a->sb; d.coll.recvBuff = a->rb;
+      d.coll.count = a->count; d.coll.root = a->root; d.coll.datatype = dt_name(a->dt); d.coll.nChannels = (uint8_t)nch;
+      d.coll.nWarps = 16; d.coll.algo = "RING"; d.coll.proto = "SIMPLE";
+      if (g_prof_ver >= 5) d.coll.parentGroup = grp;
+      if (v7) { d.coll.kernelVariant = "default"; d.coll.isSymColl = false; d.coll.userTag = 0; }
+    }
+    ops[i].h = p_start(c, &d);
+    p_stop(ops[i].h);          /* "enqueued", not done */
+  }
+  p_stop(grp);
+  p_stop(gapi);
+  free(api);
+}
+
+ncclResult_t gpu_enqueue(collargs_t *q, int qn) {
+  int qmax = env_int("NCCL_SIM_GPU_QUEUE", 1024);
+  for (int i = 0; i < qn; i++) {
+    ncclComm_t c = q[i].comm;
+    int seen = 0;
+    for (int j = 0; j < i; j++) if (q[j].comm == c) { seen = 1; break; }
+    if (seen) continue;
+    int n = 0;
+    for (int j = i; j < qn; j++) if (q[j].comm == c) n++;
+    gpu_work_t *w = calloc(1, sizeof(gpu_work_t) + sizeof(gpu_op_t) * (size_t)n);
+    if (!w) return ncclSystemError;
+    w->n = n;
+    for (int j = i, k = 0; j < qn; j++) if (q[j].comm == c) { w->ops[k].a = q[j]; w->ops[k].nch = env_int("NCCL_SIM_GPU_CHANNELS", 2); k++; }
+    sim_stream_t *s = stream_of(c);
+    if (!s) { free(w); return ncclSystemError; }
+    prof_enqueue(c, w->ops, n);
+    pthread_mutex_lock(&s->mu);
+    while (s->qlen >= qmax && !s->abort) pthread_cond_wait(&s->cv, &s->mu);  /* a full launch queue blocks the host */
+    if (s->abort) { pthread_mutex_unlock(&s->mu); free(w); return ncclInvalidUsage; }
+    if (s->tail) s->tail->next = w; else s->head = w;
+    s->tail = w;
+    s->qlen++;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+  }
+  return ncclSuccess;
+}
+
+/* Wait until the communicator's stream has run everything enqueued (cudaStreamSynchronize). */
+ncclResult_t gpu_drain(ncclComm_t c) {
+  if (!gpu_on() || !c || !c->stream) return ncclSuccess;
+  sim_stream_t *s = c->stream;
+  pthread_mutex_lock(&s->mu);
+  while ((s->head || s->busy) && !s->abort) pthread_cond_wait(&s->cv, &s->mu);
+  pthread_mutex_unlock(&s->mu);
+  return c->async_err;
+}
+
+/* The simulator's stand-in for cudaStreamSynchronize on the stream the
+ * communicator's work went to.  Not an NCCL function. */
+EXPORT ncclResult_t simStreamSynchronize(ncclComm_t comm) {
+  if (!comm_ok(comm)) return ncclInvalidArgument;
+  return gpu_drain(comm);
+}
+
+/* Destroy (abort = 0: the stream is drained first) or abort (abort = 1: pending
+ * work purged; KernelCh events already started get no stopEvent), then the
+ * plugin's finalize. */
+void gpu_comm_teardown(ncclComm_t c, int abort) {
+  if (!c) return;
+  sim_stream_t *s = c->stream;
+  if (s) {
+    if (!abort) gpu_drain(c);
+    pthread_mutex_lock(&s->mu);
+    if (abort) s->abort = 1; else s->stop = 1;
+    pthread_cond_broadcast(&s->cv);
+    int busy = s->busy;
+    pthread_mutex_unlock(&s->mu);
+    if (abort && busy && c->fds)       /* wake a kernel blocked on its peers */
+      for (int i = 0; i < c->nranks; i++) if (c->fds[i] >= 0) shutdown(c->fds[i], SHUT_RDWR);
+    pthread_join(s->th, NULL);
+    c->stream = NULL;
+    pthread_cond_destroy(&s->cv); pthread_mutex_destroy(&s->mu); free(s);
+  }
+  if (c->prof_inited) {
+    c->prof_inited = 0;
+    char extra[256];
+    snprintf(extra, sizeof extra, ",\"comm_hash\":\"%016llx\",\"abort\":%d,\"starts\":%lld,\"null_handles\":%lld,"
+             "\"purged_kernelch\":%lld,\"purged_ops\":%lld", (unsigned long long)c->nccl_hash, abort,
+             __atomic_load_n(&g_prof_starts, __ATOMIC_RELAXED), __atomic_load_n(&g_prof_nulls, __ATOMIC_RELAXED),
+             __atomic_load_n(&g_prof_purged_kch, __ATOMIC_RELAXED), __atomic_load_n(&g_prof_purged_ops, __ATOMIC_RELAXED));
+    g_prof->finalize(c->prof_ctx);
+    c->prof_ctx = NULL;
+    gpu_truth_simple("profilerFinalize", "PROFILER_FINALIZE", c, extra);
+  }
+}
