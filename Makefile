@@ -10,7 +10,7 @@ NCCL_WHEEL := nvidia-nccl-cu12==2.32.3
 
 MAKEFLAGS  += --no-print-directory
 
-.PHONY: deps venv nccl-wheel demo test check clean plugin
+.PHONY: deps venv nccl-wheel demo test test-quick check clean plugin
 
 ## deps: Debian packages, kernel-header links, tracefs (scripts/setup-system.sh)
 deps:
@@ -55,9 +55,17 @@ demo: deps venv
 plugin: venv
 	@$(PY) -m exporter.sources.plugin.build >/dev/null
 
-## test: everything needed, then the whole suite
+## test: everything needed, then the whole suite (what CI runs; ~16 min here)
 test: deps venv nccl-wheel plugin
 	$(PY) -m pytest -v tests/
+
+# The kinds of test conftest marks from the fixtures they use (tests/conftest.py).
+HEAVY_MARKS := bpf or netns or real_nccl or prometheus or slow or require_root
+
+## test-quick: pure logic, fake /proc, golden exposition: no root, BPF, netns
+## or Prometheus (under 2 min); `make test` before you push
+test-quick: venv
+	$(PY) -m pytest -q -m "not ($(HEAVY_MARKS))" tests/
 
 ## check: preflight checks of this host
 check: venv

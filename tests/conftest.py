@@ -9,18 +9,41 @@ Paths
     CLI             argv prefix that runs the real `nccl-exporter` CLI of this venv
     REAL_NCCL_LIB   the NCCL wheel's libnccl.so.2 (`make nccl-wheel`), or None
 
-Guards (call at the top of a test; they pytest.skip with a reason)
+Markers, applied here from the fixtures a test uses (nobody adds them by hand)
+    bpf          the test loads BPF programs: fixture `bpf` (and `probes`,
+                 `tcp`, `sched`, `launch_exporter`, which use it)
+    netns        it builds network namespaces: fixture `netns`
+    real_nccl    it maps the NCCL wheel's libnccl: fixture `real_nccl`
+    prometheus   it runs Prometheus/Alertmanager/promtool: fixture `prometheus`
+    slow         minutes of work (soak, wheel install): `pytestmark = pytest.mark.slow`
+    require_root bpf and netns imply it; skips the test when not root
+  A test marked by hand (pytest.mark.bpf etc.) gets the fixture, so it is the
+  same thing either way. `make test-quick` runs what has none of these.
+
+The heavy lock
+    bpf, netns, real_nccl and prometheus tests take /tmp/nccl-heavy.lock (one
+    module at a time) so that developers sharing a machine do not load each
+    other's agents and CPUs; see `heavy_lock` for running the suite under
+    `flock /tmp/nccl-heavy.lock` yourself (no deadlock) and NCCL_HEAVY_LOCK.
+
+Guards (call at the top of a test or fixture; they pytest.skip with a reason)
     require_root()
     require_real_nccl() -> str        path of the wheel's libnccl.so.2
+
+Fixtures
+    simulator_lib    the simulator's libnccl.so.2, built once per session
+    launch_exporter  running_exporter, for a test (marks it bpf)
 
 Processes
     free_port(host="127.0.0.1") -> int
     run_cli(*args, prefix=(), timeout=60, env=None) -> subprocess.CompletedProcess
-    running_exporter(*args, ...)  context manager: `nccl-exporter run` in the
-        background, ready to scrape; yields an Exporter (.scrape() -> text,
-        .samples(), .output()); SIGTERM on exit.
-    ExporterProcess(nccl_libs=..., extra_args=...)  the same as a class whose
-        .scrape() returns parsed families (the e2e tests' form);
+    running_exporter(*args, ...)  the one exporter launcher: `nccl-exporter run`
+        in the background, ready to scrape (or as `ready(exporter)` says);
+        yields an Exporter (.scrape() -> text, .samples(), .families(),
+        .output()); SIGTERM on exit.
+    ExporterProcess(nccl_libs=..., extra_args=...)  the same launcher with
+        the e2e tests' options (--node, --log-level info) and form
+        (.scrape() -> parsed families, .text());
         series_by_labels(families, name) -> per-bucket counts of a histogram.
 
 Prometheus text
@@ -47,7 +70,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -83,15 +105,158 @@ def _find_real_nccl() -> str | None:
 REAL_NCCL_LIB: str | None = _find_real_nccl()
 
 
+ROOT_REASON = "needs root (loads BPF programs, builds network namespaces or changes users)"
+
+
 def require_root() -> None:
     if os.geteuid() != 0:
-        pytest.skip("needs root (loads BPF programs / changes users or mounts)")
+        pytest.skip(ROOT_REASON)
 
 
 def require_real_nccl() -> str:
     if REAL_NCCL_LIB is None:
         pytest.skip("the NCCL wheel's libnccl.so.2 is not installed in this venv (make nccl-wheel)")
     return REAL_NCCL_LIB
+
+
+# --- markers, from the fixtures a test uses ------------------------------------------
+
+# What each kind of test needs, by the fixture that provides it (and that a
+# test, or a fixture it uses, asks for). bpf and netns need root.
+KINDS = {
+    "bpf": "loads BPF programs into the running kernel (root; takes the heavy lock)",
+    "netns": "builds network namespaces (root; takes the heavy lock)",
+    "real_nccl": "maps the NCCL wheel's libnccl.so.2 (make nccl-wheel; takes the heavy lock)",
+    "prometheus": "runs Prometheus, Alertmanager or promtool (Debian packages; takes the heavy lock)",
+}
+NEEDS_ROOT = {"bpf", "netns"}
+
+
+def pytest_configure(config):
+    for name, what in KINDS.items():
+        config.addinivalue_line("markers", f"{name}: {what}; applied from the fixture `{name}`")
+    config.addinivalue_line("markers", "slow: minutes of work (soak, wheel install); not in make test-quick")
+    config.addinivalue_line("markers", "require_root: skipped unless root (bpf and netns imply it)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's markers from the fixtures it uses, directly or through other
+    fixtures; a kind marked by hand gets its fixture, so the two are one."""
+    for item in items:
+        names = getattr(item, "fixturenames", None)
+        if names is None:
+            continue
+        for kind in KINDS:
+            if kind in names and item.get_closest_marker(kind) is None:
+                item.add_marker(kind)
+            elif item.get_closest_marker(kind) is not None and kind not in names:
+                names.insert(0, kind)  # the fixture: its lock, its skip
+        if any(item.get_closest_marker(k) for k in NEEDS_ROOT) and not item.get_closest_marker("require_root"):
+            item.add_marker("require_root")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("require_root") is not None:
+        require_root()
+
+
+HEAVY_LOCK = "/tmp/nccl-heavy.lock"
+
+
+def _lock_holders(path: str) -> set[int]:
+    """Pids holding a flock(2) lock on `path` (/proc/locks; waiters left out)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    holders = set()
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == want:
+            holders.add(int(fields[4]))
+    return holders
+
+
+def _ancestors() -> set[int]:
+    out, pid = set(), os.getpid()
+    while pid > 1:
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def heavy_lock():
+    """/tmp/nccl-heavy.lock, exclusively, for the rest of the module: developers
+    sharing a machine run one heavy module at a time (BPF agents are node-wide
+    and see each other's jobs; two CPUs do not time two jobs well).
+
+    No deadlock when the suite itself runs under `flock /tmp/nccl-heavy.lock
+    make test` (or any ancestor holds it, as .ci/run may): a lock held by a
+    process this one descends from is ours already, and is not taken again
+    (flock(2) from a new open() would wait for it forever). NCCL_HEAVY_LOCK=held
+    says the same explicitly; NCCL_HEAVY_LOCK=off takes no lock."""
+    mode = os.environ.get("NCCL_HEAVY_LOCK", "")
+    if mode in ("held", "off") or _lock_holders(HEAVY_LOCK) & _ancestors():
+        yield
+        return
+    import fcntl
+
+    fd = os.open(HEAVY_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.stderr.write(f"\n[waiting for {HEAVY_LOCK}, held by pid "
+                             f"{','.join(map(str, sorted(_lock_holders(HEAVY_LOCK)))) or '?'}]\n")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases it
+
+
+@pytest.fixture(scope="module")
+def bpf(heavy_lock):
+    """This module loads BPF programs: root, and the heavy lock."""
+    require_root()
+
+
+@pytest.fixture(scope="module")
+def netns(heavy_lock):
+    """This module builds network namespaces (exporter/simulator/cluster.py): root, the heavy lock."""
+    require_root()
+
+
+@pytest.fixture(scope="module")
+def real_nccl(heavy_lock) -> str:
+    """The NCCL wheel's libnccl.so.2 (a process that maps it is traced by every agent)."""
+    return require_real_nccl()
+
+
+@pytest.fixture(scope="module")
+def prometheus(heavy_lock):
+    """Prometheus and friends run here: the heavy lock (they are skipped where not installed)."""
+
+
+@pytest.fixture(scope="session")
+def simulator_lib() -> Path:
+    """The simulator's libnccl.so.2 (exporter/simulator/build.py), built once a session."""
+    from exporter.simulator.build import build_library
+
+    return build_library()
+
+
+@pytest.fixture
+def launch_exporter(bpf):
+    """running_exporter, for a test: `with launch_exporter("--node", "t") as e: ...`."""
+    return running_exporter
 
 
 # --- processes -------------------------------------------------------------------
@@ -112,13 +277,67 @@ def run_cli(*args: str, prefix=(), timeout: float = 60, env: dict | None = None
     )
 
 
-@dataclass
 class Exporter:
-    port: int
-    url: str
-    proc: subprocess.Popen
-    log_path: str
-    _final_output: str | None = None
+    """`nccl-exporter run --listen 127.0.0.1:PORT ARGS` in the background: the
+    one way the tests launch the exporter (running_exporter, ExporterProcess,
+    test_http's served page). Entering waits until it is ready: `ready(self)`
+    returns true, by default when /metrics shows the collector's build_info
+    (the HTTP server starts before the probes are loaded: an empty page is not
+    ready yet). Leaving sends `stop_signal` and keeps the log for .output()."""
+
+    def __init__(self, *args: str, port: int | None = None, env: dict | None = None,
+                 start_timeout: float = 60, stop_timeout: float = 120, ready=None,
+                 stop_signal: int = signal.SIGTERM):
+        self.port = port or free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = self.base + "/metrics"
+        self.argv = [*CLI, "run", "--listen", f"127.0.0.1:{self.port}", *map(str, args)]
+        self.env, self.start_timeout, self.stop_timeout = env, start_timeout, stop_timeout
+        self.ready = ready or (lambda e: READY_METRIC in Exporter.scrape(e, timeout=2))
+        self.stop_signal = stop_signal
+        self.proc: subprocess.Popen | None = None
+        self.log_path = ""
+        self._final_output: str | None = None
+
+    def __enter__(self):
+        log = tempfile.NamedTemporaryFile(prefix="nccl-exporter-", suffix=".log", delete=False)
+        self.log_path = log.name
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env, cwd=str(REPO))
+        log.close()
+        try:
+            deadline = time.monotonic() + self.start_timeout
+            while True:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"nccl-exporter exited with {self.proc.returncode} before "
+                                         f"it was ready:\n{self.output()}")
+                try:
+                    if self.ready(self):
+                        return self
+                except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"nccl-exporter was not ready within {self.start_timeout} s:\n"
+                                         f"{self.output()}")
+                time.sleep(0.05)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(self.stop_signal)
+            try:
+                self.proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._final_output is None and self.log_path:
+            with contextlib.suppress(OSError):
+                self._final_output = self.output()
+                os.unlink(self.log_path)
+        if exc and exc[0] is not None and self._final_output is not None:
+            sys.stderr.write(f"--- exporter log ---\n{self._final_output}\n")
 
     def scrape(self, timeout: float = 10) -> str:
         with urllib.request.urlopen(self.url, timeout=timeout) as r:
@@ -127,6 +346,9 @@ class Exporter:
     def samples(self) -> list[Sample]:
         return parse_metrics(self.scrape())
 
+    def families(self) -> list:
+        return list(text_string_to_metric_families(Exporter.scrape(self)))
+
     def output(self) -> str:
         if self._final_output is not None:  # the process is gone, its log read
             return self._final_output
@@ -134,48 +356,33 @@ class Exporter:
             return f.read()
 
 
-@contextlib.contextmanager
-def running_exporter(*args: str, port: int | None = None, start_timeout: float = 60,
-                     stop_timeout: float = 120, env: dict | None = None):
-    """`nccl-exporter run --listen 127.0.0.1:PORT ARGS`, ready to scrape."""
-    port = port or free_port()
-    log = tempfile.NamedTemporaryFile(prefix="nccl-exporter-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [*CLI, "run", "--listen", f"127.0.0.1:{port}", *map(str, args)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
-    )
-    log.close()
-    exporter = Exporter(port=port, url=f"http://127.0.0.1:{port}/metrics", proc=proc,
-                        log_path=log.name)
-    try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"nccl-exporter exited with {proc.returncode} before "
-                                     f"serving /metrics:\n{exporter.output()}")
-            try:
-                # The HTTP server starts before the probes are loaded: an empty
-                # page is not ready yet; the collector's build_info is.
-                if READY_METRIC in exporter.scrape(timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"/metrics did not answer within {start_timeout} s:\n"
-                                     f"{exporter.output()}")
-            time.sleep(0.1)
-        yield exporter
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(stop_timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        with contextlib.suppress(OSError):
-            exporter._final_output = exporter.output()
-            os.unlink(log.name)
+def running_exporter(*args: str, **options) -> Exporter:
+    """`with running_exporter("--node", "t") as e: e.scrape()`: see Exporter."""
+    return Exporter(*args, **options)
+
+
+class ExporterProcess(Exporter):
+    """`with ExporterProcess(nccl_libs=[...]) as e: e.scrape()`; [] means
+    discovery. The e2e tests' form: --node and --log-level info, .scrape()
+    returns parsed families and .text() the page; stopped with SIGINT."""
+
+    def __init__(self, nccl_libs=(), extra_args=(), node="test-node", startup_timeout=60):
+        args = ["--node", node, "--log-level", "info", *extra_args]
+        for lib in nccl_libs:
+            args += ["--nccl-lib", str(lib)]
+        super().__init__(*args, start_timeout=startup_timeout, stop_timeout=15,
+                         stop_signal=signal.SIGINT)
+
+    def text(self) -> str:
+        return Exporter.scrape(self)
+
+    def scrape(self) -> list:
+        return self.families()
+
+    @staticmethod
+    def samples(families, name: str) -> list:
+        """Samples of a gauge or counter family, by its full metric name."""
+        return [s for fam in families for s in fam.samples if s.name == name]
 
 
 # --- Prometheus text ----------------------------------------------------------------
@@ -197,69 +404,6 @@ def sample_value(samples, name: str, **labels: str) -> float | None:
     values = sample_values(samples, name, **labels)
     assert len(values) <= 1, f"{len(values)} samples of {name} match {labels}: {values}"
     return values[0] if values else None
-
-
-# --- the exporter as a class (families) -----------------------------------------
-
-class ExporterProcess:
-    """`with ExporterProcess(nccl_libs=[...]) as e: e.scrape()`; [] means discovery."""
-
-    def __init__(self, nccl_libs=(), extra_args=(), node="test-node", startup_timeout=60):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/metrics"
-        self.argv = [sys.executable, "-m", "exporter", "run", "--listen", f"127.0.0.1:{self.port}",
-                     "--node", node, "--log-level", "info", *extra_args]
-        for lib in nccl_libs:
-            self.argv += ["--nccl-lib", str(lib)]
-        self.startup_timeout = startup_timeout
-        self.proc = None
-        self.log = tempfile.NamedTemporaryFile(prefix="exporter-", suffix=".log", delete=False)
-
-    def __enter__(self):
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exporter exited {self.proc.returncode}:\n{self.output()}")
-            if "metrics at http" in self.output():
-                try:
-                    self.scrape()
-                    return self
-                except OSError:
-                    pass
-            time.sleep(0.1)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"exporter did not start within {self.startup_timeout} s:\n{self.output()}")
-
-    def __exit__(self, *exc):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(2)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        if exc[0] is not None:
-            sys.stderr.write(f"--- exporter log ---\n{self.output()}\n")
-        os.unlink(self.log.name)
-
-    def output(self) -> str:
-        with open(self.log.name, errors="replace") as f:
-            return f.read()
-
-    def text(self) -> str:
-        with urllib.request.urlopen(self.url, timeout=10) as r:
-            return r.read().decode()
-
-    def scrape(self) -> list:
-        return list(text_string_to_metric_families(self.text()))
-
-    @staticmethod
-    def samples(families, name: str) -> list:
-        """Samples of a gauge or counter family, by its full metric name."""
-        return [s for fam in families for s in fam.samples if s.name == name]
 
 
 def series_by_labels(families, name: str) -> list[tuple[dict, list[int]]]:

@@ -15,7 +15,7 @@ import pytest
 from conftest import check_promql
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 RULE_FILES = sorted((REPO / "alerts").glob("*.yml"))
 TEST_FILES = sorted((REPO / "alerts" / "tests").glob("*.yml"))
 RUNBOOK = REPO / "docs" / "alerts.md"
@@ -64,13 +64,13 @@ def test_rule_files_exist():
     assert RULE_FILES and TEST_FILES
 
 
-def test_promtool_check_rules():
+def test_promtool_check_rules(prometheus):
     p = subprocess.run([promtool(), "check", "rules", *map(str, RULE_FILES)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "SUCCESS" in p.stdout
 
 
-def test_promtool_unit_tests():
+def test_promtool_unit_tests(prometheus):
     p = subprocess.run([promtool(), "test", "rules", *map(str, TEST_FILES)], capture_output=True, text=True,
                        cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr

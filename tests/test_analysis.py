@@ -9,14 +9,11 @@ Each scenario is a 4-rank simulated job (exporter/simulator) recorded by
 - starved:  ranks pinned (0, 2, 3 on CPU 0; 1 on CPU 1) and a SCHED_FIFO hog
             on CPU 1 (as tests/test_sched.py does): rank 1 starves;
 - healthy:  nothing wrong.
-
-Run them under `flock /tmp/nccl-heavy.lock`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import sqlite3
@@ -28,12 +25,12 @@ import pytest
 
 from conftest import pin
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from conftest import REPO
 NRANKS = 4
 SLEEPER, LOSSY, STARVED = 2, 3, 1
 JOB_S = 8
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and netns")
+needs_root = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
 
 # --- making real recordings -------------------------------------------------------

@@ -9,8 +9,6 @@ communicator, the fault-tolerance lifecycle, one-sided and registration calls.
 - On the real NCCL 2.32.3 wheel (no GPU): every new function attaches, and
   calls on a NULL communicator (ncclInvalidArgument) decode and break nothing.
   The calls are made in a child process: a crash there cannot take the test down.
-
-Run as root, under `flock /tmp/nccl-heavy.lock` (it loads BPF).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import time
 import pytest
 
 from exporter.records import contract, metrics
-from conftest import parse_metrics, require_real_nccl, require_root, sample_value
+from conftest import parse_metrics, sample_value
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +87,6 @@ while not os.path.exists(os.path.join(rdv, "exit")):
 
 
 def _bcc_or_skip():
-    require_root()
     try:
         import bcc  # noqa: F401
     except ImportError:
@@ -116,7 +113,7 @@ def test_contract_covers_the_new_functions():
         assert op in contract.COLLECTIVE_OPS.values()
 
 
-def test_async_error_after_a_peer_dies_on_the_simulator(tmp_path):
+def test_async_error_after_a_peer_dies_on_the_simulator(tmp_path, bpf, netns):
     _bcc_or_skip()
     from exporter.simulator.build import build_library
     from exporter.sources.nccl.probes import NcclProbes
@@ -233,8 +230,8 @@ call("ncclCommResume", [P], None)
 """
 
 
-def test_real_wheel_attaches_and_decodes_null_comm_calls(tmp_path):
-    lib = require_real_nccl()
+def test_real_wheel_attaches_and_decodes_null_comm_calls(tmp_path, bpf, real_nccl):
+    lib = real_nccl
     _bcc_or_skip()
     from exporter.sources.nccl.elf import exported_functions
     from exporter.sources.nccl.probes import NcclProbes

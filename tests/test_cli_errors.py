@@ -37,14 +37,12 @@ def _listen() -> str:
 
 # --- libraries ---------------------------------------------------------------------------
 
-def test_nccl_lib_not_nccl():
-    require_root()
+def test_nccl_lib_not_nccl(bpf):
     r = run_cli("run", "--listen", _listen(), "--nccl-lib", "/bin/ls")
     assert_one_line_error(r, "/bin/ls", "not an NCCL library")
 
 
-def test_nccl_lib_missing():
-    require_root()
+def test_nccl_lib_missing(bpf):
     r = run_cli("run", "--listen", _listen(), "--nccl-lib", "/nonexistent")
     assert_one_line_error(r, "/nonexistent", "No such file")
 
@@ -120,8 +118,8 @@ def test_unknown_command():
 
 # --- host -----------------------------------------------------------------------------------
 
+@pytest.mark.require_root
 def test_no_privileges():
-    require_root()
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("setpriv (util-linux) not installed")
@@ -135,8 +133,8 @@ def test_no_privileges():
     assert_one_line_error(r, "needs root", "CAP_BPF", "CAP_PERFMON")
 
 
+@pytest.mark.require_root
 def test_no_tracefs():
-    require_root()
     if shutil.which("unshare") is None:
         pytest.skip("unshare (util-linux) not installed")
     host_before = [os.path.isdir(d) for d in TRACEFS_DIRS]

@@ -15,7 +15,7 @@ from conftest import check_promql
 from exporter.records import contract, metrics
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 DASHBOARD_DIR = REPO / "dashboards" / "grafana"
 DASHBOARDS = sorted(DASHBOARD_DIR.glob("*.json"))
 
@@ -168,7 +168,7 @@ def test_substitution_leaves_no_variables():
         assert "$" not in expr, f"{title}: {expr}"
 
 
-def test_expressions_parse_with_promtool(tmp_path):
+def test_expressions_parse_with_promtool(tmp_path, prometheus):
     """Every extracted expression is valid PromQL: promtool parses them as
     recording rules (no server needed; the e2e test also evaluates them)."""
     import shutil

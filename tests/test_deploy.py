@@ -11,7 +11,7 @@ import pytest
 
 from tests.test_alerts import load_yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
 # SYS_ADMIN: without it the kernel refuses the uprobe perf PMU and BCC's
@@ -32,7 +32,7 @@ def test_prometheusrule_groups_equal_alerts():
     assert rule["spec"]["groups"] == groups
 
 
-def test_generator_output_is_valid_for_promtool(tmp_path):
+def test_generator_output_is_valid_for_promtool(tmp_path, prometheus):
     """The generated groups, as a plain rules file, load in promtool."""
     import shutil
     promtool = shutil.which("promtool")

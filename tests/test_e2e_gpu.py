@@ -25,7 +25,7 @@ from exporter.simulator.cluster import Cluster, run_job, start_job
 from exporter.simulator.truth import gpu_kernels
 from exporter.sources.plugin.build import build_plugin
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (BPF, network namespaces)")
+pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
 KERNEL_US = 2000
 

@@ -19,7 +19,6 @@ import pytest
 
 from exporter.records import histogram, metrics
 from exporter.sources.nccl import hashing
-from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, run_job, start_job
 from exporter.simulator.truth import calls, lifecycle, load_truth
 from conftest import ExporterProcess, series_by_labels
@@ -30,12 +29,7 @@ from conftest import ExporterProcess, series_by_labels
 # this 2-core machine -- so a duration may land a little later, never earlier.
 PROBE_SLACK_NS = 5_000_000
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
-
-
-@pytest.fixture(scope="module")
-def simlib():
-    return build_library()
+pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
 
 def expected_comm_hashes(records, nccl: bool = False) -> dict[tuple[int, int], int]:
@@ -92,9 +86,9 @@ def assert_buckets_hold(durations: list[int], per_bucket: list[int]) -> None:
         assert must <= got <= can, f"bucket {i}: exporter {got}, truth allows {must}..{can}"
 
 
-def test_mixed_job_counts_bytes_buckets_match_truth(simlib, tmp_path):
-    with ExporterProcess(nccl_libs=[simlib]) as exporter, Cluster(4) as cluster:
-        result = run_job(cluster, simlib, "mixed", iterations=3, rendezvous_dir=tmp_path / "rdv",
+def test_mixed_job_counts_bytes_buckets_match_truth(simulator_lib, tmp_path):
+    with ExporterProcess(nccl_libs=[simulator_lib]) as exporter, Cluster(4) as cluster:
+        result = run_job(cluster, simulator_lib, "mixed", iterations=3, rendezvous_dir=tmp_path / "rdv",
                          truth_dir=tmp_path / "truth", timeout=120)
         assert result.ok, result.summary()
         families = exporter.scrape()
@@ -140,11 +134,11 @@ def test_mixed_job_counts_bytes_buckets_match_truth(simlib, tmp_path):
     assert got_life == dict(want_life)
 
 
-def test_communicator_identity_and_hang_then_kill(simlib, tmp_path):
+def test_communicator_identity_and_hang_then_kill(simulator_lib, tmp_path):
     """Ranks 1..3 block in AllReduce waiting for rank 0: an in-flight call shows its
     age; killing the ranks mid-call leaves no in-flight entry behind."""
-    with ExporterProcess(nccl_libs=[simlib]) as exporter, Cluster(4) as cluster:
-        job = start_job(cluster, simlib, "hang", iterations=1, rendezvous_dir=tmp_path / "rdv",
+    with ExporterProcess(nccl_libs=[simulator_lib]) as exporter, Cluster(4) as cluster:
+        job = start_job(cluster, simulator_lib, "hang", iterations=1, rendezvous_dir=tmp_path / "rdv",
                         truth_dir=tmp_path / "truth")
         try:
             deadline = time.monotonic() + 60
@@ -180,12 +174,12 @@ def test_communicator_identity_and_hang_then_kill(simlib, tmp_path):
         assert exporter.samples(families, metrics.COMMUNICATOR_INFO) == []
 
 
-def test_job_started_after_exporter_is_traced_from_first_call(simlib, tmp_path):
+def test_job_started_after_exporter_is_traced_from_first_call(simulator_lib, tmp_path):
     """Default discovery (no --nccl-lib): a library file nobody had mapped when
     the exporter started is found once a job maps it, before its first call."""
     fresh = tmp_path / "venv-copy" / "libnccl.so.2"
     fresh.parent.mkdir()
-    shutil.copy2(simlib, fresh)
+    shutil.copy2(simulator_lib, fresh)
     with ExporterProcess(nccl_libs=[]) as exporter, Cluster(4) as cluster:
         # Frameworks load libnccl at import and call it seconds later
         # (model set-up, rendezvous); one second stands for that here.
@@ -225,10 +219,10 @@ input()  # keep the communicators alive until the test has looked
 """
 
 
-def test_comm_init_all_counts_once_and_names_its_communicators(simlib, tmp_path):
+def test_comm_init_all_counts_once_and_names_its_communicators(simulator_lib, tmp_path):
     truth = tmp_path / "initall.jsonl"
-    with ExporterProcess(nccl_libs=[simlib]) as exporter:
-        proc = subprocess.Popen([sys.executable, "-c", INIT_ALL_DRIVER, str(simlib)],
+    with ExporterProcess(nccl_libs=[simulator_lib]) as exporter:
+        proc = subprocess.Popen([sys.executable, "-c", INIT_ALL_DRIVER, str(simulator_lib)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "NCCL_SIM_TRUTH": str(truth)})
         try:
@@ -248,14 +242,14 @@ def test_comm_init_all_counts_once_and_names_its_communicators(simlib, tmp_path)
         (want, "0", "3"), (want, "1", "3"), (want, "2", "3")]
 
 
-def test_run_with_db_records_every_call_beside_the_metrics(simlib, tmp_path):
+def test_run_with_db_records_every_call_beside_the_metrics(simulator_lib, tmp_path):
     """`run --db`: /metrics as usual, and the same calls, every one of them, in the
     recording; stopping the exporter (SIGINT) flushes it and closes it cleanly."""
     import sqlite3
 
     db = tmp_path / "run.db"
-    with ExporterProcess(nccl_libs=[simlib], extra_args=["--db", str(db)]) as exporter, Cluster(4) as cluster:
-        result = run_job(cluster, simlib, "mixed", iterations=2, rendezvous_dir=tmp_path / "rdv",
+    with ExporterProcess(nccl_libs=[simulator_lib], extra_args=["--db", str(db)]) as exporter, Cluster(4) as cluster:
+        result = run_job(cluster, simulator_lib, "mixed", iterations=2, rendezvous_dir=tmp_path / "rdv",
                          truth_dir=tmp_path / "truth", timeout=120)
         assert result.ok, result.summary()
         time.sleep(0.5)  # the last events reach the ring buffer

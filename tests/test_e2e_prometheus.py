@@ -30,7 +30,7 @@ from conftest import ExporterProcess, free_port
 from conftest import check_promql
 from tests.test_dashboards import dashboard_queries, instant_targets
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 PROMETHEUS = "/usr/bin/prometheus"
 ALERTMANAGER = "/usr/bin/prometheus-alertmanager"
 
@@ -58,7 +58,7 @@ EMPTY_OK_TARGETS = {
 }
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and network namespaces"),
+    pytest.mark.usefixtures("bpf", "netns", "prometheus"),  # markers, root and the heavy lock: conftest
     pytest.mark.skipif(not (os.access(PROMETHEUS, os.X_OK) and os.access(ALERTMANAGER, os.X_OK)),
                        reason="prometheus / prometheus-alertmanager not installed (make deps)"),
 ]

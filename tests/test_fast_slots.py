@@ -20,7 +20,6 @@ the suite.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,11 +27,10 @@ import sys
 import pytest
 
 from exporter.records import contract
-from exporter.simulator.build import build_library
 from exporter.sources.nccl.probes import NcclProbes
 from exporter.sources.nccl.maps import NcclReader
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
+pytestmark = pytest.mark.usefixtures("bpf")  # markers, root and the heavy lock: conftest
 
 CALLS = 50  # AllReduce calls per thread
 
@@ -115,9 +113,9 @@ class Child:
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory):
+def traced(tmp_path_factory, simulator_lib):
     lib_path = tmp_path_factory.mktemp("slots") / "libnccl.so.2"
-    shutil.copy(build_library(), lib_path)  # uprobes on this file only: no other test counts here
+    shutil.copy(simulator_lib, lib_path)  # uprobes on this file only: no other test counts here
     probes = NcclProbes()
     try:
         probes.attach(str(lib_path))

@@ -21,13 +21,13 @@ import yaml
 
 from conftest import free_port, serve_text
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 FED = REPO / "deploy" / "federation"
 PROMETHEUS = "/usr/bin/prometheus"
 PROMTOOL = "/usr/bin/promtool"
 
-pytestmark = pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
-                                reason=f"{PROMETHEUS} not installed (make deps)")
+pytestmark = [pytest.mark.usefixtures("prometheus"), pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
+                                                         reason=f"{PROMETHEUS} not installed (make deps)")]
 
 PAGE = """\
 # HELP nccl_calls_total NCCL calls.

@@ -4,7 +4,7 @@ Hundreds of light in-process endpoints on loopback run the real handler
 (exporter/tools/fleet/endpoint.py: auth, read-only guard, caps, streaming)
 over small recordings made by the real Recorder; some are slow, dead,
 hanging or want another token. One test starts a real `nccl-exporter run
---db --query-listen` (root; run it under flock /tmp/nccl-heavy.lock).
+--db --query-listen` (root).
 """
 
 from __future__ import annotations
@@ -424,18 +424,15 @@ def test_fetch_writes_openable_recordings_whole_or_windowed(recs, capsys, token_
 
 # --- a real agent ---------------------------------------------------------------------
 
-def test_real_agent_answers_queries_on_its_recording(tmp_path, token_file, capsys):
+def test_real_agent_answers_queries_on_its_recording(tmp_path, token_file, capsys, launch_exporter, simulator_lib):
     """`nccl-exporter run --db --query-listen 127.0.0.1:P` with the simulator's libnccl
-    (root; under flock /tmp/nccl-heavy.lock)."""
-    from conftest import free_port, require_root, running_exporter
+    (root)."""
+    from conftest import free_port
 
-    require_root()
-    from exporter.simulator.build import build_library
-
-    lib = build_library(tmp_path / "lib")
+    lib = simulator_lib
     qport = free_port()
     db = tmp_path / "agent.db"
-    with running_exporter("--db", db, "--query-listen", f"127.0.0.1:{qport}",
+    with launch_exporter("--db", db, "--query-listen", f"127.0.0.1:{qport}",
                           "--query-token-file", token_file, "--nccl-lib", lib) as exporter:
         url = f"http://127.0.0.1:{qport}"
         deadline = time.monotonic() + 30

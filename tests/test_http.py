@@ -1,22 +1,21 @@
 """The agent's HTTP endpoints: /metrics (gzip when asked), /-/ready (503 until
 the probes count, then 200), /-/healthy, 404 elsewhere, and sd_notify READY=1
-to $NOTIFY_SOCKET. One real exporter serves the module (BPF: run under
-`flock /tmp/nccl-heavy.lock`)."""
+to $NOTIFY_SOCKET. One real exporter serves the module (BPF: root, the heavy
+lock). The same serving without root or BPF, on a fake reader:
+tests/test_sink_http.py."""
 
 from __future__ import annotations
 
 import gzip
 import os
 import socket
-import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from conftest import CLI, READY_METRIC, REPO, free_port, parse_metrics, require_root
+from conftest import READY_METRIC, Exporter, parse_metrics
 from exporter.sinks.http import notify_systemd
 
 
@@ -60,48 +59,29 @@ def test_notify_systemd_unset_or_unreachable(tmp_path):
 # --- one real exporter ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def served(fake_nccl_lib, tmp_path_factory):
+def served(fake_nccl_lib, tmp_path_factory, bpf):
     """`run --nccl-lib LIB` with NOTIFY_SOCKET set; /-/ready polled from the first moment."""
-    require_root()
     notify_path = str(tmp_path_factory.mktemp("notify") / "sock")
     notify = _datagram_socket(notify_path)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(prefix="nccl-exporter-http-", suffix=".log", delete=False)
-    env = dict(os.environ, NOTIFY_SOCKET=notify_path)
-    proc = subprocess.Popen([*CLI, "run", "--listen", f"127.0.0.1:{port}", "--log-level", "info",
-                             "--nccl-lib", str(fake_nccl_lib)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
     statuses: list[int] = []  # /-/ready answers, in order (deduplicated)
     metrics_before_ready: list[str] = []
+
+    def ready(exporter) -> bool:
+        code, _, _ = get(exporter.base + "/-/ready", timeout=2)
+        if not statuses or statuses[-1] != code:
+            statuses.append(code)
+        if code != 200 and not metrics_before_ready:
+            metrics_before_ready.append(get(exporter.url)[2].decode())
+        return code == 200
+
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, open(log.name).read()
-            assert time.monotonic() < deadline, open(log.name).read()
-            try:
-                code, _, _ = get(base + "/-/ready", timeout=2)
-            except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(0.02)
-                continue
-            if not statuses or statuses[-1] != code:
-                statuses.append(code)
-            if code == 200:
-                break
-            if not metrics_before_ready:
-                metrics_before_ready.append(get(base + "/metrics")[2].decode())
-            time.sleep(0.02)
-        yield {"base": base, "statuses": statuses, "notify": notify, "log": log.name,
-               "metrics_before_ready": metrics_before_ready}
+        with Exporter("--log-level", "info", "--nccl-lib", fake_nccl_lib, env=env, ready=ready,
+                      stop_timeout=60) as exporter:
+            yield {"base": exporter.base, "statuses": statuses, "notify": notify, "log": exporter.log_path,
+                   "metrics_before_ready": metrics_before_ready}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         notify.close()
-        os.unlink(log.name)
 
 
 def test_ready_goes_from_503_to_200(served):

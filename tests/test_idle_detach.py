@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import require_root, running_exporter, sample_value
+from conftest import sample_value
 
 METRIC = "nccl_exporter_node_tracepoints_attached"
 
@@ -41,14 +41,13 @@ def _wait_attached(exporter, want: float, sched: bool, timeout: float = 20) -> f
 
 
 @pytest.mark.parametrize("mode", ["waits", "totals"])
-def test_detached_without_a_traced_process_and_attached_when_libnccl_is_mapped(tmp_path, mode):
-    require_root()
-    from exporter.simulator.build import build_library
+def test_detached_without_a_traced_process_and_attached_when_libnccl_is_mapped(tmp_path, mode, launch_exporter,
+                                                                                simulator_lib):
 
     lib = tmp_path / "libnccl.so.2"
-    shutil.copy(build_library(), lib)
+    shutil.copy(simulator_lib, lib)
     waits = mode == "waits"
-    with running_exporter("--idle-detach", "1s", "--log-level", "info", "--sched", mode) as exporter:
+    with launch_exporter("--idle-detach", "1s", "--log-level", "info", "--sched", mode) as exporter:
         _wait_attached(exporter, 0, waits)  # nothing on this node uses NCCL
         child = subprocess.Popen([sys.executable, "-c", CHILD, str(lib)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)

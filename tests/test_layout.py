@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, require_root
+from conftest import REPO
 from exporter.records import contract
 
 
@@ -82,8 +82,7 @@ def test_c_constants_come_from_the_contract():
     assert {"EVENT_CALL", "EVENT_LIFECYCLE", "TCP_EV_RETRANSMIT", "SCHED_KIND_PROXY"} <= generated
 
 
-def test_each_bpf_program_compiles_alone_and_shares_the_owners_maps():
-    require_root()
+def test_each_bpf_program_compiles_alone_and_shares_the_owners_maps(bpf):
     from exporter.sources.bpf import ProbeError
     from exporter.sources.nccl.probes import NcclProbes
     from exporter.sources.sched import SchedSource
@@ -114,10 +113,9 @@ def test_each_bpf_program_compiles_alone_and_shares_the_owners_maps():
                 program.close()
 
 
-def test_an_owner_loaded_again_shares_its_new_maps():
+def test_an_owner_loaded_again_shares_its_new_maps(bpf):
     """BCC keeps an exported map's name for the whole process: an owner loaded
     a second time (tests, benches) must hand its dependents its own new maps."""
-    require_root()
     from exporter.sources.nccl.probes import NcclProbes
     from exporter.sources.tcp import TcpSource
 

@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from conftest import require_root
 
 CHILD = """
 import ctypes, sys, time
@@ -24,8 +23,7 @@ sys.stdin.read()
 
 
 @pytest.fixture(scope="module")
-def loader():
-    require_root()
+def loader(bpf):
     from exporter.sources.loader import LoaderSource
 
     src = LoaderSource()
@@ -98,19 +96,18 @@ print("done", flush=True)
 """
 
 
-def test_a_job_calling_100ms_after_loading_libnccl_is_counted_from_its_first_call(tmp_path):
+def test_a_job_calling_100ms_after_loading_libnccl_is_counted_from_its_first_call(tmp_path, launch_exporter,
+                                                                                   simulator_lib):
     """Default discovery (no --nccl-lib): a library file no process had mapped
     is attached as a reaction to its mapping, before a first call 100 ms later."""
-    require_root()
-    from conftest import running_exporter, sample_value
-    from exporter.simulator.build import build_library
+    from conftest import sample_value
 
     calls = 50
-    with running_exporter("--node", "t", "--log-level", "info") as exporter:
+    with launch_exporter("--node", "t", "--log-level", "info") as exporter:
         for attempt in range(3):  # three fresh files: every one counted from its first call
             lib = tmp_path / f"job{attempt}" / "libnccl.so.2"
             lib.parent.mkdir()
-            shutil.copy(build_library(), lib)
+            shutil.copy(simulator_lib, lib)
             out = subprocess.run([sys.executable, "-c", JOB, str(lib), "0.1", str(calls)],
                                  capture_output=True, text=True, timeout=60)
             assert out.returncode == 0 and "done" in out.stdout, out.stderr

@@ -28,7 +28,7 @@ from exporter.records.events import CallEvent  # noqa: E402
 from exporter.sinks.recording.writer import Recorder  # noqa: E402
 from exporter.tools.fleet.endpoint import QueryEndpoint  # noqa: E402
 
-REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+from conftest import REPO
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000
 TOKEN = "mcp-test-token"

@@ -20,7 +20,7 @@ from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS
 from exporter.sinks.recording import schema
 from exporter.tools.fleet import merge
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from conftest import REPO
 T0 = 1_700_000_000_000_000_000
 NODES = 4
 SHIFT = {0: 0, 1: 50_000_000, 2: -50_000_000, 3: 7_250_000}

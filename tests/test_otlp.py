@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import time
@@ -12,7 +11,6 @@ import pytest
 
 from exporter.records import metrics
 from exporter.sources.nccl import hashing
-from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, run_job
 from exporter.simulator.truth import calls
 from exporter.sinks.spans import trace_id_for
@@ -21,18 +19,13 @@ from tests.otlp_receiver import GrpcReceiver, HttpReceiver, attributes
 from tests.test_e2e_nccl import expected_comm_hashes
 from tests.retransmit_observer import Observer
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
+pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
 THRESHOLD_NS = 15_000_000
 # The probe's window encloses the library's own by the uprobe trap, and by
 # any preemption between them on this 2-core machine: a call within this much
 # below the threshold by the library's clock may be slow by the probe's.
 SLACK_NS = 3_000_000
-
-
-@pytest.fixture(scope="module")
-def simlib():
-    return build_library()
 
 
 def timed_hits(observer: Observer) -> list[tuple[int, str]]:
@@ -49,15 +42,15 @@ def wait_for_spans(receiver, n_min, timeout=30):
     return receiver.spans()
 
 
-def run_lossy_job(simlib, tmp_path, receiver_cls, protocol, observer=None):
+def run_lossy_job(simulator_lib, tmp_path, receiver_cls, protocol, observer=None):
     with receiver_cls() as receiver:
         args = ["--otlp-endpoint", receiver.endpoint, "--otlp-protocol", protocol,
                 "--slow-threshold", f"{THRESHOLD_NS // 1_000_000}ms"]
-        with ExporterProcess(nccl_libs=[simlib], extra_args=args) as exporter, Cluster(4) as cluster:
+        with ExporterProcess(nccl_libs=[simulator_lib], extra_args=args) as exporter, Cluster(4) as cluster:
             cluster.set_loss(2, 3)
             if observer is not None:
                 observer.hosts = [h.addr for h in cluster.hosts]
-            result = run_job(cluster, simlib, "allreduce", iterations=40, count=65536,
+            result = run_job(cluster, simulator_lib, "allreduce", iterations=40, count=65536,
                              rendezvous_dir=tmp_path / "rdv", truth_dir=tmp_path / "truth", timeout=180)
             assert result.ok, result.summary()
             families = exporter.scrape()
@@ -90,9 +83,9 @@ def match_spans_to_truth(result, spans):
     return truth, matched
 
 
-def test_grpc_spans_match_ground_truth(simlib, tmp_path):
+def test_grpc_spans_match_ground_truth(simulator_lib, tmp_path):
     with Observer("otlp") as observer:
-        result, spans, families, openmetrics = run_lossy_job(simlib, tmp_path, GrpcReceiver, "grpc",
+        result, spans, families, openmetrics = run_lossy_job(simulator_lib, tmp_path, GrpcReceiver, "grpc",
                                                              observer)
         hits = timed_hits(observer)
     truth, matched = match_spans_to_truth(result, spans)
@@ -180,18 +173,18 @@ def test_grpc_spans_match_ground_truth(simlib, tmp_path):
     assert spans_total.get("dropped", 0) == 0
 
 
-def test_http_protobuf_spans_arrive(simlib, tmp_path):
-    result, spans, _families, _om = run_lossy_job(simlib, tmp_path, HttpReceiver, "http/protobuf")
+def test_http_protobuf_spans_arrive(simulator_lib, tmp_path):
+    result, spans, _families, _om = run_lossy_job(simulator_lib, tmp_path, HttpReceiver, "http/protobuf")
     truth, matched = match_spans_to_truth(result, spans)
     slow = [r for r in truth if r["end_mono_ns"] - r["start_mono_ns"] >= THRESHOLD_NS]
     assert slow and all(id(r) in {id(b) for *_, b in matched} for r in slow)
 
 
-def test_backend_down_never_blocks_the_probes(simlib, tmp_path):
+def test_backend_down_never_blocks_the_probes(simulator_lib, tmp_path):
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     args = ["--otlp-endpoint", endpoint, "--slow-threshold", "1ms"]
-    with ExporterProcess(nccl_libs=[simlib], extra_args=args) as exporter, Cluster(4) as cluster:
-        result = run_job(cluster, simlib, "allreduce", iterations=60, count=4096,
+    with ExporterProcess(nccl_libs=[simulator_lib], extra_args=args) as exporter, Cluster(4) as cluster:
+        result = run_job(cluster, simulator_lib, "allreduce", iterations=60, count=4096,
                          rendezvous_dir=tmp_path / "rdv", truth_dir=tmp_path / "truth", timeout=120)
         assert result.ok, result.summary()
         # The agent keeps counting every call exactly, and keeps answering scrapes.

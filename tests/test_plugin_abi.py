@@ -25,9 +25,7 @@ import pytest
 
 from exporter.sources.nccl.elf import exported_functions, vaddr_to_offset
 from exporter.sources.plugin.build import build_plugin
-from conftest import require_real_nccl
-
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 VERSIONS = (4, 5, 6, 7)
 HOOKS = ("coll_queued", "gpu_start", "gpu_done", "abandoned", "comm_init", "comm_fini")  # nccl_exporter_*
 
@@ -116,8 +114,8 @@ def split_types(text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def layouts():
-    nccl = Path(require_real_nccl())
+def layouts(real_nccl):
+    nccl = Path(real_nccl)
     plugin = build_plugin()
     ours_out = _gdb(plugin, [f"ptype /o {t}" for t in TYPE_PAIRS] + ["ptype /o nxp_state_args"])
     theirs_out = _gdb(nccl, [f"ptype /o {t}" for t in TYPE_PAIRS.values()]

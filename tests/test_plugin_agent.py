@@ -4,7 +4,7 @@ Prometheus families, driven by tests/plugin/driver.c acting as NCCL.
 GPU behaviour here is verified against NCCL's profiler interface and a
 simulated caller (the driver's synthetic GPU), not on GPU hardware.
 
-Every test loads BPF: run under `flock /tmp/nccl-heavy.lock`. Each uses a
+Every test loads BPF (root; the heavy lock: conftest). Each uses a
 private copy of the plugin (its own inode), so other jobs running the shared
 build do not reach these uprobes.
 """
@@ -18,16 +18,15 @@ import subprocess
 import time
 import types
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import pytest
 
-from conftest import parse_metrics, require_root, running_exporter, sample_value, sample_values
+from conftest import parse_metrics, sample_value, sample_values
 from exporter.records import histogram
 from exporter.records.events import Communicator
 from exporter.sources.plugin.build import build_plugin
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 OPS = {"AllReduce": "ALL_REDUCE", "AllGather": "ALL_GATHER", "ReduceScatter": "REDUCE_SCATTER",
        "Broadcast": "BROADCAST", "Send": "SEND", "Recv": "RECV"}
 NRANKS = {"0x1111222233334444": 4, "0x5555666677778888": 2, "0xabcdef0123456789": 4}
@@ -52,8 +51,7 @@ def bins(tmp_path_factory):
 
 
 @pytest.fixture
-def sources(bins):
-    require_root()
+def sources(bins, bpf):
     from exporter.sources.nccl.probes import NcclProbes
     from exporter.sources.plugin.source import PluginSource
 
@@ -250,15 +248,14 @@ def test_comm_label_is_the_host_series_id_when_known():
     assert reader.comm_ids == {}
 
 
-def test_exporter_serves_gpu_metrics(bins, tmp_path):
+def test_exporter_serves_gpu_metrics(bins, tmp_path, launch_exporter):
     """The real `nccl-exporter run`: attaches the plugin it builds (here a private
     build dir), counts the driver's collectives, shows the held one in flight."""
-    require_root()
     build_dir = tmp_path / "pb"
     lib = build_plugin(build_dir)
     env = dict(os.environ)
     env["NCCL_EXPORTER_PLUGIN_BUILD"] = str(build_dir)
-    with running_exporter(env=env) as ex:
+    with launch_exporter(env=env) as ex:
         assert "attached the profiler plugin's hooks in " + str(lib) in ex.output()
         p = subprocess.run([str(bins["driver"]), str(lib), "6", "ops", "40"], capture_output=True, text=True,
                            env=driver_env(), timeout=120)

@@ -26,7 +26,7 @@ import pytest
 from exporter.sources.plugin import build as plugin_build
 from exporter.sources.plugin.build import build_plugin
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 HELPERS = REPO / "tests" / "plugin"
 VERSIONS = (4, 5, 6, 7)
 

@@ -1,5 +1,4 @@
 import io
-import os
 
 import pytest
 
@@ -26,10 +25,9 @@ def fake_modules(tmp_path):
     return root
 
 
+@pytest.mark.require_root
 def test_real_host_required_checks_pass():
     """As root after `make deps`, every required check passes on this host."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
     out = io.StringIO()
     rc = preflight.main(out=out)
     text = out.getvalue()
@@ -122,9 +120,7 @@ def test_nccl_check(fake_nccl_lib, plain_lib, tmp_path):
     assert not c.ok and c.required and "is not an NCCL library" in c.detail
 
 
-def test_bpf_probe_for_real():
-    if os.geteuid() != 0:
-        pytest.skip("needs root")
+def test_bpf_probe_for_real(bpf):
     ok, detail = preflight.bpf_map_create_works()
     assert ok, detail
 

@@ -23,14 +23,13 @@ from collections import Counter
 
 import pytest
 
-from exporter.simulator.build import build_library
 from exporter.simulator.cluster import NETNS_DIR, Cluster, start_job
 from exporter.simulator.truth import calls
 from tests.retransmit_observer import Observer, allowed_blind, parse
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and netns")
+pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from conftest import REPO
 QUERIES_MD = REPO / "docs" / "queries.md"
 LOSSY, CLEAN, STRAGGLER = 5, 0, 2
 # The probe's window encloses the library's own (tests/test_e2e_nccl.py) by the
@@ -110,9 +109,9 @@ def db_key(row):
 
 
 @pytest.fixture(scope="module")
-def rec(tmp_path_factory):
+def rec(tmp_path_factory, simulator_lib):
     tmp = tmp_path_factory.mktemp("store")
-    lib = build_library()
+    lib = simulator_lib
     dbs = {name: tmp / f"{name}.db" for name in ("lossy", "clean", "all", "tiny", "killed")}
     with Cluster(8) as cluster, Observer("store") as observer:
         cluster.set_loss(LOSSY, 5)  # on the wire, each way: the lossy host retransmits too

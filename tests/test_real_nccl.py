@@ -26,7 +26,7 @@ import pytest
 from exporter.records import contract, metrics
 from exporter.sources.nccl import hashing
 from exporter.sources.nccl.elf import exported_functions
-from conftest import parse_metrics, require_real_nccl, require_root, sample_value
+from conftest import parse_metrics, sample_value
 
 pytestmark = pytest.mark.slow
 
@@ -132,9 +132,8 @@ class Traced:
 
 
 @pytest.fixture(scope="module")
-def traced():
-    lib = require_real_nccl()
-    require_root()
+def traced(real_nccl, bpf):
+    lib = real_nccl
     try:
         import bcc  # noqa: F401
     except ImportError:
@@ -314,13 +313,13 @@ def _local_functions(path: str) -> dict[str, int]:
     return syms
 
 
-def test_nccl_comm_hash_equals_the_librarys_own_hash_functions():
+def test_nccl_comm_hash_equals_the_librarys_own_hash_functions(real_nccl):
     """exporter.hashing.nccl_comm_hash / split_nccl_comm_hash against the wheel's
     eatHash<unsigned long>, eatHash<int> and digestHash (internal functions, found
     in .symtab and called with ctypes; no GPU needed). The root hash is NCCL's
     getHash(id, 128): its length prefix (xor 128) is made by pre-xoring the state
     around 8-byte eats."""
-    path = require_real_nccl()
+    path = real_nccl
     syms = _local_functions(path)
     need = {"eat_u64": "_Z7eatHashImEvPmPKT_", "eat_i32": "_Z7eatHashIiEvPmPKT_",
             "digest": "_ZL10digestHashPKm"}

@@ -14,7 +14,7 @@ import pytest
 from exporter.records.events import CallEvent
 from exporter.sinks.recording import query, schema, scope, writer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 
 
 def ev(i, pid=100, op="ALL_REDUCE", dur=1000, kind=1):

@@ -21,7 +21,7 @@ from exporter.records import metrics
 from exporter.sinks.prometheus import sched_families
 from exporter.sources.sched import RUNQ_BOUNDS, SchedSource, runq_bucket
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
+pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, run_job, start_job
 from exporter.simulator.truth import calls, gpu_events, gpu_kernels, load_truth
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from conftest import REPO
 HELPERS = REPO / "tests" / "plugin"
 F_START_LATE, F_FINALIZED = 0x1, 0x20
 
@@ -231,7 +231,7 @@ def test_mode_off_loads_no_plugin_and_blocks(lib, plugin, tmp_path):
 
 
 # ------------------------------------------------------------ cluster jobs --
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
+@pytest.mark.usefixtures("netns")
 def test_cluster_gpu_time_matches_truth(lib, plugin, tmp_path, capsys):
     env = {"NCCL_SIM_GPU": "1", "NCCL_SIM_GPU_KERNEL_US": "2000", "NCCL_SIM_GPU_LATE_EVERY": "4",
            "NCCL_SIM_GPU_DRIFT_PPM": "200", "NCCL_PROFILER_PLUGIN": str(plugin),
@@ -295,7 +295,7 @@ def test_cluster_gpu_time_matches_truth(lib, plugin, tmp_path, capsys):
     assert late > 0 and worst < 100, (med, worst)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
+@pytest.mark.usefixtures("netns")
 def test_cluster_stalled_stream_host_keeps_returning(lib, plugin, tmp_path):
     env = {"NCCL_SIM_GPU": "1", "NCCL_SIM_GPU_KERNEL_US": "500", "NCCL_SIM_GPU_STALL_RANK": "1",
            "NCCL_SIM_GPU_LATE_EVERY": "0",  # the blocked kernel's KernelCh must have been delivered
@@ -332,7 +332,7 @@ def test_cluster_stalled_stream_host_keeps_returning(lib, plugin, tmp_path):
     assert {int(r["seq"]) for r in ab if pid_rank[int(r["pid"])] == 1 and r["kind"] == "coll"} == set(range(k, 20))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
+@pytest.mark.usefixtures("netns")
 def test_cluster_mixed_workload_correct_in_gpu_mode(lib, plugin, tmp_path):
     """Every op of the checking workload (splits, Bcast through the PLT, groups,
     AlltoAll, Gather, ...) is enqueued, run on the stream and checked after a

@@ -22,17 +22,18 @@ from exporter.simulator.build import build_library
 from exporter.simulator.cluster import PREFIX, Cluster, cleanup_stale, run_job, start_job
 from exporter.simulator.truth import calls, lifecycle, load_truth
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
+pytestmark = pytest.mark.usefixtures("netns")  # markers, root and the heavy lock: conftest
 
 PUBLIC = sorted(set(NCCL_FUNCTIONS) | {"ncclGetVersion", "ncclGetErrorString", "ncclCommCuDevice",
                                         "ncclCommGetAsyncError"})
 
 
 @pytest.fixture(scope="module")
-def lib():
-    return build_library()
+def lib(simulator_lib):
+    """The session's simulator library (conftest), by this module's short name."""
+    return simulator_lib
 
 
 def netns_names() -> set[str]:
@@ -162,7 +163,7 @@ print("inproc ok")
 def test_init_all_group_and_errors_in_one_process(lib, tmp_path):
     truth = tmp_path / "t.jsonl"
     env = dict(os.environ, NCCL_SIM_TRUTH=str(truth), NCCL_SIM_ADDR="127.0.0.1",
-               PYTHONPATH=REPO)
+               PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable, "-c", INPROC, str(lib)], env=env, capture_output=True, text=True,
                        timeout=60, cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -353,7 +354,7 @@ def test_cleanup_on_sigterm(tmp_path):
         time.sleep(60)
     """)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                         env=dict(os.environ, PYTHONPATH=REPO))
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
     sw = p.stdout.readline().strip()
     assert sw in netns_names()
     p.send_signal(signal.SIGTERM)

@@ -9,7 +9,6 @@ a new communicator, against `run --series-capacity 3 --series-ttl 4s`.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 
@@ -17,13 +16,12 @@ import pytest
 
 from exporter.records import contract, metrics
 from exporter.records.events import format_comm
-from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, run_job
 from exporter.simulator.truth import calls, lifecycle
 from exporter.sources.nccl import hashing
 from conftest import ExporterProcess, series_by_labels
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("bpf", "netns")]  # markers, root and the heavy lock: conftest
 
 CAPACITY = 3
 TTL_S = 4
@@ -52,8 +50,8 @@ def gauge(families, name: str, **labels) -> float:
     return 0.0
 
 
-def test_many_short_jobs_exact_bounded_and_expired(tmp_path):
-    lib = build_library()
+def test_many_short_jobs_exact_bounded_and_expired(tmp_path, simulator_lib):
+    lib = simulator_lib
     args = ["--series-capacity", str(CAPACITY), "--series-ttl", f"{TTL_S}s"]
     seen_comms = set()
     with ExporterProcess(nccl_libs=[lib], extra_args=args) as exporter, Cluster(2) as cluster:
@@ -102,12 +100,12 @@ def test_many_short_jobs_exact_bounded_and_expired(tmp_path):
         assert not left & seen_comms
 
 
-def test_fine_histogram_resolution_end_to_end(tmp_path):
+def test_fine_histogram_resolution_end_to_end(tmp_path, simulator_lib):
     """`run --histogram-resolution fine`: the old 106-bucket layout, generated
     into the kernel's header and exposed with the same edges."""
     from exporter.records import histogram
 
-    lib = build_library()
+    lib = simulator_lib
     with ExporterProcess(nccl_libs=[lib], extra_args=["--histogram-resolution", "fine"]) as exporter, \
             Cluster(2) as cluster:
         res = run_job(cluster, lib, "allreduce", iterations=4, rendezvous_dir=tmp_path / "rdv",

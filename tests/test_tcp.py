@@ -11,7 +11,6 @@ owned by this test's processes, or the port of its own traffic generator.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -25,14 +24,13 @@ from exporter.records.contract import COUNTERS
 from exporter.sinks.prometheus import tcp_families
 from exporter.sources.bpf import ephemeral_ports
 from exporter.sources.nccl.probes import NcclProbes
-from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, start_job
 from exporter.records.events import AF_INET, AF_INET6
 from exporter.sources.nccl.maps import NcclReader
 from exporter.sources.tcp import TcpSource, retransmits_missed
 from tests.retransmit_observer import Observer
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
+pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
 LOSSY = 1        # host whose link drops packets
 LOSS_PCT = 3
@@ -133,15 +131,10 @@ def settle(reader: TcpSource, keys, read, timeout: float = 20.0):
 
 # ----------------------------------------------------------------- fixtures --
 @pytest.fixture(scope="module")
-def simlib():
-    return build_library()
-
-
-@pytest.fixture(scope="module")
-def probes(simlib):
+def probes(simulator_lib):
     p = NcclProbes()
     try:
-        p.attach(str(simlib))
+        p.attach(str(simulator_lib))
         yield p
     finally:
         p.close()
@@ -166,12 +159,12 @@ def drain(reader):
 
 # -------------------------------------------------------------------- tests --
 @pytest.mark.parametrize("ipv6", [False, True], ids=["ipv4", "ipv6"])
-def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, simlib, tmp_path, ipv6):
+def test_nccl_job_retransmits_match_observer_and_ranks(probes, reader, events, simulator_lib, tmp_path, ipv6):
     missed = Missed(probes, reader)
     with Cluster(4, name=f"tcp{int(ipv6)}") as cluster, Observer("tcp") as observer:
         cluster.set_loss(LOSSY, LOSS_PCT)
         segs_before = retrans_segs(cluster)
-        job = start_job(cluster, simlib, "allreduce", iterations=25, count=65536, ipv6=ipv6,
+        job = start_job(cluster, simulator_lib, "allreduce", iterations=25, count=65536, ipv6=ipv6,
                         rendezvous_dir=tmp_path / "rdv", truth_dir=tmp_path / "truth")
         for rank, pid in enumerate(job.pids):
             probes.trace_process(pid, rank)

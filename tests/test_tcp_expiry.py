@@ -26,14 +26,13 @@ import time
 import pytest
 
 from exporter.records import metrics
-from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster
 from exporter.sinks.prometheus import sched_families, tcp_families
 from exporter.sources.nccl.probes import NcclProbes
 from exporter.records.events import TcpLink
 from exporter.sources.expiry import OwnerExpiry
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
+needs_root = pytest.mark.usefixtures("bpf")  # markers, root and the heavy lock: conftest
 
 TTL = 5.0
 BASE_PORT = 5101  # outside the ephemeral range: the link's port label
@@ -69,10 +68,10 @@ PEER = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def probes():
+def probes(simulator_lib):
     p = NcclProbes()
     try:
-        p.attach(str(build_library()))
+        p.attach(str(simulator_lib))
         yield p
     finally:
         p.close()

@@ -11,7 +11,7 @@ import pytest
 
 from exporter.sources.nccl.probes import NcclProbes
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF")
+pytestmark = pytest.mark.usefixtures("bpf")  # markers, root and the heavy lock: conftest
 
 
 @pytest.fixture(scope="module")

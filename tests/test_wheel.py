@@ -2,7 +2,7 @@
 `demo` read at run time, installs in a fresh venv (bcc from Debian through a
 .pth file, as `make venv` does), and `check` and a short `demo` run from it
 with the working directory outside the repository. About a minute; the demo
-uses BPF and network namespaces: run under `flock /tmp/nccl-heavy.lock`.
+uses BPF and network namespaces (the fixtures take the heavy lock).
 
 Also: one version string, in one place (exporter/__init__.py)."""
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, require_root
+from conftest import REPO
 
 import exporter
 
@@ -117,9 +117,8 @@ def test_version_from_the_wheel(installed):
     assert p.returncode == 0 and p.stdout.strip() == f"nccl-exporter {exporter.__version__}", p
 
 
-def test_demo_runs_from_the_wheel(installed, tmp_path):
+def test_demo_runs_from_the_wheel(installed, tmp_path, bpf, netns):
     """The demo builds the simulator and the plugin outside the (absent) repository."""
-    require_root()
     cache = tmp_path / "cache"
     p = run_installed(installed, "demo", "--seconds", "5", "--ranks", "4", "--lossy-rank", "1", "--straggler-rank", "2", timeout=240,
                       env={"XDG_CACHE_HOME": str(cache)})
