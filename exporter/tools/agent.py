@@ -2,9 +2,11 @@
 
 Data flows one way: kernel maps and ring buffers -> the sources' records ->
 sinks (the Prometheus collector at scrape time; listeners such as the span
-sink, the recorder or the `trace` printer, called from the loop). The loop
-is also the only place that writes kernel state after start-up: pruning
-dead processes' entries, relative slow thresholds.
+sink, the recorder or the `trace` printer, called from the loop). SOURCES
+below is the one list of sources: how each loads, where its records go and
+what /metrics reads of it; tools/pipeline.py attaches the sinks. The loop is
+also the only place that writes kernel state after start-up: pruning dead
+processes' entries, relative slow thresholds.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from exporter.records import contract, histogram
 from exporter.records.events import format_comm
-from exporter.sources.bpf import ClockOffset, RingWaiter
+from exporter.sources.bpf import ClockOffset, Program, RingWaiter
 from exporter.sources.loader import LoaderSource
 from exporter.sources.nccl import libfind
 from exporter.sources.nccl.probes import NcclProbes
@@ -67,47 +71,75 @@ class AgentConfig:
     owner_window: float | None = None
 
 
+@dataclass(frozen=True)
+class Source:
+    """One row of SOURCES: how the agent loads a source and where its records go."""
+
+    name: str  # the agent's attribute: agent.<name>
+    load: Callable[["Agent"], Any]  # the loaded source (a later row may use an earlier one)
+    # A load failure is a warning with this explanation and the source is None;
+    # without one, it stops the agent.
+    optional: Callable[["Agent"], str] | None = None
+    # The agent method its records go to (source.on_event), where it has on_event.
+    events: str | None = None
+    # The NcclCollector keyword it is passed as (sinks/prometheus.py reads it at scrape time).
+    collector: str | None = None
+    # Families of its own for /metrics: metrics(source, node) -> prometheus_client metrics.
+    metrics: Callable[[Any, str], Iterable] | None = None
+
+
+def _sched(agent: "Agent"):
+    """--sched waits: bpf/sched.c; otherwise the kernel's per-thread totals from /proc."""
+    if agent.config.sched_waits:
+        return SchedSource(agent.clock)
+    agent.reader.sched_waits = False
+    schedstat = check_schedstat()
+    if not schedstat.ok:
+        log.warning("%s", schedstat.detail)
+    return SchedTotals(agent.reader.traced_pids, agent.reader.call_threads)
+
+
+# Every source the agent loads, in load order, and where its records go: the
+# one place that wires a source in (docs/architecture.md, "Where a new thing
+# goes"). The NCCL source comes first: it owns the maps the others share
+# (bpf/traced.h). Closed in the reverse order.
+SOURCES: list[Source] = [
+    Source("probes", lambda a: NcclProbes(series_capacity=a.config.series_capacity)),
+    Source("reader", lambda a: NcclReader(a.probes, a.clock), events="_dispatch", collector="nccl"),
+    Source("tcp", lambda a: TcpSource(a.clock), events="_dispatch_kernel", collector="tcp"),
+    Source("sched", _sched, events="_dispatch_kernel", collector="sched"),
+    # GPU time from the profiler plugin (bpf/plugin.c): optional, never fatal.
+    Source("plugin", lambda a: PluginSource(a.clock), events="_dispatch_kernel", collector="plugin",
+           optional=lambda a: "GPU time off: the profiler plugin source did not load"),
+    # Library discovery as a reaction to mapping (bpf/loader.c); without it
+    # a /proc rescan timer (LibraryWatcher) is the fallback.
+    Source("loader", lambda a: LoaderSource(), events="_loader_event",
+           optional=lambda a: f"library discovery falls back to a {a.config.rescan_interval:.1f} s /proc "
+                              "rescan: the loader source did not load"),
+]
+
+
 class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
         self.lock = threading.Lock()  # BCC objects: attach and prune vs. scrape
         self.clock = ClockOffset()
-        # The NCCL source first: it owns the maps the others share (bpf/traced.h).
         histogram.select(config.histogram_resolution)  # into bpf/nccl.c's generated header
-        self.probes = NcclProbes(series_capacity=config.series_capacity)
-        self.reader = NcclReader(self.probes, self.clock)
-        self.tcp = TcpSource(self.clock)
-        if config.sched_waits:
-            self.sched = SchedSource(self.clock)
-        else:
-            self.sched = SchedTotals(self.reader.traced_pids, self.reader.call_threads)
-            self.reader.sched_waits = False
-            schedstat = check_schedstat()
-            if not schedstat.ok:
-                log.warning("%s", schedstat.detail)
+        self.listeners: list = []  # callables taking a CallEvent, TcpEvent, SchedEvent or GpuCall
+        self.slow = None  # exporter.sinks.slow.SlowCallPolicy, set by whoever wants slow-call events
         self._next_poll = 0.0
-        self.processes = ProcessTable(self.probes)
-        # GPU time from the profiler plugin (bpf/plugin.c): optional, never fatal.
-        self.plugin = None
         self._next_plugin_scan = 0.0
-        try:
-            self.plugin = PluginSource(self.clock)
-        except Exception as e:
-            log.warning("GPU time off: the profiler plugin source did not load: %s", str(e).splitlines()[0])
-        # Library discovery as a reaction to mapping (bpf/loader.c); without it
-        # a /proc rescan timer (LibraryWatcher) is the fallback.
-        self.loader = None
         self._mapped: set[int] = set()  # pids that mapped or exec'd since the last step
         self._exec: set[int] = set()
         self._scanner = libfind.ProcessScanner()
+        self.loaded: list[Source] = []  # the rows of SOURCES loaded, in order
         try:
-            self.loader = LoaderSource()
-            self.loader.on_event(self._loader_event)
-        except Exception as e:
-            log.warning("library discovery falls back to a %.1f s /proc rescan: the loader source did "
-                        "not load: %s", config.rescan_interval, str(e).splitlines()[0])
-        self.listeners: list = []  # callables taking a CallEvent, TcpEvent, SchedEvent or GpuCall
-        self.slow = None  # exporter.sinks.slow.SlowCallPolicy, set by whoever wants slow-call events
+            for row in SOURCES:
+                self._load(row)
+        except BaseException:
+            self._close_sources()
+            raise
+        self.processes = ProcessTable(self.probes)
         self._found: queue.Queue = queue.Queue()
         # Set once the kernel side is loaded and every library found at start
         # is attached: counting has started (`run` answers /-/ready with 200).
@@ -117,12 +149,6 @@ class Agent:
         self._last_traced = time.monotonic()
         self._next_clock = time.monotonic() + config.clock_interval
         self.events_seen = 0
-        self.reader.on_event(self._dispatch)
-        self.tcp.on_event(self._dispatch_kernel)
-        if config.sched_waits:
-            self.sched.on_event(self._dispatch_kernel)
-        if self.plugin is not None:  # slow GPU operations, once a threshold is set (spans)
-            self.plugin.on_event(self._dispatch_kernel)
         self.waiter = RingWaiter()  # one wait over every program's ring buffers
         for program in self.sources:
             self.waiter.add(program)
@@ -134,11 +160,25 @@ class Agent:
         if config.runq_event_min_ns and config.sched_waits:
             self.sched.set_runq_event_min(config.runq_event_min_ns)
 
+    def _load(self, row: Source) -> None:
+        try:
+            source = row.load(self)
+        except Exception as e:
+            if row.optional is None:
+                raise
+            log.warning("%s: %s", row.optional(self), str(e).splitlines()[0])
+            source = None
+        setattr(self, row.name, source)
+        if source is None:
+            return
+        self.loaded.append(row)
+        if row.events is not None and hasattr(source, "on_event"):
+            source.on_event(getattr(self, row.events))
+
     @property
     def sources(self) -> list:
-        """The loaded BPF programs (SchedTotals is none)."""
-        sched = self.sched if self.config.sched_waits else None
-        return [p for p in (self.probes, self.tcp, sched, self.plugin, self.loader) if p is not None]
+        """The loaded BPF programs (the NCCL reader and SchedTotals are none)."""
+        return [getattr(self, row.name) for row in self.loaded if isinstance(getattr(self, row.name), Program)]
 
     # --- libraries ---------------------------------------------------------
 
@@ -361,11 +401,12 @@ class Agent:
             self._watcher.stop()
         self.waiter.close()
         with self.lock:
-            # Dependents first: they hold references to the NCCL program's maps.
-            if self.loader is not None:
-                self.loader.close()
-            if self.plugin is not None:
-                self.plugin.close()
-            self.sched.close()
-            self.tcp.close()
-            self.probes.close()
+            self._close_sources()
+
+    def _close_sources(self) -> None:
+        """Dependents first: they hold references to the NCCL program's maps."""
+        for row in reversed(self.loaded):
+            close = getattr(getattr(self, row.name), "close", None)
+            if close is not None:
+                close()
+        self.loaded = []

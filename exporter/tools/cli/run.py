@@ -92,10 +92,13 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    from contextlib import ExitStack
+
     from prometheus_client import CollectorRegistry
 
     from exporter.sinks.http import HttpServer, notify_systemd
     from exporter.sinks.recording.schema import RecordingError
+    from exporter.tools.pipeline import Pipeline
 
     cfg = load_config(args.config)
     setup_logging(args.log_level or cfg.get("log_level") or "info")
@@ -103,70 +106,61 @@ def main(args) -> int:
     from exporter.tools.cli.fleet import open_query_endpoint, serve_queries
     queries = open_query_endpoint(args)  # --query-listen: checked and bound before anything starts
     registry = CollectorRegistry(auto_describe=False)
-    try:
-        # /metrics from the start; /-/ready answers 503 until the probes count
-        server = HttpServer(host, port, registry)
-    except OSError as e:
-        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    try:
+    # What is opened is closed in the reverse order, also when a later step
+    # fails: the recorder (its summary), the query endpoint, the spans, the
+    # agent, the HTTP server.
+    with ExitStack() as opened:
+        try:
+            # /metrics from the start; /-/ready answers 503 until the probes count
+            server = HttpServer(host, port, registry)
+        except OSError as e:
+            raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        opened.callback(server.shutdown)
         # --db: every call, and run-queue waits
         agent, node = start_agent(args, cfg, record_all=bool(args.db),
                                    runq_event_min_ns=args.runq_wait_min if args.db else 0)
-    except Exception:
-        server.shutdown()
-        raise
-    from exporter.sinks.prometheus import NcclCollector
-
-    try:
+        opened.callback(agent.close)
+        pipeline = Pipeline(agent, node)
         spans = start_tracing(args, cfg, agent, node)
-    except CliError:
-        agent.close()
-        server.shutdown()
-        raise
-    recorder = None
-    if args.db:
-        try:
-            recorder = open_recorder(args.db, node)
-        except CliError:
-            agent.close()
-            server.shutdown()
-            raise
-        recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
-        # Writing failed (disk full, read-only, locked): one line; the agent keeps
-        # serving, and every event not recorded counts in nccl_exporter_recording_dropped_total.
-        recorder.on_error = lambda message: logging.getLogger("nccl_exporter").error(
-            "%s; metrics are still served, events not recorded are counted in "
-            "nccl_exporter_recording_dropped_total", message)
-        agent.listeners.append(recorder)
-        serve_queries(queries, node)  # the node query endpoint, on the recording
-    registry.register(NcclCollector(node, agent.reader, agent.processes, tcp=agent.tcp,
-                                    sched=agent.sched, spans=spans, lock=agent.lock,
-                                    plugin=agent.plugin, recorder=recorder))
-    shown = "localhost" if host in ("0.0.0.0", "::") else host
-    print(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics",
-          flush=True)
-    stop = stop_on_signals()
-    when_ready(agent, server, node)
-    try:
-        agent.run_until(stop)
-    finally:
-        notify_systemd("STOPPING=1")
-        if recorder is not None:
-            recorder.set_kernel_lost(**agent.kernel_losses())
-        if queries is not None:
-            queries.close()
-        agent.close()
         if spans is not None:
-            spans.close()
-        server.shutdown()
-        if recorder is not None:
-            try:
-                recorder.close()
-            except RecordingError:
-                pass  # already logged when it happened
-            print(f"nccl-exporter: {recorder.summary()}", flush=True)
+            opened.callback(spans.close)
+            pipeline.listen(spans)
+        recorder = None
+        if args.db:
+            recorder = open_recorder(args.db, node)
+            opened.callback(_close_recorder, recorder, RecordingError)
+            recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
+            # Writing failed (disk full, read-only, locked): one line; the agent keeps
+            # serving, and every event not recorded counts in nccl_exporter_recording_dropped_total.
+            recorder.on_error = lambda message: logging.getLogger("nccl_exporter").error(
+                "%s; metrics are still served, events not recorded are counted in "
+                "nccl_exporter_recording_dropped_total", message)
+            pipeline.listen(recorder)
+            serve_queries(queries, node)  # the node query endpoint, on the recording
+        if queries is not None:
+            opened.callback(queries.close)
+        pipeline.serve_metrics(registry, spans=spans, recorder=recorder)
+        shown = "localhost" if host in ("0.0.0.0", "::") else host
+        print(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics",
+              flush=True)
+        stop = stop_on_signals()
+        when_ready(agent, server, node)
+        try:
+            agent.run_until(stop)
+        finally:
+            notify_systemd("STOPPING=1")
+            if recorder is not None:
+                recorder.set_kernel_lost(**agent.kernel_losses())
     print("nccl-exporter: stopped", flush=True)
     return 0
+
+
+def _close_recorder(recorder, recording_error) -> None:
+    try:
+        recorder.close()
+    except recording_error:
+        pass  # already logged when it happened
+    print(f"nccl-exporter: {recorder.summary()}", flush=True)
 
 
 def attach_problems(reports) -> list[str]:
@@ -227,7 +221,8 @@ def parse_thresholds(values) -> dict[str, int]:
 
 
 def start_tracing(args, cfg, agent, node):
-    """Slow-call thresholds, and the span sink when an OTLP endpoint is configured."""
+    """Slow-call thresholds, and the span sink when an OTLP endpoint is
+    configured (the caller attaches it: Pipeline.listen)."""
     from exporter.sinks.slow import SlowCallPolicy
 
     configured = cfg.get("slow_threshold")
@@ -263,6 +258,5 @@ def start_tracing(args, cfg, agent, node):
                     slow=agent.slow.is_slow if agent.config.record_all else None,
                     gpu_slow=(lambda e: e.duration_ns >= policy.threshold_ns(e.op)) if agent.config.record_all else None,
                     comm_id_of=agent.reader.comm_ids.get)
-    agent.listeners.append(sink)
     print(f"spans of slow calls -> {endpoint} (OTLP {protocol})", flush=True)
     return sink

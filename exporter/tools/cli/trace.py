@@ -44,13 +44,14 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     from exporter.sinks.recording.schema import RecordingError
     from exporter.sources.identity import node_name
+    from exporter.tools.pipeline import Pipeline
     from exporter.tools.progress import Progress
 
     setup_logging(args.log_level)
     scope = recording_scope(args)
     recorder = open_recorder(args.out, node_name(args.node), scope) if args.out else None
     try:
-        agent, _node = start_agent(args, {}, record_all=True,
+        agent, node = start_agent(args, {}, record_all=True,
                                     runq_event_min_ns=args.runq_wait_min if args.out else 0)
     except BaseException:
         if recorder is not None:
@@ -67,11 +68,12 @@ def main(args) -> int:
         else:
             print(render.text(event), flush=True)
 
+    pipeline = Pipeline(agent, node)
     if recorder is not None:
         recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
-        agent.listeners.append(recorder)
+        pipeline.listen(recorder)
     else:
-        agent.listeners.append(show)
+        pipeline.listen(show)
     what = f"for {args.duration:g} s" if args.duration else "until Ctrl-C"
     where = f" to {args.out} ({scope.describe()})" if recorder is not None else ""
     print(f"tracing NCCL calls {what}{where}...", file=sys.stderr, flush=True)
