@@ -132,6 +132,11 @@ KINDS = {
 NEEDS_ROOT = {"bpf", "netns"}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/fixtures/metrics.txt from the fake sources (test_sink_http.py)")
+
+
 def pytest_configure(config):
     for name, what in KINDS.items():
         config.addinivalue_line("markers", f"{name}: {what}; applied from the fixture `{name}`")

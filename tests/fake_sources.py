@@ -1,0 +1,197 @@
+"""Sources without a kernel: the records the real sources decode from BPF
+maps, as fixed lists, behind the same methods the sinks call. For tests of
+the sinks that need no root: /metrics serving and the golden exposition
+(tests/test_sink_http.py).
+
+    agent = FakeAgent()                    # what tools/pipeline.py wires
+    Pipeline(agent, "node-a").serve_metrics(registry)
+
+Every family of records/metrics.py gets at least one sample from these
+records (the golden file is checked for it), so a change to a family's
+rendering shows in tests/fixtures/metrics.txt.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from types import SimpleNamespace
+
+from exporter.records import contract, histogram
+from exporter.records.events import (Communicator, GpuInflight, GpuSeries, InflightCall, PluginProcess,
+                                     SchedStats, Series, TcpLink, TcpSrtt)
+from exporter.sources.nccl.maps import AsyncState
+from exporter.sources.nccl.probes import MAP_CAPACITY as NCCL_MAPS
+from exporter.sources.plugin.source import DROPS, MAP_CAPACITY as PLUGIN_MAPS
+from exporter.sources.tcp import MAP_CAPACITY as TCP_MAPS
+
+# The fake job's pid (test_sink_http.py makes the sink see it alive: it shows
+# only communicators and in-flight work of living processes).
+PID = 4242
+NOW_NS = 10_000_000_000_000  # the fixed CLOCK_MONOTONIC of a golden scrape
+COMM = 0xC0FFEE  # the agent's communicator id
+NCCL_HASH = 0x1234_5678_9ABC_DEF0  # NCCL's commHash of it
+
+
+def _buckets(n: int, *hits: tuple[int, int]) -> tuple[int, ...]:
+    out = [0] * n
+    for i, count in hits:
+        out[i] += count
+    return tuple(out)
+
+
+class FakeProgram:
+    """What the sinks read of a BPF program besides its records: map fill and misses."""
+
+    def __init__(self, name: str, capacities: dict, hot: bool = True):
+        self.name = name
+        self.capacities = capacities
+        self.hot = hot
+        self.reports = []
+
+    def entries(self, map_name: str) -> int:
+        return min(3, self.capacities[map_name])
+
+    def recursion_misses(self) -> dict[str, int]:
+        return {f"{self.name}_fn": 0}
+
+
+class FakeProbes(FakeProgram):
+    def __init__(self):
+        super().__init__("nccl", NCCL_MAPS)
+        self.reports = [SimpleNamespace(path="/opt/nccl/lib/libnccl.so.2",
+                                        attached={"ncclAllReduce": "ALL_REDUCE", "ncclSend": "SEND"},
+                                        missing=["ncclGather"], failed={})]
+
+    def __getitem__(self, name: str):
+        if name == "traced_processes":
+            return {SimpleNamespace(value=PID): 1}
+        raise KeyError(name)
+
+
+class FakeNcclReader:
+    """NcclReader's surface: series, errors, in-flight calls, communicators."""
+
+    def __init__(self):
+        self.probes = FakeProbes()
+        self.comm_ids = {NCCL_HASH: COMM}
+        slots = histogram.SLOTS
+        self._series = [
+            Series("ALL_REDUCE", COMM, 0, 2, calls=5, bytes=5 << 20, sum_ns=15_000_000,
+                   buckets=_buckets(slots, (12, 4), (14, 1))),
+            Series("SEND", COMM, 0, 2, calls=2, bytes=4096, sum_ns=40_000, buckets=_buckets(slots, (5, 2))),
+            Series("COMM_INIT_RANK", 0, 0, 2, calls=1, bytes=0, sum_ns=2_000_000, buckets=_buckets(slots, (11, 1))),
+        ]
+
+    def series(self):
+        return list(self._series)
+
+    def errors(self):
+        return {("ALL_REDUCE", "ncclInvalidArgument"): 1}
+
+    def inflight(self):
+        return [InflightCall(tid=PID, op="ALL_REDUCE", comm_hash=COMM, rank=0, nranks=2,
+                             start_ns=NOW_NS - 250_000_000)]
+
+    def communicators(self):
+        return [Communicator(pid=PID, handle=0x5000, comm_hash=COMM, nccl_hash=NCCL_HASH, rank=0, nranks=2)]
+
+    def async_errors(self):
+        return [AsyncState(pid=PID, handle=0x5000, comm_hash=COMM, nccl_hash=NCCL_HASH, rank=0, nranks=2,
+                           result="ncclRemoteError", polls=7, changes=1, changed_ns=NOW_NS - 1, last_ns=NOW_NS)]
+
+    def counters(self):
+        counts = defaultdict(int, {name: 0 for name in contract.COUNTERS})
+        counts.update(EVENTS_LOST=1, RETRANSMIT_HITS=5, RETRANSMIT_SEEN=4)
+        return counts
+
+
+class FakeProcesses:
+    """ProcessTable's surface: a rank and the launcher's identity per pid."""
+
+    def identity(self, pid):
+        return {"launcher": "torchrun", "rank": 0, "world_size": 2}
+
+    def rank_of(self, pid, comms=()):
+        return 0
+
+
+class FakeTcp(FakeProgram):
+    def __init__(self):
+        super().__init__("tcp", TCP_MAPS)
+
+    def labelled(self, rank_label):
+        link = TcpLink(family=2, saddr="198.18.0.6", daddr="198.18.0.7", port=40000, owner=PID,
+                       retransmits=3, failures=1, resets_sent=1, resets_received=2)
+        srtt = TcpSrtt(family=2, saddr="198.18.0.6", daddr="198.18.0.7", port=40000, owner=PID, count=4,
+                       sum_us=800, buckets=_buckets(contract.SRTT_FINITE + 1, (8, 4)))
+        lset = (link.saddr, link.daddr, str(link.port), rank_label(PID))
+        return [(lset, link)], [(lset, srtt)]
+
+
+class FakeSched(FakeProgram):
+    """A SchedTotals-like table (its histogram has its +Inf bucket only)."""
+
+    bounds = ()
+
+    def __init__(self):
+        super().__init__("sched", {}, hot=False)
+
+    def labelled(self, rank_label):
+        return [((rank_label(PID), "caller"),
+                 SchedStats(pid=PID, thread="caller", count=3, sum_ns=3_000_000, offcpu_ns=9_000_000,
+                            buckets=(3,)))]
+
+
+class FakePlugin(FakeProgram):
+    def __init__(self):
+        super().__init__("plugin", PLUGIN_MAPS)
+
+    def series(self):
+        return [GpuSeries("ALL_REDUCE", NCCL_HASH, 0, 2, calls=5, bytes=5 << 20, sum_ns=12_000_000,
+                          buckets=_buckets(histogram.SLOTS, (12, 5)))]
+
+    def inflight(self):
+        return [GpuInflight(pid=PID, id=1, op="ALL_REDUCE", nccl_hash=NCCL_HASH, rank=0, nranks=2, seq=5,
+                            state="running", since_ns=NOW_NS - 100_000_000)]
+
+    def processes(self):
+        return [PluginProcess(pid=PID, first_seen_ns=1, last_seen_ns=2, comms=1, dropped=0, iface_version=7)]
+
+    def drops(self):
+        return {name: 0 for name in DROPS}
+
+
+class FakeSpans:
+    """SpanSink's surface: exemplars and span counts."""
+
+    exemplars = {("ALL_REDUCE", "0000000000c0ffee", 0): ("4bf92f3577b34da6a3ce929d0e0e4736", 187_000_000, 1.7e9)}
+
+    def counts(self):
+        return {"exported": 2, "dropped": 0}
+
+
+class FakeRecorder:
+    def drops(self):
+        return {"queue_full": 0, "write_failed": 1}
+
+
+class FakeAgent:
+    """What tools/pipeline.py reads of an Agent: the SOURCES rows' attributes,
+    the process table and the lock."""
+
+    def __init__(self, **extra):
+        from exporter.tools.agent import SOURCES
+
+        self.lock = threading.Lock()
+        self.listeners: list = []
+        self.processes = FakeProcesses()
+        self.reader = FakeNcclReader()
+        self.probes = self.reader.probes
+        self.tcp = FakeTcp()
+        self.sched = FakeSched()
+        self.plugin = FakePlugin()
+        self.loader = None
+        for name, source in extra.items():
+            setattr(self, name, source)
+        self.loaded = [row for row in SOURCES if getattr(self, row.name, None) is not None]
