@@ -10,7 +10,8 @@ and the median time of one scrape (collect + text exposition [+ gzip]).
 
     .venv/bin/python bench/scrape_bench.py [--reps 7]
 
-Exits 1 if a goal of issue 12 is missed by the default layout:
+Exits 1 if one of these goals (bench/README.md, "Scrape size benchmark") is missed by
+the default layout:
   one 4-rank job x 6 ops on one communicator: < 200 KB plain;
   8 ranks x 3 comms x 3 ops: < 300 KB plain per histogram family,
   < 30 KB gzipped, < 50 ms per scrape.

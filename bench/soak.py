@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Soak: one agent (`nccl-exporter run`) while many short simulator jobs run
-back to back, each with a new communicator (issue 12).
+back to back, each with a new communicator (bench/README.md, "Soak").
 
 Every job is checked: its ALL_REDUCE calls on /metrics (its own series plus
 what the overflow series gained during it) must equal the simulator's own

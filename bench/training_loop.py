@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the agent and the profiler plugin cost a training loop (issue 11).
+"""What the agent and the profiler plugin cost a training loop.
 
 A fixed workload on the simulator in its GPU-like mode: 8 ranks (network
 namespaces), each iteration "computes" 10 ms and then enqueues a 1 MB
@@ -16,7 +16,7 @@ The figure is the loop's time per iteration from the simulator's own truth
 (per rank: first AllReduce entry to last AllReduce return, over the
 iterations; the median rank), so process start-up and rendezvous are not
 in it. The conditions run --reps times in a rotating order; a round's ratio
-is its condition / the `none` run of the same round. Goal (issue 11): < 0.5 %,
+is its condition / the `none` run of the same round. Goal: < 0.5 %,
 judged on the mean of the rounds' agent/none ratios: "met" only when the
 upper end of its 90 % bootstrap interval is below +0.5 %, "MISSED" when the
 lower end is at or above it, else "not resolved" (the median and quartiles
@@ -66,7 +66,7 @@ COUNT = 262_144  # floats: 1 MB
 KERNEL_US = 1000  # the simulated GPU spends at least this long per AllReduce
 
 
-GOAL = 0.005  # issue 11: agent + plugin cost the loop < 0.5 %
+GOAL = 0.005  # agent + plugin cost the loop < 0.5 % (bench/README.md, "Training-loop overhead")
 
 
 def bootstrap_ci(ratios: list[float], level: float = 0.90, resamples: int = 4000) -> tuple[float, float]:

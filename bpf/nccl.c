@@ -71,7 +71,8 @@ struct comm_info {
 };
 
 
-// The last ncclCommGetAsyncError result of a communicator (issue 11 §3). The
+// The last ncclCommGetAsyncError result of a communicator (docs/metrics.md,
+// "NCCL 2.28–2.32 calls"). The
 // watchdog of PyTorch polls it many times a second: each poll only updates
 // this entry (no event); user space exports the result and the poll count.
 struct async_state {

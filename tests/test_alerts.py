@@ -135,7 +135,7 @@ def test_alert_expressions_use_contract_names_and_labels():
 
 def test_gpu_time_where_the_plugin_is_active_else_host_time():
     """One `or` per series, GPU first, for the collective time, and the alerts
-    that judge durations read it (issue 11: p99, straggler, hang)."""
+    that judge durations read it (p99, straggler, hang: docs/alerts.md)."""
     rec = {r["record"]: r["expr"] for r in recording_rules()}
     for part in ("bucket", "sum", "count"):
         expr = rec[f"nccl:collective_time_seconds_{part}:rate5m"]

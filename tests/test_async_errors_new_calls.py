@@ -1,4 +1,4 @@
-"""NCCL 2.28-2.32 calls (issue 11 section 3): ncclCommGetAsyncError's state per
+"""NCCL 2.28-2.32 calls (docs/metrics.md, "NCCL 2.28–2.32 calls"): ncclCommGetAsyncError's state per
 communicator, the fault-tolerance lifecycle, one-sided and registration calls.
 
 - On the simulator: three ranks, one killed; the survivors' next call on the

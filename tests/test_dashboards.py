@@ -198,7 +198,7 @@ def test_the_contract_check_can_fail():
 
 
 def test_gpu_time_panels():
-    """Issue 11: GPU vs host time per op and rank, busbw from the recording
+    """GPU vs host time per op and rank (docs/dashboards.md), busbw from the recording
     rules, and the processes without the profiler plugin visible."""
     fleet = panels(load(DASHBOARD_DIR / "nccl-fleet-overview.json"))
     by_title = {p["title"]: p for p in fleet}

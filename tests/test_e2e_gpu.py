@@ -1,4 +1,4 @@
-"""End to end in the simulator's GPU-like mode (issue 11, part 4): the real
+"""End to end in the simulator's GPU-like mode (docs/simulator.md): the real
 `nccl-exporter run` (uprobes on the simulated libnccl, BPF hooks on the
 profiler plugin it builds) while a 2-rank job runs in network namespaces with
 NCCL_SIM_GPU=1 and the plugin loaded the way NCCL loads it.

@@ -159,7 +159,7 @@ def test_quantile_edge_cases():
 
 
 def test_scrape_size_budget():
-    """Issue 12's byte budgets, built by the real collector (bench/scrape_bench.py):
+    """The scrape's byte budgets (bench/README.md), built by the real collector (bench/scrape_bench.py):
     an 8-GPU node (8 ranks x 3 communicators x 3 ops) under 300 KB plain and
     30 KB gzipped for the duration family, one 4-rank job x 6 ops under 200 KB.
     Sizes only: the timings live in the bench."""

@@ -1,4 +1,4 @@
-"""A split communicator's rank reaches the recording (issue 12, item 6): its
+"""A split communicator's rank reaches the recording: its
 first event (the ncclCommSplit that made it) has rank -1, the rank is learnt
 when the program asks (ncclCommUserRank); the communicators row must not keep -1."""
 

@@ -1,5 +1,5 @@
 """exporter/sinks/slow.py: relative thresholds are set from recent calls and
-cleared again (issue 12, item 6: once set, one never cleared)."""
+cleared again (a threshold once set was never cleared)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Many short jobs under one agent (issue 12): series (and the jobs'
+"""Many short jobs under one agent (docs/metrics.md, "Series lifecycle"): series (and the jobs'
 tcp_srtt / sched_stats entries) leave the kernel maps and /metrics after
 --series-ttl, a full series map counts calls in the overflow series (never
 uncounted), and every job's counts stay exact.

@@ -1,5 +1,5 @@
 """User space marks a process's threads traced without a read-modify-write of
-the traced_threads bitmap that the kernel updates atomically (issue 12, item 6):
+the traced_threads bitmap that the kernel updates atomically:
 a bit the kernel set or cleared between user space's read and write was lost."""
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ LIFECYCLE_OPS = {
     26: "GROUP_END",
     27: "COMM_COUNT",
     28: "COMM_USER_RANK",
-    # NCCL 2.28-2.32 additions (issue 11 section 3). COMM_GET_ASYNC_ERROR is
+    # NCCL 2.28-2.32 additions (docs/metrics.md, "NCCL 2.28–2.32 calls"). COMM_GET_ASYNC_ERROR is
     # polled (PyTorch's watchdog): its series counts the polls; its result is
     # kept per communicator in the kernel (async_errors), never sent as an event.
     29: "COMM_GET_ASYNC_ERROR",

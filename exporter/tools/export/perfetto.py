@@ -35,19 +35,15 @@ from exporter.tools.analysis.skew import SYNC_OPS
 _SYNC = frozenset(SYNC_OPS)
 
 
-def _us(ns: int) -> float:
-    return round(ns / 1000.0, 3)
+json_string = json.encoder.encode_basestring_ascii  # C: a JSON string literal
 
 
-_str = json.encoder.encode_basestring_ascii  # C: a JSON string literal
-
-
-def _j(v) -> str:
+def json_value(v) -> str:
     """A JSON literal for an int, a str or None (the hot paths format lines themselves)."""
     if v is None:
         return "null"
     if isinstance(v, str):
-        return _str(v)
+        return json_string(v)
     return str(v)
 
 
@@ -136,9 +132,9 @@ def export(conn: sqlite3.Connection, out, align: bool = True) -> dict:
             f"kind, {runq} FROM nccl_events ORDER BY node, pid, timestamp_ns"):
         p, t = track(node, pid)
         start = ts - offsets[node] - origin
-        raw(f'{{"ph":"X","name":{_str(op)},"cat":{_str(kind)},"pid":{p},"tid":{t},"ts":{start / 1000:.3f},'
-            f'"dur":{dur / 1000:.3f},"args":{{"comm":{_j(comm)},"seq":{_j(seq)},"rank":{_j(rank)},'
-            f'"nranks":{_j(nranks)},"bytes":{_j(nbytes)},"count":{_j(count)},"duration_ms":{dur / 1e6:.6f},'
+        raw(f'{{"ph":"X","name":{json_string(op)},"cat":{json_string(kind)},"pid":{p},"tid":{t},"ts":{start / 1000:.3f},'
+            f'"dur":{dur / 1000:.3f},"args":{{"comm":{json_value(comm)},"seq":{json_value(seq)},"rank":{json_value(rank)},'
+            f'"nranks":{json_value(nranks)},"bytes":{json_value(nbytes)},"count":{json_value(count)},"duration_ms":{dur / 1e6:.6f},'
             f'"thread":{tid}' + ("}}" if rq is None else f',"runq_wait_ms":{rq / 1e6:.6f}}}}}'))
         counts["slices"] += 1
         if op in _SYNC and seq is not None and comm and comm != "unknown":
@@ -150,7 +146,7 @@ def export(conn: sqlite3.Connection, out, align: bool = True) -> dict:
             continue
         arr.sort()
         flow_id += 1
-        name = _str(f"{key[1]} #{key[2]}")
+        name = json_string(f"{key[1]} #{key[2]}")
         last = len(arr) - 1
         for i, (start, p, t) in enumerate(arr):
             # "f" binds to the enclosing slice (the last arriver's call): "bp":"e"
@@ -169,17 +165,17 @@ def export(conn: sqlite3.Connection, out, align: bool = True) -> dict:
                 f"ORDER BY node, pid, timestamp_ns"):
             p, t = track(node, pid)
             raw(f'{{"ph":"X","name":"runq wait","cat":"sched","pid":{p},"tid":{t if th == "caller" else t + 1},'
-                f'"ts":{(ts - offsets[node] - origin) / 1000:.3f},"dur":{dur / 1000:.3f},"args":{{"thread":{_j(th)},'
-                f'"tid":{_j(tid)},"comm":{_j(comm_name)},"wait_ms":{dur / 1e6:.6f}}}}}')
+                f'"ts":{(ts - offsets[node] - origin) / 1000:.3f},"dur":{dur / 1000:.3f},"args":{{"thread":{json_value(th)},'
+                f'"tid":{json_value(tid)},"comm":{json_value(comm_name)},"wait_ms":{dur / 1e6:.6f}}}}}')
             counts["runq_slices"] += 1
 
     for ts, event, node, pid, saddr, sport, daddr, dport, state in conn.execute(
             "SELECT timestamp_ns, event, node, pid, saddr, sport, daddr, dport, state FROM tcp_events "
             "WHERE pid IS NOT NULL ORDER BY node, timestamp_ns"):
         p, t = track(node, pid)
-        raw(f'{{"ph":"i","s":"t","name":{_str(event.replace("tcp_", "").replace("_skb", ""))},"cat":"tcp",'
+        raw(f'{{"ph":"i","s":"t","name":{json_string(event.replace("tcp_", "").replace("_skb", ""))},"cat":"tcp",'
             f'"pid":{p},"tid":{t},"ts":{(ts - offsets[node] - origin) / 1000:.3f},'
-            f'"args":{{"link":{_str(f"{saddr}:{sport}→{daddr}:{dport}")},"state":{_j(state)},"event":{_j(event)}}}}}')
+            f'"args":{{"link":{json_string(f"{saddr}:{sport}→{daddr}:{dport}")},"state":{json_value(state)},"event":{json_value(event)}}}}}')
         counts["instants"] += 1
 
     w.close({"origin_ns": origin, "aligned": bool(align),
