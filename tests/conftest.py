@@ -375,8 +375,7 @@ class ExporterProcess(Exporter):
         args = ["--node", node, "--log-level", "info", *extra_args]
         for lib in nccl_libs:
             args += ["--nccl-lib", str(lib)]
-        super().__init__(*args, start_timeout=startup_timeout, stop_timeout=15,
-                         stop_signal=signal.SIGINT)
+        super().__init__(*args, start_timeout=startup_timeout, stop_signal=signal.SIGINT)
 
     def text(self) -> str:
         return Exporter.scrape(self)
