@@ -47,6 +47,14 @@
 #define NCCL_EXPORTER_F_OFFSET_COARSE 0x10 /* fewer than 2 clock samples behind the mapping */
 #define NCCL_EXPORTER_F_FINALIZED 0x20     /* abandoned because the communicator was finalized */
 #define NCCL_EXPORTER_F_AGED 0x40          /* abandoned because it exceeded the maximum age */
+/* A done record whose GPU interval is implausible against the host's own
+ * times (docs/plugin.md, "Implausible GPU intervals"); the agent counts it by
+ * reason instead of putting it in the histograms.  At most one is set. */
+#define NCCL_EXPORTER_F_REJECT_LONG 0x80     /* GPU interval longer than host enqueue .. delivery + clock error */
+#define NCCL_EXPORTER_F_REJECT_EARLY 0x100   /* GPU start before the host enqueue by more than the clock error */
+#define NCCL_EXPORTER_F_REJECT_REVERSED 0x200 /* latest stop timer before the earliest start timer */
+#define NCCL_EXPORTER_F_REJECTED \
+  (NCCL_EXPORTER_F_REJECT_LONG | NCCL_EXPORTER_F_REJECT_EARLY | NCCL_EXPORTER_F_REJECT_REVERSED)
 
 struct nccl_exporter_record {
   uint32_t version;            /*   0 NCCL_EXPORTER_RECORD_VERSION */

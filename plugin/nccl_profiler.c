@@ -43,8 +43,11 @@
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
 
-/* What we ask NCCL for. */
+/* What we ask NCCL for.  Never KernelPhase (bit 15, v7): on NCCL 2.31 it
+ * costs 4-13 % of GPU time (NVIDIA/nccl#2355); a chained plugin that asks
+ * for it gets it, with one WARN line (merge_masks). */
 #define OUR_MASK (NXP_EV_COLL | NXP_EV_P2P | NXP_EV_KERNEL_CH)
+_Static_assert((OUR_MASK & NXP_EV_KERNEL_PHASE) == 0, "never ask for KernelPhase events");
 
 _Static_assert(sizeof(struct nccl_exporter_record) == 144, "record layout");
 _Static_assert(offsetof(struct nccl_exporter_record, comm_hash) == 16, "record layout");
@@ -129,6 +132,7 @@ struct slot {
   _Atomic uint32_t flags;
   _Atomic uint64_t min_start, max_stop;
   _Atomic uint64_t first_start_host;
+  _Atomic uint64_t first_start_timer; /* pTimer of the first KernelCh start delivered */
   uint64_t created;         /* mono ns */
   struct nccl_exporter_record rec; /* the static part, filled at start */
 };
@@ -154,10 +158,12 @@ static struct {
   uint32_t nwraps;
   _Atomic uint32_t wcursor;
   _Atomic uint64_t next_id;
-  _Atomic uint64_t dropped, stale, abandoned, completed, wrap_dropped;
+  _Atomic uint64_t dropped, stale, abandoned, completed, wrap_dropped, rejected;
   _Atomic uint64_t last_sweep;
   uint64_t max_age_ns;
   uint64_t window_ns;
+  uint64_t clock_err_ns;    /* tolerance of the plausibility checks (judge) */
+  _Atomic int phase_warned; /* the chained plugin's KernelPhase WARN was logged */
   int log_fd;
   int ncomms;
   /* chain */
@@ -404,7 +410,7 @@ static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t
   r.flags |= extra_flags;
   if (state == NCCL_EXPORTER_STATE_DONE) {
     uint64_t fsh = atomic_load_explicit(&s->first_start_host, memory_order_relaxed);
-    if (fsh && r.gpu_stop_timer > r.gpu_start_timer &&
+    if (fsh && !(extra_flags & NCCL_EXPORTER_F_REJECTED) && r.gpu_stop_timer > r.gpu_start_timer &&
         (now - fsh) + 20000 < r.gpu_stop_timer - r.gpu_start_timer)
       r.flags |= NCCL_EXPORTER_F_START_LATE;
     atomic_fetch_add_explicit(&G.completed, 1, memory_order_relaxed);
@@ -503,6 +509,7 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   atomic_store_explicit(&s->min_start, UINT64_MAX, memory_order_relaxed);
   atomic_store_explicit(&s->max_stop, 0, memory_order_relaxed);
   atomic_store_explicit(&s->first_start_host, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->first_start_timer, 0, memory_order_relaxed);
 
   struct nccl_exporter_record *r = &s->rec;
   memset(r, 0, sizeof *r);
@@ -561,10 +568,12 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
     atomic_fetch_add_explicit(&s->refs, 1, memory_order_acq_rel);
   }
   if (n == 0) {
-    /* One host clock read per operation start (not per channel): a clock
-     * sample for the offset estimator, and the RUNNING hook's time. */
+    /* One host clock read per operation start (not per channel): the RUNNING
+     * hook's time, and a clock sample kept until the operation ends (judge():
+     * only a plausible interval's timers feed the offset estimator). */
     uint64_t now = mono_ns();
-    clk_sample(&c->clk, e->ptimer, now);
+    (void)c;
+    atomic_store_explicit(&s->first_start_timer, e->ptimer, memory_order_relaxed);
     atomic_store_explicit(&s->first_start_host, now, memory_order_relaxed);
     struct nccl_exporter_record r;
     snapshot(s, &r, NCCL_EXPORTER_STATE_RUNNING, now);
@@ -573,6 +582,44 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
   }
   uint32_t idx = (uint32_t)(((uintptr_t)e->parent >> 9) & 0x7fffffu);
   return h_make(idx, (uint32_t)((uintptr_t)e->parent >> 32), 1 + (e->channel & 0xff));
+}
+
+/* Is the finished operation's GPU interval plausible against the host's own
+ * times?  0, or the one NCCL_EXPORTER_F_REJECT_* reason (docs/plugin.md,
+ * "Implausible GPU intervals").  NCCL >= 2.29 maps KernelCh timers onto the
+ * wrong operation after a Broadcast it ran without an activation mask
+ * (NCCL_ALLGATHERV_ENABLE=1, the default: NVIDIA/nccl#2368): seconds-long
+ * intervals, starts long before the operation was enqueued, stops before
+ * starts.  Checked in this order:
+ *   REVERSED  latest stop timer < earliest start timer;
+ *   LONG      stop - start > (now - host enqueue) + E: the GPU cannot have
+ *             worked longer than the host knew of the operation (needs no
+ *             clock mapping; drift over one interval is ppm);
+ *   EARLY     the start mapped to CLOCK_MONOTONIC lies more than E before the
+ *             host enqueue.  The mapping is the offset estimate including this
+ *             operation's own two samples: it errs late, never early, except by
+ *             drift staleness (2 windows x drift).
+ * E = clock_err_ns: 100 us + 2 windows x 500 ppm (300 us at 200 ms windows),
+ * or NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US. */
+static uint32_t judge(struct slot *s, uint64_t last_ptimer, uint64_t now) {
+  uint64_t a = atomic_load_explicit(&s->min_start, memory_order_relaxed);
+  uint64_t b = atomic_load_explicit(&s->max_stop, memory_order_relaxed);
+  if (a == UINT64_MAX || !b) return 0; /* nothing to judge (no start timer seen) */
+  if (b < a) return NCCL_EXPORTER_F_REJECT_REVERSED;
+  uint64_t enq = s->rec.host_enqueue_mono_ns;
+  if (b - a > (now - enq) + G.clock_err_ns) return NCCL_EXPORTER_F_REJECT_LONG;
+  int64_t off = (int64_t)(now - last_ptimer);
+  uint64_t fst = atomic_load_explicit(&s->first_start_timer, memory_order_relaxed);
+  uint64_t fsh = atomic_load_explicit(&s->first_start_host, memory_order_relaxed);
+  if (fsh && (int64_t)(fsh - fst) < off) off = (int64_t)(fsh - fst);
+  struct clk *c = &s->ctx->clk;
+  if (atomic_load_explicit(&c->nsamples, memory_order_relaxed)) {
+    int64_t est = clk_offset(c);
+    if (est < off) off = est;
+  }
+  uint64_t start_mono = a + (uint64_t)off;
+  if (start_mono + G.clock_err_ns < enq) return NCCL_EXPORTER_F_REJECT_EARLY;
+  return 0;
 }
 
 static void ours_kch_stop_state(void *h, uint64_t ptimer) {
@@ -586,10 +633,18 @@ static void ours_kch_stop_state(void *h, uint64_t ptimer) {
   uint32_t n = atomic_fetch_add_explicit(&s->stopped, 1, memory_order_acq_rel) + 1;
   uint32_t started = atomic_load_explicit(&s->started, memory_order_acquire);
   uint32_t want = s->rec.nchannels > started ? s->rec.nchannels : started;
-  if (n == want) { /* the last channel: one clock read/sample per operation end */
+  if (n == want) { /* the last channel: one clock read per operation end */
     uint64_t now = mono_ns();
-    clk_sample(&s->ctx->clk, ptimer, now);
-    finish(s, NCCL_EXPORTER_STATE_DONE, 0, now);
+    uint32_t reject = judge(s, ptimer, now);
+    if (!reject) { /* the operation's two clock samples: its first start and its last stop */
+      uint64_t fst = atomic_load_explicit(&s->first_start_timer, memory_order_relaxed);
+      uint64_t fsh = atomic_load_explicit(&s->first_start_host, memory_order_relaxed);
+      if (fsh) clk_sample(&s->ctx->clk, fst, fsh);
+      clk_sample(&s->ctx->clk, ptimer, now);
+    } else {
+      atomic_fetch_add_explicit(&G.rejected, 1, memory_order_relaxed);
+    }
+    finish(s, NCCL_EXPORTER_STATE_DONE, reject, now);
   }
 }
 
@@ -657,6 +712,10 @@ static int types_for_mask(int m) {
 
 static void merge_masks(void) {
   int cm = __atomic_load_n(&G.chain_mask, __ATOMIC_RELAXED);
+  if (UNLIKELY(cm & NXP_EV_KERNEL_PHASE) && !atomic_exchange(&G.phase_warned, 1))
+    logmsg(NXP_LOG_WARN, "nccl-exporter profiler: the chained plugin %s asks for KernelPhase events (its mask 0x%x); "
+           "NCCL 2.31 spends 4-13 %% more GPU time with them (NVIDIA/nccl#2355). nccl-exporter never asks for them",
+           G.chain && G.chain->name ? G.chain->name : "?", cm);
   int seen = atomic_exchange(&G.chain_mask_seen, cm);
   atomic_store(&G.chain_types, types_for_mask(cm));
   if (G.nccl_mask) {
@@ -883,6 +942,9 @@ static void global_init(nxp_logger_t logfn) {
   G.logfn = logfn;
   G.max_age_ns = env_u64("NCCL_EXPORTER_PROFILER_MAX_AGE_S", 300, 1, 86400 * 365) * 1000000000ull;
   G.window_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_WINDOW_MS", 200, 10, 3600000) * 1000000ull;
+  /* 100 us (timer resolution, poll jitter) + 2 windows of 500 ppm drift */
+  G.clock_err_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US", 100 + G.window_ns / 1000000ull, 1,
+                           3600000000ull) * 1000ull;
   G.nslots = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL", 4096, 16, MAX_POOL);
   G.slots = calloc(G.nslots, sizeof *G.slots);
   if (!G.slots) {
@@ -986,9 +1048,10 @@ static nxp_result_t common_finalize(void *context) {
   if (G.log_fd >= 0) {
     char line[320];
     int n = snprintf(line, sizeof line, "nccl-exporter-profiler event=finalize comm=0x%016" PRIx64 " rank=%d pending=%" PRIu64
-                     " completed=%" PRIu64 " abandoned=%" PRIu64 " dropped=%" PRIu64 " stale=%" PRIu64 " pid=%d\n",
+                     " completed=%" PRIu64 " abandoned=%" PRIu64 " dropped=%" PRIu64 " stale=%" PRIu64 " rejected=%" PRIu64
+                     " pid=%d\n",
                      c->comm_hash, c->rank, pending, atomic_load(&G.completed), atomic_load(&G.abandoned),
-                     atomic_load(&G.dropped), atomic_load(&G.stale), (int)getpid());
+                     atomic_load(&G.dropped), atomic_load(&G.stale), atomic_load(&G.rejected), (int)getpid());
     if (n > 0 && write(G.log_fd, line, (size_t)n) < 0) { /* best effort */ }
   }
   pthread_mutex_lock(&G.lock);

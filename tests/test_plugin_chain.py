@@ -245,3 +245,65 @@ def test_builder_rebuilds_only_when_stale(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError) as e:
         build_plugin(tmp_path)
     assert str(e.value).startswith("gcc failed building libnccl-profiler-exporter.so") and "\n" not in str(e.value)
+
+
+# --- implausible GPU intervals (docs/plugin.md, "Implausible GPU intervals") ----------
+
+REJECT = {"long": 0x80, "early": 0x100, "reversed": 0x200}
+
+
+@pytest.mark.parametrize("kind", sorted(REJECT))
+def test_implausible_intervals_are_flagged_and_keep_out_of_the_clock(bins, tmp_path, kind):
+    """Every 4th kernel delivers timers that cannot be right (driver.c,
+    DRIVER_IMPLAUSIBLE): stops 5 s in the future, both timers 5 s early, or
+    stops before starts. Each such record carries its one reason flag, no
+    other record carries any, and the plausible records' mapping to
+    CLOCK_MONOTONIC stays exact: the rejected timers fed no clock sample (a
+    stop 5 s in the future would otherwise move every later mapping 5 s)."""
+    res = run(bins, 7, "ops", 60, tmp=tmp_path,
+              env={"DRIVER_IMPLAUSIBLE_EVERY": "4", "DRIVER_IMPLAUSIBLE": kind})
+    by = done_by_key(res)
+    bad = [t for t in res["truth"] if t["implausible"] == kind]
+    assert len(bad) == 15
+    errs = []
+    for t in res["truth"]:
+        flags = int(by[key(t)]["flags"], 16)
+        if t["implausible"] == kind:
+            assert flags & 0x380 == REJECT[kind], (t, hex(flags))
+            assert not flags & F_START_LATE
+        else:
+            assert flags & 0x380 == 0, (t, hex(flags))
+            errs.append(abs(int(by[key(t)]["gpu_start_mono_ns"]) - int(t["start_mono"])))
+    assert max(errs) < 50_000, max(errs)
+    fin = [r for r in res["recs"] if r.get("event") == "finalize"]
+    assert int(fin[-1]["rejected"]) == 15
+
+
+def test_plausible_intervals_pass_under_drift_and_late_starts(bins, tmp_path):
+    """The checks' tolerance (100 us + 2 windows x 500 ppm) holds every honest
+    interval: late start deliveries, -500 ppm drift, 10 ms windows."""
+    res = run(bins, 4, "ops", 120, tmp=tmp_path,
+              env={"DRIVER_DRIFT_PPM": "-500", "NCCL_EXPORTER_PROFILER_CLOCK_WINDOW_MS": "10"})
+    assert [r["flags"] for r in done_by_key(res).values() if int(r["flags"], 16) & 0x380] == []
+
+
+# --- KernelPhase (v7 bit 15) ------------------------------------------------------------
+
+def test_kernel_phase_never_asked_and_a_chained_request_warned_once(bins, tmp_path):
+    """nccl-exporter never asks for KernelPhase events (NCCL 2.31 spends 4-13 %
+    more GPU time with them); a chained plugin that does gets them, and the
+    plugin says so once, as a WARN through NCCL's logger, for both communicators."""
+    alone = run(bins, 7, "ops", 10, tmp=tmp_path)
+    assert alone["masks"] and all(m & 0x8000 == 0 for m in alone["masks"])
+    assert "KernelPhase" not in alone["stderr"]
+    plain = run(bins, 7, "ops", 10, tmp=tmp_path,
+                env={"NCCL_EXPORTER_PROFILER_CHAIN": str(bins["chained"]), "CHAINED_OUT": str(tmp_path / "c0.txt")})
+    assert "KernelPhase" not in plain["stderr"] and all(m & 0x8000 == 0 for m in plain["masks"])
+    res = run(bins, 7, "ops", 10, tmp=tmp_path,
+              env={"NCCL_EXPORTER_PROFILER_CHAIN": str(bins["chained"]), "CHAINED_OUT": str(tmp_path / "c.txt"),
+                   "CHAINED_MASK": "8108"})
+    warns = [l for l in res["stderr"].splitlines() if "KernelPhase" in l]
+    assert len(warns) == 1 and warns[0].startswith("NCCL-LOG[2]"), res["stderr"]
+    assert "0x8108" in warns[0]
+    assert res["masks"][-1] & 0x8000 and res["masks"][-1] & 0x46 == 0x46
+    assert res["stats"]["completed"] == "10"

@@ -9,7 +9,12 @@
  *  - a NULL handle suppresses every later call for that event;
  *  - finalize with KernelCh work pending (no stopEvent for it);
  *  - nranks = 1 gives no events at all;
- *  - v4/v5 descriptors are not zeroed (garbage in the fields of other types).
+ *  - v4/v5 descriptors are not zeroed (garbage in the fields of other types);
+ *  - with DRIVER_IMPLAUSIBLE_EVERY=N and DRIVER_IMPLAUSIBLE=long|early|reversed,
+ *    every N-th kernel delivers timers that cannot be right (as NCCL >= 2.29
+ *    does after a Broadcast run without an activation mask): stop timers
+ *    5 s in the future (long), both timers 5 s early (early), or stops before
+ *    starts (reversed).  Its truth line says implausible=<kind>.
  * The GPU timer is a synthetic %globaltimer: CLOCK_MONOTONIC + a large offset,
  * drifting by DRIVER_DRIFT_PPM.
  *
@@ -143,12 +148,23 @@ static void push(struct work *w) {
   pthread_mutex_unlock(&qm);
 }
 
+static int nwork;
 static void run_work(struct work *w) {
   uint64_t ts = mono();
   uint64_t te = ts + w->dur_ns;
   void *kh[64] = {0};
   uint64_t st[64], sp[64];
   for (int c = 0; c < w->nch; c++) { st[c] = ts + (uint64_t)c * 300; sp[c] = te - (uint64_t)c * 200; }
+  /* timers as delivered (gpu_timer(st + dst) / gpu_timer(sp + dsp)): see DRIVER_IMPLAUSIBLE */
+  int every = getenv("DRIVER_IMPLAUSIBLE_EVERY") ? atoi(getenv("DRIVER_IMPLAUSIBLE_EVERY")) : 0;
+  const char *bad = (every > 0 && nwork++ % every == every - 1) ? getenv("DRIVER_IMPLAUSIBLE") : NULL;
+  int64_t dst = 0, dsp = 0;
+  if (bad && !strcmp(bad, "long")) dsp = 5000000000ll;
+  else if (bad && !strcmp(bad, "early")) dst = dsp = -5000000000ll;
+  else if (bad && !strcmp(bad, "reversed")) dsp = -(int64_t)(te - ts) - 1000;
+  else bad = NULL;
+#define TIMER_START(c) gpu_timer((uint64_t)((int64_t)st[c] + dst))
+#define TIMER_STOP(c) gpu_timer((uint64_t)((int64_t)sp[c] + dsp))
   descr_u d;
   if (w->proxy) { /* ProxyOp per channel, parent Coll, started by the proxy thread */
     for (int c = 0; c < w->nch; c++) {
@@ -164,8 +180,8 @@ static void run_work(struct work *w) {
     for (int c = 0; c < w->nch; c++) {
       spin_until(st[c]);
       descr_init(&d, NXP_EV_KERNEL_CH, w->parent, 0); /* rank is not set for KernelCh */
-      if (VER == 4) { d.v4.kernelCh.channelId = (uint8_t)c; d.v4.kernelCh.pTimer = gpu_timer(st[c]); }
-      else { d.v7.kernelCh.channelId = (uint8_t)c; d.v7.kernelCh.pTimer = gpu_timer(st[c]); }
+      if (VER == 4) { d.v4.kernelCh.channelId = (uint8_t)c; d.v4.kernelCh.pTimer = TIMER_START(c); }
+      else { d.v7.kernelCh.channelId = (uint8_t)c; d.v7.kernelCh.pTimer = TIMER_START(c); }
       kh[c] = start(w->ctx, &d);
     }
   }
@@ -174,17 +190,17 @@ static void run_work(struct work *w) {
   if (w->late) { /* the profiler thread saw the start only after the kernel ended */
     for (int c = 0; c < w->nch; c++) {
       descr_init(&d, NXP_EV_KERNEL_CH, w->parent, 0);
-      if (VER == 4) { d.v4.kernelCh.channelId = (uint8_t)c; d.v4.kernelCh.pTimer = gpu_timer(st[c]); }
-      else { d.v7.kernelCh.channelId = (uint8_t)c; d.v7.kernelCh.pTimer = gpu_timer(st[c]); }
+      if (VER == 4) { d.v4.kernelCh.channelId = (uint8_t)c; d.v4.kernelCh.pTimer = TIMER_START(c); }
+      else { d.v7.kernelCh.channelId = (uint8_t)c; d.v7.kernelCh.pTimer = TIMER_START(c); }
       kh[c] = start(w->ctx, &d);
     }
   }
   for (int c = w->nch - 1; c >= 0; c--) {
-    record(kh[c], NXP_STATE_KERNEL_CH_STOP, gpu_timer(sp[c]), 0);
+    record(kh[c], NXP_STATE_KERNEL_CH_STOP, TIMER_STOP(c), 0);
     stop(kh[c]);
   }
-  printf("%s late=%d start_mono=%" PRIu64 " stop_mono=%" PRIu64 " gpu_start_timer=%" PRIu64 " gpu_stop_timer=%" PRIu64 "\n",
-         w->truth, w->late, ts, te, gpu_timer(st[0]), gpu_timer(sp[0]));
+  printf("%s late=%d start_mono=%" PRIu64 " stop_mono=%" PRIu64 " gpu_start_timer=%" PRIu64 " gpu_stop_timer=%" PRIu64
+         " implausible=%s\n", w->truth, w->late, ts, te, TIMER_START(0), TIMER_STOP(0), bad ? bad : "no");
   fflush(stdout);
 }
 
