@@ -34,6 +34,11 @@
 #define NX_STATE_RUNNING 2
 #define NX_STATE_DONE 3
 #define NX_STATE_ABANDONED 4
+// record flags: the plugin's verdict on an implausible GPU interval
+// (NCCL_EXPORTER_F_REJECT_*; docs/plugin.md, "Implausible GPU intervals")
+#define NX_F_REJECT_LONG 0x80
+#define NX_F_REJECT_EARLY 0x100
+#define NX_F_REJECT_REVERSED 0x200
 
 // struct nccl_exporter_record, version 1 (plugin/nccl_exporter_plugin.h).
 // Offsets relied on are commented; the struct is the plugin's byte for byte
@@ -132,6 +137,9 @@ struct plugin_proc {
 #define PD_BAD_RECORD 2
 #define PD_PROCS_FULL 3
 #define PD_NO_GPU_TIME 4
+#define PD_REJECT_LONG 5      // nccl_exporter_gpu_intervals_rejected_total{reason=...}
+#define PD_REJECT_EARLY 6
+#define PD_REJECT_REVERSED 7
 #define PD_SLOTS 8
 
 BPF_HASH(gpu_series, struct gpu_key, struct gpu_hist, GPU_MAX_SERIES);
@@ -250,6 +258,21 @@ int on_gpu_done(struct pt_regs *ctx) {
     if (!read_record(ctx, &r, &fk))
         return 0;
     gpu_inflight.delete(&fk);
+    // An interval the plugin judged implausible is counted by reason, not
+    // histogrammed; a stop before the start is one whichever plugin sent it.
+    if (r.flags & NX_F_REJECT_LONG) {
+        drop(PD_REJECT_LONG);
+        return 0;
+    }
+    if (r.flags & NX_F_REJECT_EARLY) {
+        drop(PD_REJECT_EARLY);
+        return 0;
+    }
+    if ((r.flags & NX_F_REJECT_REVERSED) ||
+        (r.gpu_start_timer && r.gpu_stop_timer && r.gpu_stop_timer < r.gpu_start_timer)) {
+        drop(PD_REJECT_REVERSED);
+        return 0;
+    }
     if (!r.gpu_start_mono_ns || !r.gpu_stop_mono_ns || r.gpu_stop_mono_ns < r.gpu_start_mono_ns) {
         drop(PD_NO_GPU_TIME);
         return 0;

@@ -72,9 +72,9 @@ def driver_env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_EXPORTER_", "DRIVER_"))}
 
 
-def run_ops(bins, version: int, n: int) -> list[dict]:
+def run_ops(bins, version: int, n: int, env: dict | None = None) -> list[dict]:
     p = subprocess.run([str(bins["driver"]), str(bins["plugin"]), str(version), "ops", str(n)],
-                       capture_output=True, text=True, env=driver_env(), timeout=120)
+                       capture_output=True, text=True, env={**driver_env(), **(env or {})}, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     truth = [parse_kv(l) for l in p.stdout.splitlines() if l.startswith("truth ")]
     assert len(truth) == n
@@ -122,6 +122,27 @@ def test_gpu_histograms_equal_the_drivers_truth(bins, sources, version):
               and s.labels["comm"] == "1111222233334444" and s.labels["op"] == "ALL_REDUCE"
               and float(s.labels["le"]) == bound / 1e9]
         assert le and le[0].value == sum(n for j, n in b.items() if j <= i)
+
+
+def test_implausible_intervals_are_counted_by_reason_not_histogrammed(bins, sources):
+    """The driver delivers impossible timers for every 4th kernel (a stop 5 s in
+    the future, both timers 5 s early, stops before starts: what NCCL >= 2.29
+    sends after a Broadcast on its AllGatherV path). The plugin flags them; the
+    agent counts them by reason and its histograms hold exactly the others."""
+    _probes, plugin = sources
+    good, bad = [], Counter()
+    for kind, reason in (("long", "longer_than_host"), ("early", "start_before_enqueue"),
+                         ("reversed", "stop_before_start")):
+        truth = run_ops(bins, 7, 40, env={"DRIVER_IMPLAUSIBLE_EVERY": "4", "DRIVER_IMPLAUSIBLE": kind})
+        good += [t for t in truth if t["implausible"] == "no"]
+        bad[reason] += sum(t["implausible"] == kind for t in truth)
+    assert bad == {"longer_than_host": 10, "start_before_enqueue": 10, "stop_before_start": 10}
+    assert plugin.rejected() == bad
+    want = expected_series(good)
+    got = {(s.op, s.nccl_hash, s.rank, s.nranks): s for s in plugin.series()}
+    assert {k: (s.calls, s.sum_ns) for k, s in got.items()} == \
+        {k: (sum(c.values()), sum_ns) for k, (c, sum_ns) in want.items()}
+    assert plugin.inflight() == [] and plugin.drops()["no_gpu_time"] == 0
 
 
 def _exposition(families) -> str:
@@ -257,12 +278,17 @@ def test_exporter_serves_gpu_metrics(bins, tmp_path, launch_exporter):
     env["NCCL_EXPORTER_PLUGIN_BUILD"] = str(build_dir)
     with launch_exporter(env=env) as ex:
         assert "attached the profiler plugin's hooks in " + str(lib) in ex.output()
+        # every 5th kernel's timers are impossible: counted as rejected, not histogrammed
         p = subprocess.run([str(bins["driver"]), str(lib), "6", "ops", "40"], capture_output=True, text=True,
-                           env=driver_env(), timeout=120)
+                           env={**driver_env(), "DRIVER_IMPLAUSIBLE_EVERY": "5", "DRIVER_IMPLAUSIBLE": "long"},
+                           timeout=120)
         assert p.returncode == 0
         truth = [parse_kv(l) for l in p.stdout.splitlines() if l.startswith("truth ")]
-        want = Counter((OPS[t["op"]], t["comm"][2:]) for t in truth)
+        want = Counter((OPS[t["op"]], t["comm"][2:]) for t in truth if t["implausible"] == "no")
         text = ex.scrape()
+        assert sample_value(text, "nccl_exporter_gpu_intervals_rejected_total", reason="longer_than_host") == 8
+        assert sample_value(text, "nccl_exporter_gpu_intervals_rejected_total", reason="start_before_enqueue") == 0
+        assert sample_value(text, "nccl_exporter_gpu_intervals_rejected_total", reason="stop_before_start") == 0
         for (op, comm), n in want.items():
             got = sample_values(text, "nccl_collective_gpu_duration_seconds_count", op=op, comm=comm)
             assert sum(got) == n, (op, comm, got)

@@ -190,6 +190,13 @@ GPU_MAX_SERIES = 2048   # (op, NCCL commHash, rank, nranks) GPU histograms (bpf/
 GPU_MAX_INFLIGHT = 65536  # (pid, record id) collectives queued/running on the GPU (bpf/plugin.c)
 PLUGIN_MAX_PROCS = 4096  # processes that loaded the profiler plugin (bpf/plugin.c)
 GPU_EVENT_PAGES = 64  # gpu_events ring buffer (slow GPU operations, for spans): 256 KiB
+# Why a GPU interval of the profiler plugin was left out of the histograms
+# (nccl_exporter_gpu_intervals_rejected_total{reason}), in the order of the
+# plugin's record flags NCCL_EXPORTER_F_REJECT_LONG / _EARLY / _REVERSED
+# (0x80, 0x100, 0x200: plugin/nccl_exporter_plugin.h) and of bpf/plugin.c's
+# PD_REJECT_* slots (5, 6, 7). docs/plugin.md, "Implausible GPU intervals".
+GPU_REJECT_REASONS = ("longer_than_host", "start_before_enqueue", "stop_before_start")
+GPU_REJECT_FLAGS = {"longer_than_host": 0x80, "start_before_enqueue": 0x100, "stop_before_start": 0x200}
 
 OP_COUNT = 64  # op codes are < 64 (a power of two); event_config[OP_COUNT] = record every call
 

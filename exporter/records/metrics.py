@@ -148,6 +148,13 @@ EXPORTER_MAP_FULL = _m(
 EXPORTER_EVENTS_LOST = _m(
     "nccl_exporter_events_lost_total", "counter", ("node", "source"),
     "Events dropped because a ring buffer to user space was full, by source (nccl, tcp, sched).")
+EXPORTER_GPU_INTERVALS_REJECTED = _m(
+    "nccl_exporter_gpu_intervals_rejected_total", "counter", ("node", "reason"),
+    "GPU intervals of the NCCL profiler plugin left out of nccl_collective_gpu_duration_seconds "
+    "because they cannot be right, by reason: longer_than_host (longer than the host's time from "
+    "enqueue to delivery), start_before_enqueue (started before the host enqueued it, beyond the "
+    "clock error), stop_before_start. NCCL >= 2.29 produces them after a Broadcast on the "
+    "AllGatherV path (NCCL_ALLGATHERV_ENABLE=1, the default).")
 EXPORTER_RECORDING_DROPPED = _m(
     "nccl_exporter_recording_dropped_total", "counter", ("node", "reason"),
     "Events `run --db` did not write to its recording, by reason: queue_full (the writer was "

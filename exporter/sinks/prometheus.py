@@ -267,6 +267,9 @@ class NcclCollector:
             drops = self.plugin.drops()
             full.update({(node, m): drops[d] for d, m in plugin_source.MAP_FULL})
         yield filled(metrics.EXPORTER_MAP_FULL, full)
+        if self.plugin is not None:
+            yield filled(metrics.EXPORTER_GPU_INTERVALS_REJECTED,
+                         {(node, reason): n for reason, n in self.plugin.rejected().items()})
         yield filled(metrics.EXPORTER_EVENTS_LOST,
                      {(node, source): counters[c] for c, source in contract.EVENTS_LOST_COUNTERS})
         yield filled(metrics.EXPORTER_BPF_MISSES, misses)

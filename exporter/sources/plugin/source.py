@@ -34,7 +34,7 @@ STATES = {1: "queued", 2: "running"}
 KINDS = {1: "coll", 2: "p2p"}  # NCCL_EXPORTER_KIND_* (plugin/nccl_exporter_plugin.h)
 # Slots of plugin_drops (PD_* in bpf/plugin.c)
 DROPS = {"gpu_series_full": 0, "gpu_inflight_full": 1, "bad_record": 2, "plugin_procs_full": 3,
-         "no_gpu_time": 4}
+         "no_gpu_time": 4, **{f"rejected_{reason}": 5 + i for i, reason in enumerate(contract.GPU_REJECT_REASONS)}}
 # Capacity of each map this program owns, for nccl_exporter_map_capacity.
 MAP_CAPACITY = {
     "gpu_series": contract.GPU_MAX_SERIES,
@@ -203,6 +203,12 @@ class PluginSource(Program):
     def drops(self) -> dict[str, int]:
         table = self["plugin_drops"]
         return {name: table[table.Key(slot)].value for name, slot in DROPS.items()}
+
+    def rejected(self) -> dict[str, int]:
+        """GPU intervals left out of the histograms as implausible, by reason
+        (contract.GPU_REJECT_REASONS)."""
+        drops = self.drops()
+        return {reason: drops[f"rejected_{reason}"] for reason in contract.GPU_REJECT_REASONS}
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop in-flight entries and process entries of processes that are gone."""
