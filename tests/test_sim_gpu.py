@@ -230,6 +230,73 @@ def test_mode_off_loads_no_plugin_and_blocks(lib, plugin, tmp_path):
     assert all("seq" not in r for r in calls(recs))
 
 
+BCAST = r"""
+import ctypes, sys
+L = ctypes.CDLL(sys.argv[1])
+c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+L.ncclAllReduce.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
+L.ncclBroadcast.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
+L.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
+L.ncclCommDestroy.argtypes = [c_p]
+L.simStreamSynchronize.argtypes = [c_p]
+n, iters = 2, int(sys.argv[2])
+comms = (c_p * n)()
+assert L.ncclCommInitAll(comms, n, None) == 0
+for it in range(iters):
+    bufs = [(ctypes.c_float * 256)(*[float(r + it)] * 256) for r in range(n)]
+    assert L.ncclGroupStart() == 0
+    for r in range(n):
+        if it % 4 == 2:
+            assert L.ncclBroadcast(bufs[r], bufs[r], 256, 7, 0, comms[r], None) == 0
+        else:
+            assert L.ncclAllReduce(bufs[r], bufs[r], 256, 7, 0, comms[r], None) == 0
+    assert L.ncclGroupEnd() == 0
+    for r in range(n):
+        assert L.simStreamSynchronize(comms[r]) == 0
+    want = float(it) if it % 4 == 2 else float(2 * it + 1)
+    assert bufs[1][0] == want, (it, bufs[1][0], want)
+for r in range(n):
+    assert L.ncclCommDestroy(comms[r]) == 0
+print("bcast ok")
+"""
+
+
+@pytest.mark.parametrize("mode,reason", [("1", 0x100), ("2", 0x80)])
+def test_broadcast_desync_intervals_are_rejected(lib, plugin, tmp_path, mode, reason):
+    """NCCL >= 2.29's Broadcast on the AllGatherV path (NCCL_SIM_GPU_BCAST_DESYNC):
+    no Coll event for it, and every later kernel of the communicator delivers an
+    older kernel's timers: both (mode 1: an interval before its own enqueue) or
+    the older start with its own stop (mode 2: longer than the host knew of it).
+    Each such record is flagged with that reason; the ones before the first
+    Broadcast are exact and unflagged."""
+    script = tmp_path / "bcast.py"
+    script.write_text(BCAST)
+    truth, plog = tmp_path / "truth.jsonl", tmp_path / "plugin.log"
+    e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_TRUTH=str(truth), NCCL_SIM_GPU_KERNEL_US="2000",
+             NCCL_SIM_GPU_BCAST_DESYNC=mode, NCCL_PROFILER_PLUGIN=str(plugin),
+             NCCL_EXPORTER_PROFILER_LOG=str(plog), PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, str(script), str(lib), "12"], env=e, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "bcast ok" in p.stdout, p.stdout + p.stderr
+    recs, log = load_truth(truth), parse_log([plog])
+    assert not [r for r in log if r.get("op") == "Broadcast"]          # no Coll event: no record
+    assert len(gpu_kernels(recs, "BROADCAST")) == 6 and not any(r["profiled"] for r in gpu_kernels(recs, "BROADCAST"))
+    kern = {(r["comm_hash"], r["rank"], r["seq"]): r for r in gpu_kernels(recs, "ALL_REDUCE")}
+    done = [r for r in log if r["event"] == "done"]
+    assert len(done) == len(kern) == 18
+    rejected = 0
+    for r in done:
+        t = kern[(r["comm"][2:], int(r["rank"]), int(r["seq"]))]
+        flags = int(r["flags"], 16) & 0x380
+        if t["desync"]:
+            assert flags == reason, (r, t)
+            rejected += 1
+        else:
+            assert flags == 0 and int(r["gpu_start_timer"]) == t["gpu_start_timer"], (r, t)
+    assert rejected == 2 * 7                                            # AllReduces after the first Broadcast
+    assert max(int(r["rejected"]) for r in log if r["event"] == "finalize") == rejected
+
+
 # ------------------------------------------------------------ cluster jobs --
 @pytest.mark.usefixtures("netns")
 def test_cluster_gpu_time_matches_truth(lib, plugin, tmp_path, capsys):

@@ -240,6 +240,17 @@ static const char *func_name(int kind) {
   }
   return "Unknown";
 }
+/* NCCL >= 2.29 with NCCL_ALLGATHERV_ENABLE=1 (its default) runs ncclBroadcast
+ * on the AllGatherV path without an event activation mask: no Coll event, no
+ * KernelCh, and the host's KernelCh timer slots fall one work item behind the
+ * GPU per such Broadcast (NVIDIA/nccl#2368).  NCCL_SIM_GPU_BCAST_DESYNC=1:
+ * later kernels of that communicator deliver the timers of the kernel
+ * `desync` back (start and stop); =2: that kernel's start, their own stop. */
+static int bcast_desync(void) {
+  static int v = -1;
+  if (v < 0) v = env_int("NCCL_SIM_GPU_BCAST_DESYNC", 0);
+  return v;
+}
 static const char *op_name_of(int kind) {
   switch (kind) {
     case K_ALLREDUCE: return "ALL_REDUCE"; case K_ALLGATHER: return "ALL_GATHER";
@@ -267,15 +278,15 @@ void gpu_assign(collargs_t *a) {
 }
 
 static void gpu_truth(ncclComm_t c, const gpu_op_t *o, uint64_t ts, uint64_t te, int late, const char *state, int nstarted) {
-  char extra[640];
+  char extra[700];
   snprintf(extra, sizeof extra,
            ",\"coll_fn\":\"%s\",\"coll_op\":\"%s\",\"seq\":%llu,\"comm_hash\":\"%016llx\",\"enqueue_mono_ns\":%llu,"
            "\"gpu_start_mono_ns\":%llu,\"gpu_stop_mono_ns\":%llu,\"gpu_start_timer\":%llu,\"gpu_stop_timer\":%llu,"
-           "\"nchannels\":%d,\"kernelch_started\":%d,\"late\":%d,\"profiled\":%d,\"state\":\"%s\"",
+           "\"nchannels\":%d,\"kernelch_started\":%d,\"late\":%d,\"profiled\":%d,\"state\":\"%s\",\"desync\":%llu",
            func_name(o->a.kind), op_name_of(o->a.kind), (unsigned long long)o->a.seq, (unsigned long long)c->nccl_hash,
            (unsigned long long)o->a.enq_mono, (unsigned long long)ts, (unsigned long long)te,
            (unsigned long long)(ts ? gpu_timer(ts) : 0), (unsigned long long)(te ? gpu_timer(te) : 0), o->nch, nstarted,
-           late, o->h != NULL, state);
+           late, o->h != NULL, state, (unsigned long long)c->desync);
   int64_t off = (int64_t)now_ns(CLOCK_REALTIME) - (int64_t)now_ns(CLOCK_MONOTONIC); /* wall time of the GPU interval */
   rec_t rec = {"gpuKernel", "GPU_KERNEL", (uint64_t)(uintptr_t)c, c->rank, c->nranks, o->a.count, o->a.dt, o->a.op,
                o->a.root, o->a.peer, 0, ts, te, ts ? (uint64_t)((int64_t)ts + off) : 0, te ? (uint64_t)((int64_t)te + off) : 0,
@@ -310,7 +321,13 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   int late_every = env_int("NCCL_SIM_GPU_LATE_EVERY", 5);
   int late = late_every > 0 && (c->ncoll++ % (uint64_t)late_every) == (uint64_t)(late_every - 1);
   uint64_t ts = now_ns(CLOCK_MONOTONIC);
-  if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, ts);
+  /* the times whose timers the KernelCh events carry: this kernel's, or with
+   * NCCL_SIM_GPU_BCAST_DESYNC an older kernel's (bcast_desync above) */
+  uint64_t kslot = c->nkern++ % 64, back = c->desync < 64 ? c->desync : 63;
+  c->kts[kslot] = ts;
+  uint64_t pts = ts, old = (kslot + 64 - back) % 64;
+  if (back && c->nkern > back) pts = c->kts[old];
+  if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, pts);
   ncclResult_t res;
   if (n == 1 && !is_p2p(ops[0].a.kind)) res = exec_coll(&ops[0].a);
   else {
@@ -349,11 +366,14 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
     free(kh);
     return;
   }
-  if (late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, ts);
+  c->kte[kslot] = te;
+  uint64_t pte = (pts != ts && bcast_desync() == 1) ? c->kte[old] : te;
+  if (late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, pts);
   for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) {
-    kch_stop(&ops[i], kh + k, te);
+    kch_stop(&ops[i], kh + k, pte);
     gpu_truth(c, &ops[i], ts, te, late, "done", ops[i].h ? ops[i].nch : 0);
   }
+  if (bcast_desync() && n == 1 && ops[0].a.kind == K_BROADCAST) c->desync++; /* the GPU ran it; the host never counted it */
   free(kh);
 }
 
@@ -503,6 +523,7 @@ static void prof_enqueue(ncclComm_t c, gpu_op_t *ops, int n) {
       if (g_prof_ver >= 5) d.coll.parentGroup = grp;
       if (v7) { d.coll.kernelVariant = "default"; d.coll.isSymColl = false; d.coll.userTag = 0; }
     }
+    if (bcast_desync() && a->kind == K_BROADCAST) { ops[i].h = NULL; continue; } /* no activation mask: no Coll */
     ops[i].h = p_start(c, &d);
     p_stop(ops[i].h);          /* "enqueued", not done */
   }

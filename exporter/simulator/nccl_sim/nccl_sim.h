@@ -117,6 +117,9 @@ struct ncclComm {
   uint64_t coll_seq[16];    /* NCCL seqNumber per collective kind, from 0 */
   uint64_t *p2p_seq;        /* [2*nranks]: order per (peer, send/recv), from 0 */
   uint64_t ncoll;           /* collectives run on the stream (for NCCL_SIM_GPU_LATE_EVERY) */
+  uint64_t kts[64], kte[64];/* NCCL_SIM_GPU_BCAST_DESYNC: start/stop of the last 64 kernels run (ring) */
+  uint64_t nkern;           /*   kernels run, index into that ring */
+  uint64_t desync;          /*   unprofiled Broadcasts run: how far the host's timer slots lag */
   int nshrinks;             /* ncclCommShrink calls made on this comm */
 };
 
