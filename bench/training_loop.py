@@ -149,9 +149,15 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=600,
                     help="iterations per run (default 600, ~11 s: the first ~3 s of an agent run are inside "
                          "its owner window, docs/tcp.md)")
+    ap.add_argument("--conditions", default="none,plugin,agent",
+                    help="comma-separated subset of none,plugin,agent (default all; none is always run: "
+                         "the ratios' base). Without agent: no BPF or agent needed (bench/gpu on a GPU machine)")
     ap.add_argument("--bpf-time", action="store_true",
                     help="also time each of the agent's BPF programs (kernel.bpf_stats_enabled while the agent runs)")
     a = ap.parse_args(argv)
+    conds = tuple(c for c in ("none", "plugin", "agent") if c in {"none", *a.conditions.split(",")})
+    if set(a.conditions.split(",")) - set(conds):
+        ap.error(f"--conditions: choose from none, plugin, agent (got {a.conditions})")
     if os.geteuid() != 0:
         sys.exit("run as root (BPF, network namespaces)")
     cleanup_stale()
@@ -160,13 +166,12 @@ def main(argv=None) -> int:
         lib, plugin = build_library(work / "lib"), build_plugin()
         base = {"NCCL_SIM_GPU": "1", "NCCL_SIM_GPU_KERNEL_US": str(KERNEL_US)}
         with_plugin = {**base, "NCCL_PROFILER_PLUGIN": str(plugin)}
-        conds = ("none", "plugin", "agent")
         results: dict[str, list[float]] = {c: [] for c in conds}
         counted, agent_cpu = [], []
         bpf_time: dict[str, tuple[int, int]] = {}  # program name -> (run_time_ns, run_cnt), all agent runs
         with Cluster(RANKS) as cluster:
             for rep in range(a.reps):
-                for cond in conds[rep % 3:] + conds[:rep % 3]:
+                for cond in conds[rep % len(conds):] + conds[:rep % len(conds)]:
                     if cond == "none":
                         t = run_job(cluster, lib, work, a.iterations, base)
                     elif cond == "plugin":
@@ -200,6 +205,8 @@ def main(argv=None) -> int:
               f"({min(vals) * 1e3:.3f}..{max(vals) * 1e3:.3f})  / none {r:.4f}  ({100 * (r - 1):+.2f} %)")
         if cond == "agent":
             ratio = r
+    if "agent" not in conds:
+        return 0
     print(f"  the agent process itself while a job ran: {100 * statistics.median(agent_cpu):.1f} % of one core "
           f"(of {os.cpu_count()}), median of {len(agent_cpu)} runs")
     rounds = [v / n for v, n in zip(results["agent"], results["none"])]
