@@ -314,3 +314,37 @@ def test_recording_holds_the_gpu_interval_and_the_gpu_time_query_finds_it(lib, p
     assert conn.execute(q["slow-allreduce-retransmits"]).fetchall() == []  # host time: microseconds
     gpu_rows = conn.execute(q["slow-allreduce-retransmits-gpu-time"]).fetchall()
     assert len(gpu_rows) == 12 and all(ms >= 60 for _rank, ms, _n in gpu_rows), gpu_rows
+
+
+def test_broadcast_desync_intervals_are_counted_as_rejected_not_histogrammed(lib, plugin, tmp_path):
+    """NCCL >= 2.29's Broadcast habit (NCCL_SIM_GPU_BCAST_DESYNC=2: after a
+    Broadcast without an activation mask, later kernels deliver an older
+    kernel's start timer) under the real agent: every interval the plugin
+    flags (its log, written beside) is counted in
+    nccl_exporter_gpu_intervals_rejected_total, and the GPU histograms hold
+    exactly the others."""
+    from tests.test_sim_gpu import parse_log
+
+    env = gpu_env(plugin, NCCL_SIM_GPU_BCAST_DESYNC=2, NCCL_SIM_GPU_LATE_EVERY=0,
+                  NCCL_EXPORTER_PROFILER_LOG=tmp_path / "plugin.%p.log")
+    with ExporterProcess(nccl_libs=[lib]) as exporter, Cluster(4) as cluster:
+        before = {s.labels["reason"]: s.value for s in ExporterProcess.samples(
+            exporter.scrape(), "nccl_exporter_gpu_intervals_rejected_total")}
+        res = run_job(cluster, lib, "mixed", 3, tmp_path / "rdv", tmp_path / "truth", count=64, timeout=90,
+                      extra_env=env)
+        assert res.ok, res.summary()
+        time.sleep(0.5)
+        families = exporter.scrape()
+    log = parse_log(tmp_path.glob("plugin.*.log"))
+    done = [r for r in log if r["event"] == "done"]
+    flagged = Counter({0x80: "longer_than_host", 0x100: "start_before_enqueue", 0x200: "stop_before_start"}
+                      [int(r["flags"], 16) & 0x380] for r in done if int(r["flags"], 16) & 0x380)
+    assert flagged["longer_than_host"] > 0, Counter(r["flags"] for r in done)
+    got = {s.labels["reason"]: s.value - before.get(s.labels["reason"], 0)
+           for s in ExporterProcess.samples(families, "nccl_exporter_gpu_intervals_rejected_total")}
+    assert got == {reason: flagged.get(reason, 0) for reason in
+                   ("longer_than_host", "start_before_enqueue", "stop_before_start")}
+    # the histograms (this agent saw only this job: it traces the test's own libnccl
+    # and plugin files): the records that passed, no more
+    counted = sum(sum(b) for _, b in series_by_labels(families, metrics.GPU_DURATION))
+    assert counted == len(done) - sum(flagged.values())
