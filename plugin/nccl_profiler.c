@@ -712,10 +712,21 @@ static int types_for_mask(int m) {
 
 static void merge_masks(void) {
   int cm = __atomic_load_n(&G.chain_mask, __ATOMIC_RELAXED);
-  if (UNLIKELY(cm & NXP_EV_KERNEL_PHASE) && !atomic_exchange(&G.phase_warned, 1))
+  int never = 0;
+  if (UNLIKELY(cm & NXP_EV_KERNEL_PHASE) && atomic_compare_exchange_strong(&G.phase_warned, &never, 1))
     logmsg(NXP_LOG_WARN, "nccl-exporter profiler: the chained plugin %s asks for KernelPhase events (its mask 0x%x); "
            "NCCL 2.31 spends 4-13 %% more GPU time with them (NVIDIA/nccl#2355). nccl-exporter never asks for them",
            G.chain && G.chain->name ? G.chain->name : "?", cm);
+  if (UNLIKELY(cm & NXP_EV_KERNEL_PHASE) && G.log_fd >= 0 && atomic_load(&G.phase_warned) == 1) {
+    /* the same, once, in logging mode's file (2: written) */
+    int one = 1;
+    if (atomic_compare_exchange_strong(&G.phase_warned, &one, 2)) {
+      char line[160];
+      int n = snprintf(line, sizeof line, "nccl-exporter-profiler event=warn what=chained_kernel_phase chain_mask=0x%x "
+                       "pid=%d\n", cm, (int)getpid());
+      if (n > 0 && write(G.log_fd, line, (size_t)n) < 0) { /* best effort */ }
+    }
+  }
   int seen = atomic_exchange(&G.chain_mask_seen, cm);
   atomic_store(&G.chain_types, types_for_mask(cm));
   if (G.nccl_mask) {

@@ -305,5 +305,7 @@ def test_kernel_phase_never_asked_and_a_chained_request_warned_once(bins, tmp_pa
     warns = [l for l in res["stderr"].splitlines() if "KernelPhase" in l]
     assert len(warns) == 1 and warns[0].startswith("NCCL-LOG[2]"), res["stderr"]
     assert "0x8108" in warns[0]
+    assert [r for r in res["recs"] if r.get("event") == "warn"] == \
+        [{"event": "warn", "what": "chained_kernel_phase", "chain_mask": "0x8108", "pid": res["recs"][0]["pid"]}]
     assert res["masks"][-1] & 0x8000 and res["masks"][-1] & 0x46 == 0x46
     assert res["stats"]["completed"] == "10"
