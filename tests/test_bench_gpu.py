@@ -112,7 +112,7 @@ def good_rank():
              call("Broadcast", 4096, 25_000, {"coll": "Broadcast"}),
              call("AllToAll", 4096, 40_000, {"Send": [2048, 2048], "Recv": [2048, 2048]})]
     recs = [{"event": "init", "comm": "0x00000000000000aa", "rank": "0", "nranks": "2", "iface": "v5",
-             "pid": str(PID)},
+             "mask": "0x46", "pid": str(PID)},
             rec("AllReduce", 0, 4, 100, 1_000, 9_000),             # the barrier at init
             rec("AllReduce", 1, 4096, 200, 10_000, 30_000),
             rec("AllReduce", 2, 1 << 20, 300, 40_000, 800_000),
@@ -153,6 +153,7 @@ def mutate(fn):
     ("wrong result", lambda c, r: c[2].update(ok=False), "1 calls gave wrong results"),
     ("wrong interface", lambda c, r: r[0].update(iface="v4"), "NCCL 2.28.9 chose ['v4'], docs/plugin.md says v5"),
     ("no plugin", lambda c, r: r.clear(), "no communicator init in the plugin's log"),
+    ("KernelPhase asked for", lambda c, r: r[0].update(mask="0x8046"), "activation mask has KernelPhase events: 0x8046"),
 ])
 def test_correctness_fails_on_each_defect(name, fn, says):
     v = mutate(fn)

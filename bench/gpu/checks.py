@@ -135,6 +135,9 @@ def check_rank(calls: list[dict], recs: list[dict], nccl_version: tuple | None =
         want = f"v{IFACE_FOR_NCCL[tuple(nccl_version[:2])]}"
         if ifaces != [want]:
             fails.append(f"NCCL {'.'.join(map(str, nccl_version))} chose {ifaces}, docs/plugin.md says {want}")
+    phase = [r["mask"] for r in inits if int(r.get("mask", "0"), 16) & 0x8000]
+    if phase:  # KernelPhase (bit 15): never ours to ask for (docs/plugin.md)
+        fails.append(f"NCCL's activation mask has KernelPhase events: {phase[0]}")
     if abandoned:
         fails.append(f"{len(abandoned)} abandoned records (flags {sorted({r['flags'] for r in abandoned})})")
     rejected = [r for r in done if int(r.get("flags", "0"), 16) & F_REJECTED]
