@@ -259,3 +259,12 @@ def test_final_line_is_the_worst_part():
     assert checks.final_line([]).startswith("bench/gpu verdict: PARTIAL")
     w = checks.worst("a", [copy.copy(ok), Verdict("x", "FAIL", ["broke", "detail"])])
     assert w.status == "FAIL" and w.lines == ["a: PASS", "x: FAIL - broke", "  detail"]
+
+
+def test_a_part_without_time_left_is_skipped_and_the_run_says_partial(tmp_path):
+    p, verdicts = run_check(tmp_path, "--simulate", "--parts", "ab", "--budget-s", "1")
+    assert p.returncode == 0
+    lines = verdicts.splitlines()
+    assert [l.split(" (")[0] for l in lines] == ["part a: SKIP - no time left", "part b: SKIP - no time left",
+                                                 "bench/gpu verdict: PARTIAL"]
+    assert lines[-1] == "bench/gpu verdict: PARTIAL (a SKIP, b SKIP)"

@@ -390,7 +390,7 @@ def main(argv=None) -> int:
         left = ctx.t_end - time.monotonic()
         shares = sum(SHARES[p] for p in a.parts[i:] if not (a.simulate and p in NEEDS_TORCH))
         if left < MIN_PART_S:
-            record(Verdict(part, "SKIP", [f"no time left ({left:.0f} s)"]))
+            record(Verdict(part, "SKIP", [f"no time left ({max(0.0, left):.0f} s of --budget-s)"]))
             continue
         ctx.part_end = time.monotonic() + left * SHARES[part] / shares
         log(f"part {part}: {ctx.left():.0f} s")
