@@ -599,8 +599,12 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
  *             host enqueue.  The mapping is the offset estimate including this
  *             operation's own two samples: it errs late, never early, except by
  *             drift staleness (2 windows x drift).
- * E = clock_err_ns: 100 us + 2 windows x 500 ppm (300 us at 200 ms windows),
- * or NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US. */
+ * E = clock_err_ns: 1 ms + 2 windows x 500 ppm (1.2 ms at 200 ms windows), or
+ * NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US.  The 1 ms is for the enqueue time:
+ * NCCL starts the Coll event on the host thread just after it launched the
+ * kernel (enqueue.cc: ncclLaunchKernelAfter_NoCuda -> hostStreamPlanTask), so
+ * a kernel may start a little before its "enqueue", more if that thread is
+ * preempted in between. */
 static uint32_t judge(struct slot *s, uint64_t last_ptimer, uint64_t now) {
   uint64_t a = atomic_load_explicit(&s->min_start, memory_order_relaxed);
   uint64_t b = atomic_load_explicit(&s->max_stop, memory_order_relaxed);
@@ -953,8 +957,8 @@ static void global_init(nxp_logger_t logfn) {
   G.logfn = logfn;
   G.max_age_ns = env_u64("NCCL_EXPORTER_PROFILER_MAX_AGE_S", 300, 1, 86400 * 365) * 1000000000ull;
   G.window_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_WINDOW_MS", 200, 10, 3600000) * 1000000ull;
-  /* 100 us (timer resolution, poll jitter) + 2 windows of 500 ppm drift */
-  G.clock_err_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US", 100 + G.window_ns / 1000000ull, 1,
+  /* 1 ms (the enqueue time's lateness, timer resolution) + 2 windows of 500 ppm drift */
+  G.clock_err_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US", 1000 + G.window_ns / 1000000ull, 1,
                            3600000000ull) * 1000ull;
   G.nslots = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL", 4096, 16, MAX_POOL);
   G.slots = calloc(G.nslots, sizeof *G.slots);

@@ -280,7 +280,7 @@ def test_implausible_intervals_are_flagged_and_keep_out_of_the_clock(bins, tmp_p
 
 
 def test_plausible_intervals_pass_under_drift_and_late_starts(bins, tmp_path):
-    """The checks' tolerance (100 us + 2 windows x 500 ppm) holds every honest
+    """The checks' tolerance (1 ms + 2 windows x 500 ppm) holds every honest
     interval: late start deliveries, -500 ppm drift, 10 ms windows."""
     res = run(bins, 4, "ops", 120, tmp=tmp_path,
               env={"DRIVER_DRIFT_PPM": "-500", "NCCL_EXPORTER_PROFILER_CLOCK_WINDOW_MS": "10"})

@@ -272,7 +272,7 @@ def test_broadcast_desync_intervals_are_rejected(lib, plugin, tmp_path, mode, re
     script = tmp_path / "bcast.py"
     script.write_text(BCAST)
     truth, plog = tmp_path / "truth.jsonl", tmp_path / "plugin.log"
-    e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_TRUTH=str(truth), NCCL_SIM_GPU_KERNEL_US="2000",
+    e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_TRUTH=str(truth), NCCL_SIM_GPU_KERNEL_US="5000",
              NCCL_SIM_GPU_BCAST_DESYNC=mode, NCCL_PROFILER_PLUGIN=str(plugin),
              NCCL_EXPORTER_PROFILER_LOG=str(plog), PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable, str(script), str(lib), "12"], env=e, capture_output=True, text=True,
