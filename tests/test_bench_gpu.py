@@ -249,6 +249,9 @@ def test_agent_env_names_every_blocker():
     assert v.lines[0] == ("the agent cannot run here: uprobe: no tracefs with uprobe_events; "
                           "bcc: python module bcc missing")
     assert "kernel 4.4.0, BTF no" in v.lines[1]
+    v = checks.check_agent_env({"kernel": "6.8", "uprobe": "ok", "bpf_syscall": "ok", "bcc": "ok (carried .debs)",
+                                "headers": "ok", "btf": True})
+    assert v.lines[0] == "the agent could run here" and v.lines[1].endswith("BCC ok (carried .debs)")
 
 
 def test_final_line_is_the_worst_part():

@@ -327,11 +327,46 @@ def part_b(ctx: Ctx) -> Verdict:
     hdr = Path(f"/lib/modules/{kernel}/build")
     facts["headers"] = "ok" if hdr.exists() or Path("/sys/kernel/kheaders.tar.xz").exists() else \
         f"no kernel headers ({hdr} and /sys/kernel/kheaders.tar.xz absent)"
+    if facts["bcc"] != "ok":
+        carried = bcc_from_debs(d)
+        if carried is not None:
+            facts["bcc"] = "ok (carried .debs)" if carried == "ok" else f"{facts['bcc']}; {carried}"
     p = subprocess.run([sys.executable, "-c", "import opentelemetry.sdk"], capture_output=True)
     (d / "facts.json").write_text(json.dumps(facts, indent=1))
     v = checks.check_agent_env(facts)
     v.lines.append(f"opentelemetry-sdk {'present' if p.returncode == 0 else 'absent'}")
     return v
+
+
+def bcc_from_debs(work: Path) -> str | None:
+    """Debian 12's BCC carried as .deb files (bench/gpu/debs/, ignored by git; see
+    docs/plugin.md): unpacked under work/, then `import bcc` and one tiny BPF
+    program compiled and loaded. None when no .deb is there, else 'ok' or why not."""
+    debs = sorted((REPO / "bench" / "gpu" / "debs").glob("*.deb"))
+    if not debs:
+        return None
+    root = work / "debroot"
+    root.mkdir()
+    for deb in debs:
+        if shutil.which("dpkg-deb"):
+            r = subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], capture_output=True, text=True)
+        else:  # an ar archive holding data.tar.*
+            tmp = work / f"ar-{deb.stem}"
+            tmp.mkdir()
+            r = subprocess.run(["sh", "-c", f"cd {tmp} && ar x {deb} && tar -xf data.tar.* -C {root}"],
+                               capture_output=True, text=True)
+        if r.returncode:
+            return f"cannot unpack {deb.name}: {(r.stderr.strip().splitlines() or ['?'])[-1][:150]}"
+    arch = f"{platform.machine()}-linux-gnu"
+    env = dict(os.environ, PYTHONPATH=str(root / "usr/lib/python3/dist-packages"),
+               LD_LIBRARY_PATH=":".join(str(p) for p in (root / "usr/lib" / arch, root / "usr/lib" / arch / "llvm-14/lib")))
+    prog = ("import bcc; b = bcc.BPF(text='int probe(void *ctx) { return 0; }'); "
+            "b.attach_uprobe(name='c', sym='getpid', fn_name='probe'); print('loaded')")
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, env=env, timeout=120)
+    (work / "bcc-from-debs.out").write_text(p.stdout + p.stderr)
+    if "loaded" in p.stdout:
+        return "ok"
+    return "carried BCC: " + ((p.stderr.strip().splitlines() or ["no output"])[-1][:200])
 
 
 PARTS = {"a": part_a, "d": part_d, "c": part_c, "e": part_e, "b": part_b}

@@ -387,7 +387,9 @@ def check_agent_env(facts: dict) -> Verdict:
     """facts: what bench/gpu found about the kernel and BCC ({"kernel",
     "uprobe": "ok" | reason, "bpf_syscall": "ok" | reason, "bcc": "ok" | reason,
     "headers": "ok" | reason, "btf": bool}). INFO: it states what stops the agent."""
-    blockers = [f"{k}: {facts[k]}" for k in ("uprobe", "bpf_syscall", "bcc", "headers") if facts.get(k) != "ok"]
+    blockers = [f"{k}: {facts[k]}" for k in ("uprobe", "bpf_syscall", "bcc", "headers")
+                if not str(facts.get(k)).startswith("ok")]
     head = ("the agent could run here" if not blockers else "the agent cannot run here: " + "; ".join(blockers))
-    lines = [head, f"kernel {facts.get('kernel', '?')}, BTF {'yes' if facts.get('btf') else 'no'}"]
+    lines = [head, f"kernel {facts.get('kernel', '?')}, BTF {'yes' if facts.get('btf') else 'no'}, "
+                   f"BCC {facts.get('bcc', '?')}"]
     return Verdict("b", "INFO", lines)
