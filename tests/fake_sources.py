@@ -161,6 +161,9 @@ class FakePlugin(FakeProgram):
     def drops(self):
         return {name: 0 for name in DROPS}
 
+    def rejected(self):
+        return {"longer_than_host": 2, "start_before_enqueue": 0, "stop_before_start": 0}
+
 
 class FakeSpans:
     """SpanSink's surface: exemplars and span counts."""
