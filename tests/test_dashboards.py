@@ -20,7 +20,7 @@ DASHBOARD_DIR = REPO / "dashboards" / "grafana"
 DASHBOARDS = sorted(DASHBOARD_DIR.glob("*.json"))
 
 # Variables every dashboard has; comm/op only where the panels are per call.
-COMMON_VARS = {"datasource", "tempo", "job", "node", "rank"}
+COMMON_VARS = {"datasource", "tempo", "job", "node", "namespace", "pod", "rank"}
 PER_CALL_VARS = {"comm", "op"}
 
 def recorded_names() -> set[str]:

@@ -62,7 +62,8 @@ def synth(path, rank, *, node=None, machine=None, shift=0, collectives=200, firs
         conn.executemany(schema.INSERT["tcp"], tcp)
         if (version or 9) >= 3:
             conn.executemany(schema.INSERT["sched"], sched)
-        conn.execute("INSERT INTO processes VALUES (?, ?, 'torchrun', ?, ?, 'python train.py', 1, ?)",
+        conn.execute("INSERT INTO processes (pid, node, launcher, launcher_rank, world_size, command, netns, "
+                     "first_seen_ns) VALUES (?, ?, 'torchrun', ?, ?, 'python train.py', 1, ?)",
                      (pid, node, rank, nranks, T0))
         conn.execute("INSERT INTO communicators VALUES (?, ?, '3f00aa00bb00cc00', 'x', ?, ?, ?)",
                      (node, pid, rank, nranks, T0))

@@ -60,10 +60,17 @@ INFLIGHT_OLDEST = _m(
     "nccl_inflight_oldest_seconds", "gauge", ("node", "op", "comm", "rank"),
     "Age of the oldest NCCL call still inside the library, per op, communicator and rank. "
     "A value that keeps growing is a hang.")
+# Where a traced process runs in Kubernetes (sources/pods.py; "" outside a
+# pod or where unknown): only on the two per-process info families, joined
+# to the other series in PromQL (docs/metrics.md, "Pod identity").
+POD = ("namespace", "pod", "container", "pod_uid", "container_id")
+
 COMMUNICATOR_INFO = _m(
     "nccl_communicator_info", "gauge",
-    ("node", "comm", "nccl_comm_hash", "rank", "nranks", "pid", "launcher", "launcher_rank", "world_size"),
-    "One per live communicator of a traced process (value 1).")
+    ("node", "comm", "nccl_comm_hash", "rank", "nranks", "pid", "launcher", "launcher_rank", "world_size",
+     *POD),
+    "One per live communicator of a traced process (value 1). namespace, pod, container, pod_uid, "
+    "container_id: the Kubernetes pod and container of the process (empty outside a pod or where unknown).")
 
 COMMUNICATOR_ASYNC_ERROR = _m(
     "nccl_communicator_async_error", "gauge", ("node", "comm", "rank", "result"),
@@ -89,9 +96,11 @@ GPU_INFLIGHT_OLDEST = _m(
     "the host enqueue) or started but not finished (state=running, since the GPU start), per op, "
     "communicator and rank. A value that keeps growing is a GPU-side hang.")
 PROFILER_PLUGIN_ACTIVE = _m(
-    "nccl_profiler_plugin_active", "gauge", ("node", "pid"),
+    "nccl_profiler_plugin_active", "gauge", ("node", "pid", *POD, "libnccl_version", "collectives"),
     "1 for a traced process that loaded nccl-exporter's profiler plugin (GPU time is measured), "
-    "0 for a traced process without it (host time only).")
+    "0 for a traced process without it (host time only). libnccl_version: its libnccl's version "
+    "(\"\": unknown; the plugin needs 2.27 or newer); collectives: \"yes\" once a collective of "
+    "the process was counted, else \"no\"; the pod labels as on nccl_communicator_info.")
 
 # --- Kernel side: TCP (bpf/tcp.c) and scheduler (bpf/sched.c) --------------------------
 

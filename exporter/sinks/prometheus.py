@@ -148,13 +148,16 @@ class NcclCollector:
         durations = Histograms(metrics.COLLECTIVE_DURATION, duration_bounds_s())
         lifecycle = Histograms(metrics.LIFECYCLE_DURATION, duration_bounds_s())
         nbytes: dict[tuple, int] = defaultdict(int)
+        made: set[tuple[int, int]] = set()  # (comm, rank) with collectives: whose process made one
         for s in self.nccl.series():
             if s.op in contract.COLLECTIVE_OPS.values():
+                made.add((s.comm_hash, s.rank))
                 comm = format_comm(s.comm_hash)
                 durations.add((node, s.op, comm, label(s.rank)), s.buckets, s.sum_ns / 1e9)
                 nbytes[(node, s.op, comm, label(s.rank))] += s.bytes
             else:
                 lifecycle.add((node, s.op), s.buckets, s.sum_ns / 1e9)
+        self._made_collectives = made
         exemplars = {}
         if self.spans is not None:
             for (op, comm, rank), ex in list(self.spans.exemplars.items()):
@@ -190,6 +193,7 @@ class NcclCollector:
                     who.get("launcher") or "",
                     _opt(who.get("rank")),
                     _opt(who.get("world_size")),
+                    *pod_labels(who),
                 ],
                 1,
             )
@@ -225,8 +229,9 @@ class NcclCollector:
             traced = {k.value for k in self.nccl.probes["traced_processes"].keys()}
         except Exception:
             pass
+        self.processes.mark_collectives(comms, getattr(self, "_made_collectives", ()))
         yield from gpu_families(self.node, self.plugin, comms, traced | {c.pid for c in comms}, alive,
-                                getattr(self.nccl, "comm_ids", None))
+                                getattr(self.nccl, "comm_ids", None), self.processes.identity)
 
     # --- the exporter itself -------------------------------------------------------------
 
@@ -341,14 +346,29 @@ def gpu_comm_labels(comms) -> dict[int, str]:
     return {h: format_comm(c) for h, c in gpu_comm_ids(comms).items()}
 
 
-def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: dict | None = None) -> list:
+def plugin_labels(who: dict) -> tuple[str, ...]:
+    """nccl_profiler_plugin_active's labels after node and pid, from a
+    ProcessTable identity: the pod, the libnccl version, whether it made a
+    collective (the plugin alert's conditions, docs/alerts.md)."""
+    return (*pod_labels(who), who.get("libnccl_version") or "", "yes" if who.get("collectives") else "no")
+
+
+def pod_labels(who: dict) -> tuple[str, ...]:
+    """The metrics.POD labels of a ProcessTable identity ("" where unknown)."""
+    return tuple(who.get(k) or "" for k in metrics.POD)
+
+
+def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: dict | None = None,
+                 identity=None) -> list:
     """The profiler plugin's families: GPU duration histograms, the oldest GPU
     in-flight ages and nccl_profiler_plugin_active. comm label: the host
     series' id when the agent saw the communicator made, else NCCL's commHash
     (16 hex digits). plugin None (not loaded): every traced process is 0.
     `known`: commHash -> the agent's communicator id, remembered by the
     NCCL reader from the init events (the job's processes may be gone while
-    its GPU series live on for --series-ttl); read, never changed here."""
+    its GPU series live on for --series-ttl); read, never changed here.
+    `identity`: pid -> the ProcessTable's dict (pod, libnccl_version,
+    collectives labels; None: all empty)."""
     is_alive = is_alive or alive_checker()
     labels = {h: format_comm(c) for h, c in {**(known or {}), **gpu_comm_ids(comms)}.items()}
 
@@ -369,10 +389,13 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: di
             key = (node, f.op, comm_of(f.nccl_hash), label(f.rank), f.state)
             oldest[key] = max(oldest.get(key, 0.0), max(0, now - f.since_ns) / 1e9)
         with_plugin = {p.pid for p in plugin.processes() if is_alive(p.pid)}
-    active = {(node, str(pid)): 1 for pid in with_plugin}
+    def key(pid: int) -> tuple:
+        return (node, str(pid), *plugin_labels(identity(pid) if identity else {}))
+
+    active = {key(pid): 1 for pid in with_plugin}
     for pid in traced_pids:
         if pid not in with_plugin and is_alive(pid):
-            active[(node, str(pid))] = 0
+            active[key(pid)] = 0
     return [durations.family(), filled(metrics.GPU_INFLIGHT_OLDEST, oldest),
             filled(metrics.PROFILER_PLUGIN_ACTIVE, active)]
 

@@ -1,4 +1,5 @@
-"""Traced processes: who they are to the launcher (torchrun, Slurm, MPI).
+"""Traced processes: who they are to the launcher (torchrun, Slurm, MPI) and
+to Kubernetes (pod, namespace, container: sources/pods.py).
 
 The launcher rank is metadata on nccl_communicator_info, and the kernel's
 fallback rank for calls on a communicator the agent never saw created (an
@@ -12,6 +13,8 @@ import os
 import threading
 
 from exporter.sources.identity import launcher_identity, process_command
+from exporter.sources.nccl import libfind
+from exporter.sources.pods import POD_FIELDS, PodResolver
 
 
 def alive_checker(proc: str = "/proc"):
@@ -29,9 +32,11 @@ def alive_checker(proc: str = "/proc"):
 
 
 class ProcessTable:
-    def __init__(self, probes=None, proc: str = "/proc"):
+    def __init__(self, probes=None, proc: str = "/proc", pods: PodResolver | None = None):
         self.probes = probes
         self.proc = proc
+        self.pods = pods or PodResolver(proc=proc)
+        self._scanner = libfind.ProcessScanner(proc)
         self._known: dict[int, dict] = {}
         self._lock = threading.Lock()
 
@@ -43,10 +48,18 @@ class ProcessTable:
             who = self.saw(pid)
         return who
 
-    def saw(self, pid: int) -> dict:
-        """Learn a process: read its environment, tell the kernel its rank."""
-        who = dict(launcher_identity(pid, proc=self.proc))
-        who["command"] = process_command(pid)
+    def describe(self, pid: int) -> dict:
+        """What identity() says, without learning: for threads other than the
+        agent's (the recorder's), which must not touch the kernel maps."""
+        with self._lock:
+            who = self._known.get(pid)
+        return dict(who) if who is not None else self._read(pid)
+
+    def saw(self, pid: int, library: str | None = None) -> dict:
+        """Learn a process: read its environment, its pod and its libnccl's
+        version (of `library`, else of the libnccl its maps show), tell the
+        kernel its rank."""
+        who = self._read(pid, library)
         with self._lock:
             self._known[pid] = who
         # A process already gone (a short job's events read after it exited) is
@@ -57,6 +70,30 @@ class ProcessTable:
             except Exception:  # map full: counted by the kernel side; rank stays unknown
                 pass
         return who
+
+    def _read(self, pid: int, library: str | None = None) -> dict:
+        who = dict(launcher_identity(pid, proc=self.proc))
+        who["command"] = process_command(pid)
+        pod = self.pods.identify(pid)
+        who.update(zip(POD_FIELDS, pod.fields()))
+        if library is None:
+            try:
+                library = next((lib.path for lib in self._scanner.scan([pid])), None)
+            except Exception:  # gone, or maps unreadable: version unknown
+                library = None
+        who["libnccl_version"] = libfind.nccl_version(library) if library else ""
+        who["collectives"] = False  # set by mark_collectives once a collective of it is counted
+        return who
+
+    def mark_collectives(self, communicators, series_keys) -> None:
+        """Remember which processes made a collective: a process whose
+        (communicator, rank) has a collective series (series_keys: a set of
+        (comm_hash, rank)). Sticky while the process lives, also after its
+        communicators are destroyed."""
+        for c in communicators:
+            if (c.comm_hash, c.rank) in series_keys:
+                who = self.identity(c.pid)
+                who["collectives"] = True
 
     def forget_dead(self) -> None:
         with self._lock:

@@ -212,7 +212,7 @@ class Agent:
         with self.lock:
             report = self.probes.attach(lib.path)
         for pid in getattr(lib, "pids", ()) or ():
-            self.processes.saw(pid)
+            self.processes.saw(pid, lib.path)
         if report is None:
             return
         log.info(

@@ -236,6 +236,10 @@ EXPORT ncclResult_t pncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncE
   *asyncError = comm->async_err;
   return ncclSuccess;
 }
+
+/* The banner real NCCL prints at init (VERSION_STRING in src/init.cc); the
+ * agent reads the library's version from it without running the library. */
+__attribute__((used)) static const char sim_version_banner[] = "NCCL version 2.32.3+sim";
 EXPORT ncclResult_t pncclGetVersion(int *version) {
   if (!version) return ncclInvalidArgument;
   *version = SIM_VERSION_CODE;

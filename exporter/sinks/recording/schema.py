@@ -154,8 +154,23 @@ MIGRATIONS: list[list[str]] = [
             node            TEXT
         )""",
     ],
+    # 5 -> 6: where each process ran in Kubernetes (the labels of
+    # nccl_communicator_info, sources/pods.py) and its libnccl's version
+    [
+        "ALTER TABLE processes ADD COLUMN namespace TEXT",     # '' : not in a pod, or unknown
+        "ALTER TABLE processes ADD COLUMN pod TEXT",
+        "ALTER TABLE processes ADD COLUMN container TEXT",     # the container's name (kubelet only)
+        "ALTER TABLE processes ADD COLUMN pod_uid TEXT",       # metadata.uid, from the cgroup path
+        "ALTER TABLE processes ADD COLUMN container_id TEXT",  # 'containerd://<64 hex>', from the cgroup path
+        "ALTER TABLE processes ADD COLUMN libnccl_version TEXT",  # '2.32.3'; '' : unknown
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+
+# The processes table's columns, in the order the recorder writes them.
+PROCESS_FIELDS = ("pid", "node", "launcher", "launcher_rank", "world_size", "command", "netns",
+                  "first_seen_ns", "namespace", "pod", "container", "pod_uid", "container_id",
+                  "libnccl_version")
 
 # When a recording ends: the GPU interval of each collective call, from
 # gpu_intervals into its nccl_events row (same process, communicator, op and
@@ -188,6 +203,7 @@ GPU_FIELDS = ("pid", "nccl_comm_hash", "op", "seq", "kind", "rank", "peer", "enq
               "gpu_duration_ns", "node")
 
 INSERT = {
+    "processes": _insert("processes", PROCESS_FIELDS).replace("INSERT", "INSERT OR IGNORE", 1),
     "gpu": _insert("gpu_intervals", GPU_FIELDS),
     "nccl": _insert("nccl_events", NCCL_FIELDS),
     "tcp": _insert("tcp_events", TCP_FIELDS),

@@ -60,6 +60,9 @@ class Recorder:
         self.path = path
         self.node = node or socket.gethostname()
         self.scope = scope or Scope()
+        # pid -> identity dict (launcher, pod, libnccl_version: the agent's
+        # ProcessTable.identity); None: read here from /proc
+        self.identify = None
         self.queue_max = int(queue_max or QUEUE_MAX)
         self.batch_rows = batch_rows
         self.batch_seconds = batch_seconds
@@ -309,7 +312,7 @@ class Recorder:
             if gpu:
                 c.executemany(INSERT["gpu"], gpu)
             if procs:
-                c.executemany("INSERT OR IGNORE INTO processes VALUES (?, ?, ?, ?, ?, ?, ?, ?)", procs)
+                c.executemany(INSERT["processes"], procs)
             if comms:
                 # A split child's rank is learnt after its first event: fill it in then.
                 c.executemany("INSERT INTO communicators VALUES (?, ?, ?, ?, ?, ?, ?) "
@@ -346,13 +349,25 @@ class Recorder:
         return best[1] if best else None
 
     def _process_row(self, pid: int) -> tuple:
+        """A processes row (schema.PROCESS_FIELDS). The agent's ProcessTable
+        (`identify`, set by run/trace: the kubelet's names where enabled)
+        knows the pod and library version; without it, the pod from the
+        cgroup and environment only."""
         from exporter.sources.identity import launcher_identity, process_command
+        from exporter.sources.pods import PodResolver
 
-        who = launcher_identity(pid)
-        if who["rank"] is not None:
+        if self.identify is not None:
+            who = self.identify(pid)
+        else:
+            who = dict(launcher_identity(pid))
+            who.update(zip(("namespace", "pod", "container", "pod_uid", "container_id"),
+                           PodResolver().identify(pid).fields()))
+        if who.get("rank") is not None:
             self._launcher_rank[pid] = who["rank"]
-        return (pid, self.node, who["launcher"], who["rank"], who["world_size"], process_command(pid),
-                pid_netns(pid), time.time_ns())
+        return (pid, self.node, who.get("launcher") or "", who.get("rank"), who.get("world_size"),
+                who.get("command") or process_command(pid), pid_netns(pid), time.time_ns(),
+                *(who.get(k) or "" for k in ("namespace", "pod", "container", "pod_uid", "container_id",
+                                              "libnccl_version")))
 
     def _write_meta(self, final: bool) -> None:
         meta = {

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import mmap
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -25,6 +27,8 @@ __all__ = [
     "find_libraries",
     "mapped_nccl_libraries",
     "is_nccl_library",
+    "nccl_version",
+    "version_at_least",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,46 @@ def is_nccl_library(path: str) -> bool:
     except (elf.ElfError, OSError):
         return False
     return any(s in funcs for s in NCCL_MARKER_SYMBOLS)
+
+
+_VERSION_BANNER = re.compile(rb"NCCL version (\d+)\.(\d+)\.(\d+)")
+_versions: dict[tuple[int, int, int], str] = {}
+
+
+def nccl_version(path: str) -> str:
+    """"MAJOR.MINOR.PATCH" of a libnccl file, from the banner NCCL prints at
+    init ("NCCL version 2.32.3+cuda12.9": VERSION_STRING in NCCL's
+    src/init.cc), read from the file without running it; "" when the file
+    has none or cannot be read. Cached per file (device, inode, mtime)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+    if key not in _versions:
+        found = ""
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                at = m.find(b"NCCL version ")  # memchr-fast, also through a 450 MiB file
+                while at >= 0 and not found:
+                    match = _VERSION_BANNER.match(m, at)
+                    if match:
+                        found = ".".join(g.decode() for g in match.groups())
+                    else:
+                        at = m.find(b"NCCL version ", at + 1)
+        except (OSError, ValueError):
+            pass
+        _versions[key] = found
+    return _versions[key]
+
+
+def version_at_least(version: str, major: int, minor: int) -> bool | None:
+    """True/False for "2.32.3" against (2, 27); None when the version is unknown."""
+    try:
+        have = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return None
+    return have >= (major, minor) if len(have) == 2 else None
 
 
 class _Scanner:

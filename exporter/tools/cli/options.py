@@ -180,6 +180,7 @@ def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
     from exporter.sources.identity import node_name
     from exporter.sources.bpf import ProbeError
 
+    pods = pod_resolver(args)  # bad --kubelet-* input: one line, before anything loads
     require_privileges()
     require_tracefs()
     node = node_name(getattr(args, "node", None), cfg.get("node"))
@@ -197,6 +198,7 @@ def start_agent(args, cfg, record_all=False, runq_event_min_ns=0):
                                   runq_event_min_ns=runq_event_min_ns if waits else 0, **lifecycle))
     except ProbeError as e:
         raise CliError(str(e)) from None
+    agent.processes.pods = pods  # before discovery: the first processes get it
     try:
         agent.start_discovery()
     except AgentError as e:
@@ -228,6 +230,47 @@ def open_recorder(path, node, scope=None):
 
 
 # --- options shared by several commands -----------------------------------------
+
+def add_pod_options(sp) -> None:
+    """--kubelet-*: pod and container names from the kubelet (docs/deploy.md, "Pod identity")."""
+    g = sp.add_argument_group(
+        "pod identity",
+        "Pod UID and container ID come from each traced process's cgroup, pod name and namespace "
+        "from its POD_NAME/POD_NAMESPACE (downward API) or HOSTNAME and its service-account "
+        "namespace file. The kubelet's pod list adds the container's name, and names for pods that "
+        "set none: opt in with --kubelet-url.")
+    g.add_argument("--kubelet-url", metavar="URL",
+                   help="ask the kubelet's pod list (URL/pods), e.g. https://$NODE_IP:10250, at most "
+                        "every 30 s and only for a pod it does not know yet")
+    g.add_argument("--kubelet-token-file", metavar="FILE",
+                   help="bearer token for the kubelet (re-read at every request), e.g. "
+                        "/var/run/secrets/kubernetes.io/serviceaccount/token; its service account "
+                        "needs get on nodes/proxy")
+    g.add_argument("--kubelet-ca-file", metavar="FILE",
+                   help="CA bundle for the kubelet's serving certificate (default: the system's)")
+    g.add_argument("--kubelet-insecure-tls", action="store_true",
+                   help="do not verify the kubelet's certificate (self-signed serving certificates)")
+
+
+def pod_resolver(args):
+    """The PodResolver of `run`/`trace`: with a KubeletPods when --kubelet-url is given."""
+    from exporter.sources.pods import KubeletPods, PodResolver
+
+    url = getattr(args, "kubelet_url", None)
+    token = getattr(args, "kubelet_token_file", None)
+    if not url:
+        if token:
+            raise CliError("--kubelet-token-file needs --kubelet-url")
+        return PodResolver()
+    if not url.startswith(("http://", "https://")):
+        raise CliError(f"--kubelet-url {url!r}: an http:// or https:// URL, e.g. https://10.0.0.5:10250")
+    for name in ("kubelet_token_file", "kubelet_ca_file"):
+        path = getattr(args, name, None)
+        if path and not os.access(path, os.R_OK):
+            raise CliError(f"--{name.replace('_', '-')} {path}: cannot read it")
+    return PodResolver(KubeletPods(url, token, getattr(args, "kubelet_ca_file", None),
+                                   insecure=bool(getattr(args, "kubelet_insecure_tls", False))))
+
 
 def add_lib_option(sp) -> None:
     sp.add_argument("--nccl-lib", action="append", metavar="PATH",

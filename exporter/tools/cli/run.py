@@ -13,6 +13,7 @@ from exporter.tools.cli.options import (
     DEFAULT_OWNER_WINDOW,
     CliError,
     add_lib_option,
+    add_pod_options,
     add_sched_options,
     load_config,
     open_recorder,
@@ -86,6 +87,7 @@ def add_parser(sub) -> None:
                    help="duration buckets: coarse (default, one per power of two, 1 us..137 s, 29 buckets) "
                         "or fine (4 per power of two, 106 buckets)")
     add_lib_option(r)
+    add_pod_options(r)
     from exporter.tools.cli.fleet import add_query_endpoint_options  # --query-listen ...
     add_query_endpoint_options(r)
     r.set_defaults(func=main)
@@ -135,6 +137,7 @@ def main(args) -> int:
             recorder.on_error = lambda message: logging.getLogger("nccl_exporter").error(
                 "%s; metrics are still served, events not recorded are counted in "
                 "nccl_exporter_recording_dropped_total", message)
+            recorder.identify = agent.processes.describe  # pod and library version as on /metrics
             pipeline.listen(recorder)
             serve_queries(queries, node)  # the node query endpoint, on the recording
         if queries is not None:

@@ -11,6 +11,7 @@ from exporter.records.events import CallEvent
 from exporter.tools.cli.options import (
     CliError,
     add_lib_option,
+    add_pod_options,
     add_sched_options,
     open_recorder,
     parse_duration,
@@ -38,6 +39,7 @@ def add_parser(sub) -> None:
     t.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
     add_sched_options(t, "waits", "with --out")
     add_lib_option(t)
+    add_pod_options(t)
     t.set_defaults(func=main)
 
 
@@ -71,6 +73,7 @@ def main(args) -> int:
     pipeline = Pipeline(agent, node)
     if recorder is not None:
         recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
+        recorder.identify = agent.processes.describe  # pod and library version as on /metrics
         pipeline.listen(recorder)
     else:
         pipeline.listen(show)
