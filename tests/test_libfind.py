@@ -170,3 +170,18 @@ def test_watcher_survives_callback_error(fake_nccl_lib, load_libs):
     new = w.scan_once()
     assert any(l.path == str(fake_nccl_lib) for l in new)
     assert w.scan_once() == []
+
+
+def test_nccl_version_from_the_banner(tmp_path, plain_lib):
+    """The version NCCL prints at init, read from the file (not run)."""
+    from conftest import REAL_NCCL_LIB
+    from exporter.simulator.build import build_library
+
+    assert libfind.nccl_version(str(build_library())) == "2.32.3"  # the simulator's banner
+    if REAL_NCCL_LIB:
+        assert libfind.nccl_version(REAL_NCCL_LIB) == "2.32.3"  # "NCCL version 2.32.3+cuda12.9"
+    assert libfind.nccl_version(str(plain_lib)) == ""  # no banner
+    assert libfind.nccl_version(str(tmp_path / "missing.so")) == ""
+    f = tmp_path / "libnccl.so.2"
+    f.write_bytes(b"\0" * 100 + b"NCCL version x" + b"NCCL version 2.27.7+cuda12.8\0")
+    assert libfind.nccl_version(str(f)) == "2.27.7"

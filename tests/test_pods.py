@@ -135,7 +135,7 @@ def fake_proc(root, pid: int, cgroup: str, environ: dict | None = None, namespac
     if environ is not None:
         (d / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in environ.items()))
     if namespace_file is not None:
-        sa = d / "root" / "var/run/secrets/kubernetes.io/serviceaccount"
+        sa = d / "root" / "run/secrets/kubernetes.io/serviceaccount"
         sa.mkdir(parents=True)
         (sa / "namespace").write_text(namespace_file + "\n")
 
@@ -155,6 +155,9 @@ def test_resolver_on_fake_proc(tmp_path):
     assert r.identify(102).fields() == ("x", "", "", "", "")
     assert r.identify(103).fields() == ("", "", "", UID, ref)
     assert r.identify(999).fields() == ("", "", "", "", "")  # gone
+    # what is not a namespace (a symlink planted to a host file) is not taken
+    fake_proc(tmp_path, 104, v2(path), {}, namespace_file="root:$6$salt:19000:0:99999:7:::")
+    assert r.identify(104).namespace == ""
 
 
 class _Kubelet(http.server.BaseHTTPRequestHandler):

@@ -21,9 +21,10 @@ Three sources, each with what it needs:
   which the container runtime sets to the pod's name unless the pod sets
   `hostname:` or uses the host's network (then it is the node's name, and
   is not taken). The namespace also comes from the service-account file the
-  kubelet mounts into the container (/proc/<pid>/root/var/run/secrets/
-  kubernetes.io/serviceaccount/namespace; CAP_SYS_PTRACE and
-  CAP_DAC_READ_SEARCH for another user's process) where the pod mounts one.
+  kubelet mounts into the container (/proc/<pid>/root/run/secrets/
+  kubernetes.io/serviceaccount/namespace, or /var/run/...; CAP_SYS_PTRACE
+  and CAP_DAC_READ_SEARCH for another user's process) where the pod mounts
+  one, taken only when it is a DNS label.
 - The kubelet's pod list (GET <kubelet>/pods), only with --kubelet-url and
   --kubelet-token-file: a service-account token allowed `get` on
   `nodes/proxy`. It gives namespace and name by UID, and the container's
@@ -65,7 +66,14 @@ _RUNTIMES = {"cri-containerd-": "containerd", "crio-": "cri-o", "docker-": "dock
 # Docker outside Kubernetes: /docker/<id> (cgroupfs) or docker-<id>.scope (systemd).
 _DOCKER_PARENT = re.compile(r"(?:^|/)docker/([0-9a-f]{64})(?=/|$)")
 
-SERVICE_ACCOUNT_NAMESPACE = "var/run/secrets/kubernetes.io/serviceaccount/namespace"
+# Where the kubelet mounts the service account, below the container's root:
+# /run first, because /var/run is often an absolute symlink to /run, which
+# through /proc/<pid>/root would resolve against the agent's root instead.
+SERVICE_ACCOUNT_NAMESPACE = ("run/secrets/kubernetes.io/serviceaccount/namespace",
+                             "var/run/secrets/kubernetes.io/serviceaccount/namespace")
+# A namespace is a DNS label (RFC 1123). Anything else read from a container's
+# file system (a symlink planted to point outside it) is not taken.
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -140,11 +148,14 @@ def pod_from_environ(env: dict[str, str] | None, in_pod: bool, node_hostname: st
 
 
 def _service_account_namespace(pid: int | str, proc: str) -> str:
-    try:
-        with open(os.path.join(proc, str(pid), "root", SERVICE_ACCOUNT_NAMESPACE)) as f:
-            return f.read(256).strip()
-    except OSError:
-        return ""
+    for path in SERVICE_ACCOUNT_NAMESPACE:
+        try:
+            with open(os.path.join(proc, str(pid), "root", path), "rb") as f:
+                text = f.read(64).decode("ascii", "replace").strip()
+        except OSError:
+            continue
+        return text if _NAMESPACE.fullmatch(text) else ""
+    return ""
 
 
 @dataclass

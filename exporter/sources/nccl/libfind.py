@@ -28,7 +28,6 @@ __all__ = [
     "mapped_nccl_libraries",
     "is_nccl_library",
     "nccl_version",
-    "version_at_least",
 ]
 
 log = logging.getLogger(__name__)
@@ -95,15 +94,6 @@ def nccl_version(path: str) -> str:
             pass
         _versions[key] = found
     return _versions[key]
-
-
-def version_at_least(version: str, major: int, minor: int) -> bool | None:
-    """True/False for "2.32.3" against (2, 27); None when the version is unknown."""
-    try:
-        have = tuple(int(x) for x in version.split(".")[:2])
-    except ValueError:
-        return None
-    return have >= (major, minor) if len(have) == 2 else None
 
 
 class _Scanner:
