@@ -27,6 +27,16 @@ if [ "${#missing[@]}" -gt 0 ]; then
     apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# kubectl (its kustomize renders deploy/kubernetes in the tests): Debian's
+# kubernetes-client, unless a kubectl is already installed (another package
+# owning /usr/bin/kubectl would conflict with it).
+if ! command -v kubectl >/dev/null 2>&1; then
+    echo "setup-system: installing kubernetes-client (kubectl kustomize)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends kubernetes-client
+fi
+
 # --- 2. Kernel headers for the running kernel --------------------------------
 # BCC compiles against /lib/modules/$(uname -r)/build. On hosts whose kernel
 # is not a Debian one (e.g. a VM's custom kernel) nothing provides it: link

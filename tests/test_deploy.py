@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from exporter import __version__
+from exporter.tools.preflight import CAPABILITIES
 from tests.test_alerts import load_yaml
 
 from conftest import REPO
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
-# SYS_ADMIN: without it the kernel refuses the uprobe perf PMU and BCC's
-# tracefs fallback fails for real library paths (docs/deploy.md, measured).
-NEEDED_CAPS = {"BPF", "PERFMON", "SYS_RESOURCE", "SYS_PTRACE", "DAC_READ_SEARCH", "SYS_ADMIN"}
+# The one list (exporter/tools/preflight.py, measured: docs/deploy.md).
+NEEDED_CAPS = set(CAPABILITIES)
+VERSION = __version__
 
 
 def test_prometheusrule_is_up_to_date():
@@ -57,9 +59,22 @@ def test_daemonset():
     assert sc.get("privileged") is False
     assert sc["capabilities"]["drop"] == ["ALL"]
     assert set(sc["capabilities"]["add"]) == NEEDED_CAPS, "only the capabilities docs/deploy.md justifies"
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, "measured: docs/deploy.md"
+    # the image, tagged with this version; the init container from the same image
+    assert c["image"] == f"nccl-exporter:{VERSION}"
+    (init,) = spec["initContainers"]
+    assert init["image"] == c["image"]
+    assert init["securityContext"]["capabilities"]["drop"] == ["ALL"] and "add" not in init["securityContext"]["capabilities"]
+    script = " ".join(init["command"])
+    assert "/opt/nccl-exporter/plugin/libnccl-profiler-exporter.so" in script
+    assert "mv -f" in script and script.rstrip().endswith("/host/opt/nccl-exporter/libnccl-profiler-exporter.so")
+    (plugin_mount,) = init["volumeMounts"]
+    plugin_volume = {v["name"]: v for v in spec["volumes"]}[plugin_mount["name"]]
+    assert plugin_mount["mountPath"] == "/host/opt/nccl-exporter"
+    assert plugin_volume["hostPath"] == {"path": "/opt/nccl-exporter", "type": "DirectoryOrCreate"}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in spec["volumes"]}
-    for path in ("/sys/kernel/tracing", "/sys/kernel/debug", "/lib/modules", "/usr/src"):
+    for path in ("/sys/kernel/tracing", "/sys/kernel/debug", "/sys/fs/bpf", "/lib/modules", "/usr/src"):
         assert path in mounts, path
         assert volumes[mounts[path]]["hostPath"]["path"] == path
     assert {p["containerPort"] for p in c["ports"]} == {9862}
@@ -84,6 +99,8 @@ def test_service_and_servicemonitor_select_the_pods():
     assert sm["kind"] == "ServiceMonitor"
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    # the pod labels of nccl_communicator_info are the traced process's, not the target's
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True
     assert svc["metadata"]["namespace"] in sm["spec"]["namespaceSelector"]["matchNames"]
 
 
@@ -138,9 +155,82 @@ def test_systemd_unit_verifies(tmp_path):
     assert "notifyy" in p.stdout + p.stderr
 
 
+def test_capabilities_are_the_same_everywhere():
+    """One list: the DaemonSet and the unit (above), --help, README, docs."""
+    from exporter.tools.cli import EPILOG
+
+    caps = ", ".join(f"CAP_{c}" for c in CAPABILITIES)
+    assert caps in " ".join(EPILOG.split())
+    run_help = subprocess.run([sys.executable, "-m", "exporter", "run", "--help"], capture_output=True,
+                              text=True, cwd=REPO).stdout
+    assert caps in " ".join(run_help.split())
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert caps in readme
+    doc = (REPO / "docs" / "deploy.md").read_text()
+    table = [line for line in doc.splitlines() if line.startswith("| `CAP_")]
+    assert [line.split("`")[1] for line in table] == [f"CAP_{c}" for c in CAPABILITIES]
+
+
 def test_capabilities_are_justified_in_docs():
     doc = (REPO / "docs" / "deploy.md").read_text()
-    for cap in NEEDED_CAPS | {"SYS_ADMIN"}:
+    for cap in NEEDED_CAPS | {"SYS_ADMIN", "BPF", "PERFMON", "SYS_RESOURCE"}:
         assert f"CAP_{cap}" in doc, cap
     for word in ("hostPID", "hostNetwork", "/sys/kernel/tracing", "/lib/modules", "/usr/src"):
         assert word in doc
+
+
+# --- kustomize: the base and the example overlay, rendered by kubectl ----------------------
+
+def kustomize(path: Path) -> list[dict]:
+    import shutil
+    import yaml
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl missing: make deps installs Debian's kubernetes-client")
+    p = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return [d for d in yaml.safe_load_all(p.stdout) if d]
+
+
+def by_kind(docs: list[dict]) -> dict[str, dict]:
+    out = {}
+    for d in docs:
+        assert d["kind"] not in out, f"two {d['kind']}s"
+        out[d["kind"]] = d
+    return out
+
+
+def test_kustomize_base_is_the_manifests():
+    docs = by_kind(kustomize(K8S))
+    assert set(docs) == {"DaemonSet", "Service", "ServiceMonitor", "PrometheusRule"}
+    assert docs["DaemonSet"] == load_yaml(K8S / "daemonset.yaml")
+    assert docs["PrometheusRule"]["spec"] == load_yaml(K8S / "prometheusrule.yaml")["spec"]
+
+
+def test_kustomize_overlay_templates_image_resources_nodes_and_operator():
+    """deploy/overlays/gpu-cluster: what a cluster changes, changed."""
+    docs = by_kind(kustomize(DEPLOY / "overlays" / "gpu-cluster"))
+    assert {"DaemonSet", "Service", "ServiceMonitor", "PrometheusRule", "ServiceAccount", "ClusterRole",
+            "ClusterRoleBinding"} == set(docs)
+    spec = docs["DaemonSet"]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    (init,) = spec["initContainers"]
+    image = f"registry.example.com/ml-infra/nccl-exporter:{VERSION}"
+    assert c["image"] == image and init["image"] == image
+    assert c["resources"] == {"requests": {"cpu": "200m", "memory": "384Mi"}, "limits": {"memory": "1536Mi"}}
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux", "nvidia.com/gpu.present": "true"}
+    assert {t["key"] for t in spec["tolerations"]} == {"nvidia.com/gpu", "dedicated"}
+    # the security context and mounts survive the patch
+    base = load_yaml(K8S / "daemonset.yaml")["spec"]["template"]["spec"]["containers"][0]
+    assert c["securityContext"] == base["securityContext"] and c["volumeMounts"] == base["volumeMounts"]
+    # pod names from the kubelet: the flags, and a service account allowed nodes/proxy
+    args = c["args"]
+    assert args[args.index("--kubelet-url") + 1] == "https://$(NODE_IP):10250"
+    assert spec["serviceAccountName"] == docs["ServiceAccount"]["metadata"]["name"]
+    assert docs["ClusterRole"]["rules"] == [{"apiGroups": [""], "resources": ["nodes/proxy"], "verbs": ["get"]}]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        assert docs[kind]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert docs["ServiceMonitor"]["spec"]["endpoints"][0]["honorLabels"] is True

@@ -42,7 +42,7 @@ def test_real_host_required_checks_pass():
 
 def test_all_ok_with_fakes(fake_tracefs, fake_modules, tmp_path):
     status = tmp_path / "status"
-    status.write_text("Name:\tx\nCapEff:\t000000c000000000\n")  # CAP_PERFMON + CAP_BPF
+    status.write_text("Name:\tx\nCapEff:\t0000000000280004\n")  # SYS_ADMIN, SYS_PTRACE, DAC_READ_SEARCH
     checks = preflight.run_checks(
         tracefs_roots=[str(fake_tracefs)], modules_root=str(fake_modules),
         kernel_release="6.99.0-test", euid=1000, status_path=str(status),
@@ -50,7 +50,7 @@ def test_all_ok_with_fakes(fake_tracefs, fake_modules, tmp_path):
     by = _by_name(checks)
     for name in ("privileges", "bpf syscall", "tracefs", "uprobes", "tracepoints", "kernel headers"):
         assert by[name].ok, by[name]
-    assert by["privileges"].detail == "uid 1000 with CAP_BPF+CAP_PERFMON"
+    assert by["privileges"].detail == "uid 1000 with CAP_SYS_ADMIN CAP_SYS_PTRACE CAP_DAC_READ_SEARCH"
     assert by["tracefs"].detail == str(fake_tracefs)
 
 
@@ -99,13 +99,32 @@ def test_headers_dir_without_include(tmp_path):
     assert not c.ok and c.required and "build/include missing" in c.detail
 
 
-def test_root_and_sys_admin(tmp_path):
+def test_privileges_are_the_capabilities_whatever_the_uid(tmp_path):
+    """Root in a container has only what the runtime granted: the check reads
+    the effective set, names each missing capability and what fails without it."""
     status = tmp_path / "status"
-    status.write_text("CapEff:\t0000000000200000\n")  # CAP_SYS_ADMIN only
-    assert preflight.check_privileges(0, str(status)).ok
-    assert preflight.check_privileges(1000, str(status)).detail == "uid 1000 with CAP_SYS_ADMIN"
-    status.write_text("CapEff:\t0000008000000000\n")  # CAP_BPF without CAP_PERFMON
-    assert not preflight.check_privileges(1000, str(status)).ok
+    status.write_text("CapEff:\t0000000000280004\n")  # SYS_ADMIN, SYS_PTRACE, DAC_READ_SEARCH
+    assert preflight.check_privileges(0, str(status), "6.18.0").ok
+    assert preflight.check_privileges(1000, str(status), "6.18.0").ok
+    # kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK: SYS_RESOURCE too
+    old = preflight.check_privileges(0, str(status), "5.10.0-28-amd64")
+    assert not old.ok and "CAP_SYS_RESOURCE (raise RLIMIT_MEMLOCK" in old.detail
+    status.write_text("CapEff:\t000000c000000000\n")  # CAP_BPF + CAP_PERFMON: not enough to attach uprobes
+    c = preflight.check_privileges(0, str(status), "6.18.0")
+    assert not c.ok and c.detail.startswith("root lacks CAP_SYS_ADMIN (load the BPF programs")
+    assert "CAP_SYS_PTRACE (reach other users' processes' files through /proc/<pid>/root" in c.detail
+    status.write_text("CapEff:\t000001ffffffffff\n")  # root with everything
+    assert preflight.check_privileges(0, str(status), "6.18.0").ok
+    assert preflight.required_capabilities("6.18.0") == preflight.CAPABILITIES
+
+
+def test_headers_from_bcc_kernel_source(tmp_path):
+    """The image's fallback: BCC_KERNEL_SOURCE names the tree BCC compiles against."""
+    (tmp_path / "kh" / "include").mkdir(parents=True)
+    c = preflight.check_kernel_headers(str(tmp_path / "none"), "6.18.0", str(tmp_path / "kh"))
+    assert c.ok and c.detail == f"{tmp_path}/kh (BCC_KERNEL_SOURCE)"
+    c = preflight.check_kernel_headers(str(tmp_path / "none"), "6.18.0", str(tmp_path / "empty"))
+    assert not c.ok and "BCC_KERNEL_SOURCE" in c.detail
 
 
 def test_nccl_check(fake_nccl_lib, plain_lib, tmp_path):
@@ -170,7 +189,7 @@ def test_library_without_profiler_interfaces(plain_lib):
 
 def test_plugin_lines_in_the_report(built_plugin, fake_tracefs, fake_modules, tmp_path):
     status = tmp_path / "status"
-    status.write_text("CapEff:\t000000c000000000\n")
+    status.write_text("CapEff:\t0000000000280004\n")  # the three capabilities of preflight.CAPABILITIES
     out = io.StringIO()
     rc = preflight.main(out=out, tracefs_roots=[str(fake_tracefs)], modules_root=str(fake_modules),
                         kernel_release="6.99.0-test", euid=1000, status_path=str(status),

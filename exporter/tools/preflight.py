@@ -15,14 +15,57 @@ from typing import Callable, Iterable, TextIO
 
 from exporter.sources.nccl import libfind
 
-__all__ = ["Check", "run_checks", "main", "bpf_map_create_works", "plugin_library", "check_plugin"]
+__all__ = ["Check", "run_checks", "main", "bpf_map_create_works", "plugin_library", "check_plugin",
+           "CAPABILITIES", "required_capabilities", "missing_capabilities"]
 
 TRACEFS_ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 TRACEPOINTS = ("tcp/tcp_retransmit_skb", "sched/sched_process_exit")
 
+# The capabilities `run` needs, and what fails without each: the one list
+# the DaemonSet, the systemd unit, `check`, `run` and the docs agree on
+# (tests/test_deploy.py compares them). Measured on kernel 6.18
+# (docs/deploy.md, "Capabilities, and why"): CAP_SYS_ADMIN is needed to
+# attach uprobes, and it includes CAP_BPF and CAP_PERFMON (the kernel's
+# bpf_capable() and perfmon_capable() accept it), so those two add nothing.
+CAPABILITIES: dict[str, tuple[int, str]] = {
+    "SYS_ADMIN": (21, "load the BPF programs and attach the uprobes and tracepoints"),
+    "SYS_PTRACE": (19, "reach other users' processes' files through /proc/<pid>/root (a libnccl "
+                       "inside a container, its service-account namespace)"),
+    "DAC_READ_SEARCH": (2, "read other users' /proc/<pid>/environ (launcher rank, pod name; the file "
+                           "is 0400) and open a libnccl in a directory its owner alone may enter"),
+}
+# Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK: raising it needs this
+# (or a raised limit: the systemd unit's LimitMEMLOCK=infinity).
+MEMLOCK_CAPABILITY = ("SYS_RESOURCE", 24, "raise RLIMIT_MEMLOCK for the BPF maps (kernels before 5.11)")
+
 CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38
 CAP_BPF = 39
+
+
+def required_capabilities(release: str | None = None) -> dict[str, tuple[int, str]]:
+    """CAPABILITIES, plus SYS_RESOURCE on kernels before 5.11."""
+    release = release or os.uname().release
+    caps = dict(CAPABILITIES)
+    try:
+        major, minor = (int(x) for x in release.split(".")[:2])
+    except ValueError:
+        return caps
+    if (major, minor) < (5, 11):
+        name, bit, why = MEMLOCK_CAPABILITY
+        caps[name] = (bit, why)
+    return caps
+
+
+def missing_capabilities(status_path: str = "/proc/self/status",
+                         release: str | None = None) -> list[tuple[str, str]]:
+    """[(CAP_NAME, what fails)] of required_capabilities() not in this process's
+    effective set (root in a container often has fewer than it thinks)."""
+    eff = _cap_eff(status_path)
+    if eff is None:
+        return []  # no /proc status: cannot tell, the kernel will say
+    return [(f"CAP_{name}", why) for name, (bit, why) in required_capabilities(release).items()
+            if not eff >> bit & 1]
 
 SYS_bpf = 321  # x86_64
 BPF_MAP_CREATE = 0
@@ -48,19 +91,19 @@ def _cap_eff(status_path: str) -> int | None:
     return None
 
 
-def check_privileges(euid: int | None = None, status_path: str = "/proc/self/status") -> Check:
+def check_privileges(euid: int | None = None, status_path: str = "/proc/self/status",
+                     release: str | None = None) -> Check:
+    """Every capability of required_capabilities() is effective, whatever the uid."""
     euid = os.geteuid() if euid is None else euid
-    caps = _cap_eff(status_path)
-    has = (lambda bit: caps is not None and bool(caps >> bit & 1))
-    if euid == 0:
-        return Check("privileges", True, True, "running as root")
-    if has(CAP_SYS_ADMIN):
-        return Check("privileges", True, True, f"uid {euid} with CAP_SYS_ADMIN")
-    if has(CAP_BPF) and has(CAP_PERFMON):
-        return Check("privileges", True, True, f"uid {euid} with CAP_BPF+CAP_PERFMON")
+    who = "root" if euid == 0 else f"uid {euid}"
+    missing = missing_capabilities(status_path, release)
+    names = " ".join(f"CAP_{n}" for n in required_capabilities(release))
+    if not missing:
+        return Check("privileges", True, True, f"{who} with {names}")
     return Check("privileges", False, True,
-                 f"uid {euid} without CAP_BPF+CAP_PERFMON or CAP_SYS_ADMIN — run as root "
-                 f"(sudo), or grant the capabilities (setcap/container securityContext)")
+                 f"{who} lacks {', '.join(f'{cap} ({why})' for cap, why in missing)} — grant {names} "
+                 f"(DaemonSet securityContext, systemd AmbientCapabilities; docs/deploy.md), or run as "
+                 f"root with all capabilities")
 
 
 def bpf_map_create_works() -> tuple[bool, str]:
@@ -155,8 +198,17 @@ def check_schedstat(proc: str = "/proc") -> Check:
                  "or off-CPU time unless started with --sched waits")
 
 
-def check_kernel_headers(modules_root: str = "/lib/modules", release: str | None = None) -> Check:
+def check_kernel_headers(modules_root: str = "/lib/modules", release: str | None = None,
+                         bcc_kernel_source: str | None = None) -> Check:
     release = release or os.uname().release
+    if bcc_kernel_source is None:
+        bcc_kernel_source = os.environ.get("BCC_KERNEL_SOURCE", "")
+    if bcc_kernel_source:  # BCC compiles against this tree instead (the image's fallback)
+        if os.path.isdir(os.path.join(bcc_kernel_source, "include")):
+            return Check("kernel headers", True, True, f"{bcc_kernel_source} (BCC_KERNEL_SOURCE)")
+        return Check("kernel headers", False, True,
+                     f"BCC_KERNEL_SOURCE={bcc_kernel_source} has no include/ — unset it or point it at "
+                     "a kernel header tree")
     build = os.path.join(modules_root, release, "build")
     if os.path.isdir(os.path.join(build, "include")):
         target = os.path.realpath(build)
@@ -290,17 +342,18 @@ def run_checks(
     bcc_module: str = "bcc",
     bpf_probe: Callable[[], tuple[bool, str]] = bpf_map_create_works,
     plugin_path: str | None = None,
+    bcc_kernel_source: str | None = None,
 ) -> list[Check]:
     tracefs_roots = tuple(tracefs_roots)
     return [
-        check_privileges(euid, status_path),
+        check_privileges(euid, status_path, kernel_release),
         check_bpf_syscall(bpf_probe),
         check_tracefs(tracefs_roots),
         check_uprobes(tracefs_roots),
         check_tracepoints(tracefs_roots),
         check_btf(btf_path),
         check_schedstat(proc),
-        check_kernel_headers(modules_root, kernel_release),
+        check_kernel_headers(modules_root, kernel_release, bcc_kernel_source),
         check_bcc(bcc_module),
         check_nccl(nccl_libs, proc),
         *check_plugin(plugin_path),

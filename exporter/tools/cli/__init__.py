@@ -13,6 +13,7 @@ import sys
 from exporter import __version__
 from exporter.records import contract
 from exporter.tools.cli.options import CliError
+from exporter.tools.preflight import CAPABILITIES
 
 CORE = ("check", "run", "trace", "query", "demo")
 NOT_COMMANDS = {"options"}
@@ -34,9 +35,10 @@ examples:
 
 Without --nccl-lib the agent attaches to every libnccl that running
 processes have mapped (wheels under site-packages included) and keeps
-watching for new ones. It needs root (or CAP_BPF + CAP_PERFMON), tracefs
-and kernel headers: 'nccl-exporter check' says what is missing.
-""" % contract.DEFAULT_PORT
+watching for new ones. It needs the capabilities %s (root has
+them; in a container grant exactly these: docs/deploy.md), tracefs and kernel
+headers: 'nccl-exporter check' says what is missing.
+""" % (contract.DEFAULT_PORT, ", ".join(f"CAP_{c}" for c in CAPABILITIES))
 
 
 class _Parser(argparse.ArgumentParser):

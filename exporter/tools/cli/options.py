@@ -128,21 +128,18 @@ def load_config(path: str | None) -> dict:
 
 
 def require_privileges() -> None:
-    """Loading BPF and uprobes needs root or CAP_BPF+CAP_PERFMON (or CAP_SYS_ADMIN)."""
-    if os.geteuid() == 0:
-        return
-    caps = 0
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    caps = int(line.split()[1], 16)
-    except OSError:
-        pass
-    cap_sys_admin, cap_perfmon, cap_bpf = 21, 38, 39
-    if caps & (1 << cap_sys_admin) or (caps & (1 << cap_bpf) and caps & (1 << cap_perfmon)):
-        return
-    raise CliError("needs root, or CAP_BPF and CAP_PERFMON: run it with sudo")
+    """The capabilities of preflight.CAPABILITIES (docs/deploy.md): without
+    CAP_SYS_ADMIN nothing can load, a one-line error; without the others
+    `run` works for some processes only, and says which it cannot see."""
+    from exporter.tools.preflight import missing_capabilities
+
+    missing = dict(missing_capabilities())
+    if "CAP_SYS_ADMIN" in missing:
+        raise CliError("needs CAP_SYS_ADMIN (load BPF programs, attach uprobes; it includes CAP_BPF and "
+                       "CAP_PERFMON): run it as root, or grant the capabilities in docs/deploy.md")
+    for cap, why in missing.items():
+        logging.getLogger("nccl_exporter").warning(
+            "without %s this agent cannot %s; grant it (docs/deploy.md)", cap, why)
 
 
 def require_tracefs() -> None:

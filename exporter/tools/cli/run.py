@@ -8,6 +8,7 @@ import os
 
 from exporter import __version__
 from exporter.records import contract
+from exporter.tools.preflight import CAPABILITIES
 from exporter.tools.cli.options import (
     DEFAULT_IDLE_DETACH,
     DEFAULT_OWNER_WINDOW,
@@ -33,7 +34,9 @@ def add_parser(sub) -> None:
     r = sub.add_parser("run", help="attach the probes and serve /metrics",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Attach uprobes to libnccl and serve Prometheus metrics "
-                                   f"(default port {contract.DEFAULT_PORT}).")
+                                   f"(default port {contract.DEFAULT_PORT}). Needs "
+                                   + ", ".join(f"CAP_{c}" for c in CAPABILITIES)
+                                   + " (root has them; docs/deploy.md says why each).")
     r.add_argument("--listen", metavar="HOST:PORT",
                    help=f"where to serve /metrics (default 0.0.0.0:{contract.DEFAULT_PORT})")
     r.add_argument("--config", metavar="FILE",
