@@ -10,7 +10,7 @@ NCCL_WHEEL := nvidia-nccl-cu12==2.32.3
 
 MAKEFLAGS  += --no-print-directory
 
-.PHONY: deps venv nccl-wheel demo test test-quick check clean plugin
+.PHONY: deps venv nccl-wheel demo test test-quick check clean plugin image test-image
 
 ## deps: Debian packages, kernel-header links, tracefs (scripts/setup-system.sh)
 deps:
@@ -66,6 +66,14 @@ HEAVY_MARKS := bpf or netns or real_nccl or prometheus or slow or require_root
 ## or Prometheus (under 2 min); `make test` before you push
 test-quick: venv
 	$(PY) -m pytest -q -m "not ($(HEAVY_MARKS))" tests/
+
+## image: the OCI image (buildah, vfs, chroot isolation; Debian root file system from mmdebstrap)
+image: deps venv plugin
+	@$(SHELL) scripts/build-image.sh
+
+## test-image: the image, then --version, check and a trace of a simulated job inside it
+test-image: deps venv plugin
+	@$(SHELL) scripts/test-image.sh
 
 ## check: preflight checks of this host
 check: venv
