@@ -79,6 +79,9 @@ class FakeProcesses:
     def rank_of(self, pid, communicators=()):
         return None
 
+    def mark_collectives(self, communicators, series_keys):
+        pass
+
 
 def make_series(n_comms: int, n_ranks: int, n_ops: int, rng: random.Random) -> list[Series]:
     """Series with realistic histograms: each series' calls spread over a few
