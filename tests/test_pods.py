@@ -255,8 +255,9 @@ def test_kubelet_options_are_checked(tmp_path):
 # --- real cgroups, a traced process, /metrics and the recording ------------------------
 
 DRIVER = r"""
-import ctypes, sys
+import ctypes, sys, time
 lib = ctypes.CDLL(sys.argv[1])
+time.sleep(1)  # as a framework between loading NCCL and its first call: the agent attaches meanwhile
 lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                               ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 comms = (ctypes.c_void_p * 1)()
@@ -335,9 +336,22 @@ def kube_cgroups():
         cg.cleanup()
 
 
-def _spawn_in(cgroup_dir: str, lib, env: dict):
+# A container's process, as far as the agent can tell: another user, in its
+# own mount namespace, its libnccl on a file system only it sees.
+CONTAINED = r"""
+set -e
+mkdir -p "$1"
+mount -t tmpfs -o mode=0700,uid=65534 none "$1"
+install -o 65534 -m 0755 "$2" "$1/libnccl.so.2"
+exec setpriv --reuid=65534 --regid=65534 --clear-groups --inh-caps=-all /usr/bin/python3 -c "$3" "$1/libnccl.so.2"
+"""
+
+
+def _spawn_in(cgroup_dir: str, lib, env: dict, contained_at: str | None = None):
     """The driver, moved into `cgroup_dir` before it execs (as a container
-    runtime starts a container's process), so it maps libnccl from inside."""
+    runtime starts a container's process), so it maps libnccl from inside.
+    contained_at: run it as a container's process (CONTAINED), its library
+    copied to a private tmpfs mounted there."""
     import subprocess
     import sys
 
@@ -345,17 +359,23 @@ def _spawn_in(cgroup_dir: str, lib, env: dict):
         with open(os.path.join(cgroup_dir, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
 
-    return subprocess.Popen([sys.executable, "-c", DRIVER, str(lib)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env, preexec_fn=enter)
+    argv = [sys.executable, "-c", DRIVER, str(lib)]
+    if contained_at:
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", CONTAINED, "sh",
+                contained_at, str(lib), DRIVER]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=enter)
 
 
 def test_pods_in_real_cgroups_label_communicator_and_plugin_series(kube_cgroups, kubelet, tmp_path):
     """Two simulated ranks in kubepods cgroups made on this host: one in a
     containerd pod named by the systemd driver on cgroup v2 with the downward
     API's POD_NAME/POD_NAMESPACE; one in a cgroupfs-named pod on cgroup v1
-    (hybrid hosts) with only HOSTNAME, named by the kubelet's pod list. Their
-    nccl_communicator_info and nccl_profiler_plugin_active carry namespace,
-    pod and container, and the recording's processes rows the same."""
+    (hybrid hosts) with only HOSTNAME, named by the kubelet's pod list, run
+    as another user in its own mount namespace. The agent has exactly the
+    DaemonSet's capabilities. Their nccl_communicator_info and
+    nccl_profiler_plugin_active carry namespace, pod and container, and the
+    recording's processes rows the same."""
     import sqlite3
     import uuid
 
@@ -381,12 +401,26 @@ def test_pods_in_real_cgroups_label_communicator_and_plugin_series(kube_cgroups,
     db = tmp_path / "pods.db"
     env = {k: v for k, v in os.environ.items() if k not in ("POD_NAME", "POD_NAMESPACE", "HOSTNAME")}
     procs = []
-    with ExporterProcess(nccl_libs=[lib], extra_args=[
-            "--db", str(db), "--kubelet-url", kubelet_url, "--kubelet-token-file", str(token)]) as exporter:
+    # The agent with exactly the capabilities the DaemonSet grants (measured:
+    # docs/deploy.md); library discovery, as deployed (no --nccl-lib).
+    from exporter.tools.preflight import CAPABILITIES
+    exporter = ExporterProcess(nccl_libs=[], extra_args=[
+        "--db", str(db), "--kubelet-url", kubelet_url, "--kubelet-token-file", str(token)])
+    bounding = "-all," + ",".join(f"+{c.lower()}" for c in CAPABILITIES)
+    exporter.argv = ["setpriv", f"--bounding-set={bounding}", "--inh-caps=-all", *exporter.argv]
+    import tempfile
+    private = tempfile.mkdtemp(prefix="nccl-exporter-pod-")  # a mount point the other user can reach
+    os.chmod(private, 0o755)
+    with contextlib.ExitStack() as stack:
+        stack.callback(os.rmdir, private)  # the tmpfs went with the namespace
+        stack.enter_context(exporter)
         try:
             procs.append(_spawn_in(dir_a, lib, {**env, "POD_NAME": "trainer-a-0", "POD_NAMESPACE": "team-a",
                                                 "HOSTNAME": "trainer-a-0"}))
-            procs.append(_spawn_in(dir_b, lib, {**env, "HOSTNAME": "some-other-name"}))
+            # B: another user's process in its own mount namespace (its
+            # environ is 0400 of that user, its library reachable only
+            # through /proc/<pid>/root): what a container looks like
+            procs.append(_spawn_in(dir_b, lib, {**env, "HOSTNAME": "some-other-name"}, contained_at=private))
             for p in procs:
                 assert p.stdout.readline().strip() == "ready"
             with open(f"/proc/{procs[0].pid}/cgroup") as f:
