@@ -38,10 +38,6 @@ CAPABILITIES: dict[str, tuple[int, str]] = {
 # (or a raised limit: the systemd unit's LimitMEMLOCK=infinity).
 MEMLOCK_CAPABILITY = ("SYS_RESOURCE", 24, "raise RLIMIT_MEMLOCK for the BPF maps (kernels before 5.11)")
 
-CAP_SYS_ADMIN = 21
-CAP_PERFMON = 38
-CAP_BPF = 39
-
 
 def required_capabilities(release: str | None = None) -> dict[str, tuple[int, str]]:
     """CAPABILITIES, plus SYS_RESOURCE on kernels before 5.11."""
@@ -130,8 +126,9 @@ def check_bpf_syscall(probe: Callable[[], tuple[bool, str]] = bpf_map_create_wor
     except Exception as e:  # ctypes trouble: report, do not crash the check
         ok, detail = False, f"bpf syscall probe crashed: {e}"
     if not ok:
-        detail += (" — needs root/CAP_BPF; check kernel.unprivileged_bpf_disabled, "
-                   "seccomp (containers: --privileged or allow bpf) and CONFIG_BPF_SYSCALL")
+        detail += (" — needs CAP_SYS_ADMIN (or CAP_BPF); check kernel.unprivileged_bpf_disabled, "
+                   "seccomp (containers: the runtime's default profile allows bpf() with CAP_SYS_ADMIN; "
+                   "docs/deploy.md) and CONFIG_BPF_SYSCALL")
     return Check("bpf syscall", ok, True, detail)
 
 
