@@ -107,13 +107,27 @@ class FakeNcclReader:
 
 
 class FakeProcesses:
-    """ProcessTable's surface: a rank and the launcher's identity per pid."""
+    """ProcessTable's surface: a rank, the launcher's and the pod's identity,
+    the libnccl version per pid, and which made a collective."""
+
+    def __init__(self):
+        self._known: dict[int, dict] = {}
 
     def identity(self, pid):
-        return {"launcher": "torchrun", "rank": 0, "world_size": 2}
+        return self._known.setdefault(pid, {
+            "launcher": "torchrun", "rank": 0, "world_size": 2,
+            "namespace": "ml", "pod": "trainer-0", "container": "pytorch",
+            "pod_uid": "5f1d8c2a-3b4e-4f60-9a7b-0c1d2e3f4a5b",
+            "container_id": "containerd://" + "ab" * 32, "libnccl_version": "2.32.3",
+            "collectives": False})
 
     def rank_of(self, pid, comms=()):
         return 0
+
+    def mark_collectives(self, communicators, series_keys):
+        for c in communicators:
+            if (c.comm_hash, c.rank) in series_keys:
+                self.identity(c.pid)["collectives"] = True
 
 
 class FakeTcp(FakeProgram):
