@@ -326,9 +326,9 @@ class KubeCgroups:
 
 
 @pytest.fixture
-def kube_cgroups():
-    if os.geteuid() != 0:
-        pytest.skip("needs root: creates cgroups and loads BPF")
+def kube_cgroups(bpf):
+    """Root and the heavy lock (conftest's `bpf`): it makes cgroups, and its
+    test loads the agent's BPF programs."""
     cg = KubeCgroups()
     try:
         yield cg
