@@ -1,10 +1,14 @@
-"""Rows as text for a terminal or a pipe: an aligned table, CSV, or JSON."""
+"""Rows as text for a terminal or a pipe: an aligned table, CSV, or JSON; all at once
+(`write`) or streamed as rows arrive (`STREAM_WRITERS`: header(names), rows(rows),
+end(sources))."""
 
 from __future__ import annotations
 
 import csv
 import json
 import sys
+
+TABLE_SAMPLE_ROWS = 1000   # a streamed table's column widths come from its first rows
 
 
 def _cell(v) -> str:
@@ -57,3 +61,73 @@ def write(names, rows, fmt: str, out=None) -> None:
                               for r in rows], indent=1) + "\n")
     else:
         out.write(format_table(names, rows))
+
+
+# --- streamed: rows as they come -------------------------------------------------
+
+class TableWriter:
+    """The aligned table, streamed: column widths from the first TABLE_SAMPLE_ROWS rows."""
+
+    def __init__(self, out):
+        self.out, self.names, self.held, self.layout, self.n = out, None, [], None, 0
+
+    def header(self, names):
+        self.names = names
+
+    def rows(self, rows):
+        self.n += len(rows)
+        if self.layout is None:
+            self.held += rows
+            if len(self.held) >= TABLE_SAMPLE_ROWS:
+                self._start()
+        else:
+            self.out.write(self.layout.lines(rows))
+
+    def _start(self):
+        self.layout = TableLayout(self.names or [], self.held)
+        self.out.write(self.layout.header() + self.layout.lines(self.held))
+        self.held = []
+
+    def end(self, nodes):
+        if self.names is None:
+            return
+        if self.layout is None:
+            self._start()
+        self.out.write(f"({self.n} row{'s' if self.n != 1 else ''} from {nodes} "
+                       f"node{'s' if nodes != 1 else ''})\n")
+
+
+class CsvWriter:
+    def __init__(self, out):
+        self.w = csv.writer(out, lineterminator="\n")
+
+    def header(self, names):
+        self.w.writerow(names)
+
+    def rows(self, rows):
+        self.w.writerows(rows)
+
+    def end(self, nodes):
+        pass
+
+
+class JsonWriter:
+    def __init__(self, out):
+        self.out, self.names, self.first = out, None, True
+
+    def header(self, names):
+        self.names = names
+        self.out.write("[")
+
+    def rows(self, rows):
+        parts = [json.dumps(dict(zip(self.names, r))) for r in rows]
+        if parts:
+            self.out.write(("\n" if self.first else ",\n") + ",\n".join(parts))
+            self.first = False
+
+    def end(self, nodes):
+        if self.names is not None:
+            self.out.write("\n]\n" if not self.first else "]\n")
+
+
+STREAM_WRITERS = {"table": TableWriter, "csv": CsvWriter, "json": JsonWriter}

@@ -33,7 +33,7 @@ def main(args) -> int:
     except ImportError as e:
         raise CliError(f"the MCP server needs the 'mcp' package (pip install 'mcp>=2.3,<3'): {e}") from None
     from exporter.tools.cli.options import parse_duration
-    from exporter.tools.fleet import client
+    from exporter.tools.fleet import client, protocol
 
     for db in args.db:
         if not os.path.isfile(db):
@@ -42,8 +42,8 @@ def main(args) -> int:
     try:
         if args.nodes or args.nodes_file:
             nodes = client.parse_nodes(args.nodes, args.nodes_file)
-        token = client.read_token(args.token_file)
-    except client.FleetError as e:
+        token = protocol.read_token(args.token_file)
+    except (client.FleetError, protocol.ProtocolError) as e:
         raise CliError(str(e)) from None
     try:
         timeout = parse_duration(args.timeout)
@@ -54,9 +54,7 @@ def main(args) -> int:
     http = None
     if args.http:
         host, port = parse_listen(args.http)
-        from exporter.tools.fleet.endpoint import is_loopback
-
-        if not is_loopback(host):
+        if not protocol.is_loopback(host):
             raise CliError(f"--http {args.http}: the MCP server has no authentication; listen on "
                            "loopback (127.0.0.1) and put an authenticating proxy in front")
         http = (host, port)

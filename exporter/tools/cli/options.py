@@ -32,6 +32,25 @@ def parse_duration(text: str) -> float:
     return value * {"us": 1e-6, "ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
 
 
+def positive_int(text):
+    """argparse type: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return n
+
+
+def positive_duration(text):
+    """argparse type: a duration > 0, in seconds."""
+    seconds = parse_duration(text)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0: {text!r}")
+    return seconds
+
+
 DEFAULT_RUNQ_WAIT_MIN = "100us"
 DEFAULT_IDLE_DETACH = 30.0  # s: `run --idle-detach`
 

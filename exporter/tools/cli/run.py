@@ -24,6 +24,8 @@ from exporter.tools.cli.options import (
     parse_srtt_sampling,
     DEFAULT_SRTT_SAMPLING,
     parse_listen,
+    positive_duration,
+    positive_int,
     setup_logging,
     start_agent,
     stop_on_signals,
@@ -91,7 +93,6 @@ def add_parser(sub) -> None:
                         "or fine (4 per power of two, 106 buckets)")
     add_lib_option(r)
     add_pod_options(r)
-    from exporter.tools.cli.fleet import add_query_endpoint_options  # --query-listen ...
     add_query_endpoint_options(r)
     r.set_defaults(func=main)
 
@@ -108,7 +109,6 @@ def main(args) -> int:
     cfg = load_config(args.config)
     setup_logging(args.log_level or cfg.get("log_level") or "info")
     host, port = parse_listen(args.listen or cfg.get("listen") or f"0.0.0.0:{contract.DEFAULT_PORT}")
-    from exporter.tools.cli.fleet import open_query_endpoint, serve_queries
     queries = open_query_endpoint(args)  # --query-listen: checked and bound before anything starts
     registry = CollectorRegistry(auto_describe=False)
     # What is opened is closed in the reverse order, also when a later step
@@ -266,3 +266,54 @@ def start_tracing(args, cfg, agent, node):
                     comm_id_of=agent.reader.comm_ids.get)
     print(f"spans of slow calls -> {endpoint} (OTLP {protocol})", flush=True)
     return sink
+
+
+# --- the node query endpoint: `run --db --query-listen` (docs/fleet-live.md) -------------
+
+def add_query_endpoint_options(r) -> None:
+    g = r.add_argument_group("query endpoint (with --db; docs/fleet-live.md)")
+    g.add_argument("--query-listen", metavar="HOST:PORT",
+                   help="answer read-only SQL on the recording here (POST /api/v1/query), and "
+                        "serve it for 'fleet fetch'; off by default")
+    g.add_argument("--query-token-file", metavar="F", help="the bearer token clients must send (required)")
+    g.add_argument("--query-tls-cert", metavar="F", help="TLS certificate (required unless loopback only)")
+    g.add_argument("--query-tls-key", metavar="F", help="TLS private key")
+    g.add_argument("--query-max-rows", type=positive_int, metavar="N",
+                   help="rows per answer at most (default 100000)")
+    g.add_argument("--query-time-limit", type=positive_duration, metavar="D",
+                   help="per query (default 10s)")
+
+
+def open_query_endpoint(args):
+    """Validate the --query-* options and bind the listener (not serving yet); None when off."""
+    from exporter.tools.fleet import endpoint, protocol
+
+    if not getattr(args, "query_listen", None):
+        if any(getattr(args, k, None) for k in ("query_token_file", "query_tls_cert", "query_tls_key")):
+            raise CliError("--query-token-file/--query-tls-* need --query-listen HOST:PORT")
+        return None
+    if not args.db:
+        raise CliError("--query-listen needs --db PATH: queries are answered from the recording")
+    if not args.query_token_file:
+        raise CliError("--query-listen needs --query-token-file F (a bearer token)")
+    try:
+        host, port = parse_listen(args.query_listen)
+    except CliError as e:
+        raise CliError(str(e).replace("--listen", "--query-listen")) from None
+    try:
+        return endpoint.QueryEndpoint(
+            args.db, node="", token=protocol.read_token(args.query_token_file, "--query-token-file"), host=host, port=port,
+            tls_cert=args.query_tls_cert, tls_key=args.query_tls_key,
+            max_rows=args.query_max_rows or endpoint.DEFAULT_MAX_ROWS,
+            time_limit=args.query_time_limit or endpoint.DEFAULT_TIME_LIMIT_S)
+    except (endpoint.EndpointError, protocol.ProtocolError) as e:
+        raise CliError(str(e)) from None
+
+
+def serve_queries(ep, node) -> None:
+    """Start answering, once the recording exists."""
+    if ep is None:
+        return
+    ep.node = node
+    ep.start()
+    print(f"read-only queries at {ep.url}/api/v1/query (bearer token)", flush=True)

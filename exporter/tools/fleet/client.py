@@ -33,9 +33,7 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-QUERY_PATH = "/api/v1/query"
-RECORDING_PATH = "/api/v1/recording"
-TIME_PATH = "/api/v1/time"
+from exporter.tools.fleet.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH
 
 BATCH = 256                 # rows per event at most,
 BATCH_BYTES = 16 << 10      # and about this many bytes of NDJSON
@@ -129,19 +127,6 @@ def parse_nodes(nodes: str | list | None = None, nodes_file: str | None = None) 
     if not urls:
         raise FleetError("no nodes: give --nodes URL[,URL...] or --nodes-file FILE")
     return urls
-
-
-def read_token(path: str | None) -> str | None:
-    if not path:
-        return os.environ.get("NCCL_EXPORTER_QUERY_TOKEN") or None
-    try:
-        with open(path) as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise FleetError(f"--token-file {path}: {e.strerror or e}") from None
-    if not token:
-        raise FleetError(f"--token-file {path}: empty")
-    return token
 
 
 # --- one node -------------------------------------------------------------------

@@ -24,9 +24,7 @@ rows and bytes are capped. Every answer names the node (X-Nccl-Node header).
 
 from __future__ import annotations
 
-import datetime as _dt
 import hmac
-import ipaddress
 import json
 import os
 import shutil
@@ -39,10 +37,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from exporter.sinks.recording import query
+from exporter.sinks.recording.window import window_copy
 
-QUERY_PATH = "/api/v1/query"
-RECORDING_PATH = "/api/v1/recording"
-TIME_PATH = "/api/v1/time"
+from exporter.tools.fleet.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH, is_loopback, parse_time_ns
 
 DEFAULT_MAX_ROWS = 100_000
 DEFAULT_MAX_BYTES = 64 << 20
@@ -57,82 +54,8 @@ class EndpointError(RuntimeError):
     """The endpoint cannot start (one line)."""
 
 
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def read_token(path: str) -> str:
-    try:
-        with open(path) as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise EndpointError(f"--query-token-file {path}: {e.strerror or e}") from None
-    if not token:
-        raise EndpointError(f"--query-token-file {path}: empty")
-    if any(c.isspace() for c in token):
-        raise EndpointError(f"--query-token-file {path}: the token must be one word")
-    return token
-
-
-def parse_time_ns(text: str | None) -> int | None:
-    """'1700000000000000000' (ns since the epoch) or ISO 8601 -> ns; None/'' -> None."""
-    if text is None or str(text).strip() == "":
-        return None
-    text = str(text).strip()
-    if text.lstrip("-").isdigit():
-        return int(text)
-    try:
-        t = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(f"not a time: {text!r} (ns since the epoch, or ISO 8601 such as "
-                         "2026-01-02T03:04:05Z)") from None
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=_dt.timezone.utc)
-    return int(t.timestamp()) * 1_000_000_000 + t.microsecond * 1000
-
-
 class _Cut(Exception):
     """A cap was reached while streaming."""
-
-
-def window_copy(db: str, dest: str, since_ns: int | None, until_ns: int | None) -> None:
-    """Copy the recording `db` to `dest`, keeping only rows of [since, until] in every table
-    with a timestamp_ns column (the others, e.g. processes and meta, whole)."""
-    src = query.open_readonly(db)
-    try:
-        out = sqlite3.connect(dest)
-        try:
-            src.backup(out)
-        finally:
-            out.close()
-    finally:
-        src.close()
-    if since_ns is None and until_ns is None:
-        return
-    conn = sqlite3.connect(dest)
-    try:
-        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-        with conn:
-            for t in tables:
-                cols = {r[1] for r in conn.execute(f'PRAGMA table_info("{t}")')}
-                if "timestamp_ns" not in cols:
-                    continue
-                if since_ns is not None:
-                    conn.execute(f'DELETE FROM "{t}" WHERE timestamp_ns < ?', (since_ns,))
-                if until_ns is not None:
-                    conn.execute(f'DELETE FROM "{t}" WHERE timestamp_ns > ?', (until_ns,))
-            if "meta" in tables:
-                conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                                 [("window_since_ns", "" if since_ns is None else str(since_ns)),
-                                  ("window_until_ns", "" if until_ns is None else str(until_ns))])
-        conn.execute("VACUUM")
-    finally:
-        conn.close()
 
 
 class Handler(BaseHTTPRequestHandler):
