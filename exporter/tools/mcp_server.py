@@ -17,6 +17,7 @@ nccl://queries/<name>, one per documented query.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import sqlite3
@@ -63,30 +64,12 @@ def _node_of(path: str) -> str:
         return Path(path).stem
 
 
-def _local_query(path: str, sql: str, max_rows: int) -> tuple[list[str], list[tuple], bool]:
-    """Read-only, like the endpoint: query.py's authorizer, a row cap and a time limit."""
-    import time
+LOCAL_LIMITS = dataclasses.replace(query.SHARED, time_s=30.0)
 
-    if query._first_word(sql) == "VACUUM":
-        raise query.QueryError("refused: VACUUM writes a database; queries are read-only")
-    conn = query.open_readonly(path)
-    guard = query._Guard()
-    conn.set_authorizer(guard)
-    deadline = time.monotonic() + 30
-    conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, 10_000)
-    try:
-        cur = conn.execute(sql)
-        names = [d[0] for d in cur.description or ()]
-        rows = cur.fetchmany(max_rows + 1)
-    except sqlite3.DatabaseError as e:
-        if guard.refused:
-            raise query.QueryError(f"refused: {guard.refused} (queries are read-only)") from None
-        raise query.QueryError(f"SQL error: {e}") from None
-    except (sqlite3.Warning, sqlite3.ProgrammingError) as e:
-        raise query.QueryError(f"SQL error: {e}") from None
-    finally:
-        conn.close()
-    return names, rows[:max_rows], len(rows) > max_rows
+
+def _local_query(path: str, sql: str, max_rows: int) -> tuple[list[str], list[tuple], bool]:
+    """Read-only, with the endpoint's limits (query.SHARED) but 30 s of time."""
+    return query.first_rows(path, sql, LOCAL_LIMITS, max_rows)
 
 
 def _check_sql(sql: str) -> str:

@@ -24,6 +24,7 @@ rows and bytes are capped. Every answer names the node (X-Nccl-Node header).
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import os
@@ -47,7 +48,6 @@ DEFAULT_TIME_LIMIT_S = 10.0
 MAX_BODY = 64 << 10          # the SQL text
 FLUSH_BYTES = 64 << 10       # rows are written in pieces of about this size
 RECORDING_CHUNK = 1 << 20
-PROGRESS_STEPS = 10_000      # SQLite VM steps between time-limit checks
 
 
 class EndpointError(RuntimeError):
@@ -56,6 +56,29 @@ class EndpointError(RuntimeError):
 
 class _Cut(Exception):
     """A cap was reached while streaming."""
+
+
+def parse_query_body(body: str) -> tuple[str, int | None]:
+    """{"sql": "...", "max_rows": N} -> (sql, N or None); ValueError (one line) otherwise."""
+    try:
+        obj = json.loads(body)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    sql = obj.get("sql")
+    if not isinstance(sql, str):
+        raise ValueError("sql must be a string")
+    n = obj.get("max_rows")
+    if n is None:
+        return sql, None
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or n != n or n in (float("inf"), -float("inf")):
+        raise ValueError(f"max_rows must be a whole number, not {str(n)[:40]}")
+    if n != int(n):
+        raise ValueError(f"max_rows must be a whole number, not {n}")
+    return sql, max(0, min(int(n), 1 << 62))
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -132,15 +155,12 @@ class Handler(BaseHTTPRequestHandler):
         sql = body
         if body.lstrip().startswith("{"):
             try:
-                obj = json.loads(body)
-                sql = obj["sql"]
-                if not isinstance(sql, str):
-                    raise TypeError("sql must be a string")
-                if obj.get("max_rows") is not None:
-                    max_rows = min(max_rows, max(0, int(obj["max_rows"])))
-            except (ValueError, KeyError, TypeError) as e:
+                sql, asked = parse_query_body(body)
+            except ValueError as e:
                 self._error(400, f'a JSON body must be {{"sql": "...", "max_rows": N}}: {e}')
                 return
+            if asked is not None:
+                max_rows = min(max_rows, asked)
         self._query(sql, max_rows)
 
     # --- the query -------------------------------------------------------------------
@@ -150,90 +170,66 @@ class Handler(BaseHTTPRequestHandler):
         if not sql.strip():
             self._error(400, "empty SQL")
             return
-        if query._first_word(sql) == "VACUUM":
-            self._error(400, "refused: VACUUM writes a database; queries are read-only")
-            return
         try:
-            conn = query.open_readonly(ep.db)
+            q = query.ReadOnlyQuery(ep.db, sql, ep.limits)
         except query.QueryError as e:
-            self._error(503, str(e))
+            self._error(503 if e.kind == "open" else 400, str(e))
             return
-        guard = query._Guard()
-        conn.set_authorizer(guard)
-        deadline = time.monotonic() + ep.time_limit
-        conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, PROGRESS_STEPS)
         try:
-            try:
-                cur = conn.execute(sql)
-                names = [d[0] for d in cur.description or ()]
-                first = cur.fetchmany(256)
-            except sqlite3.OperationalError as e:
-                if guard.refused:
-                    self._error(400, f"refused: {guard.refused} (queries are read-only)")
-                elif "interrupt" in str(e) and time.monotonic() > deadline:
-                    self._error(400, f"time limit of {ep.time_limit:g} s reached before the first row")
-                elif "not authorized" in str(e):
-                    self._error(400, "refused: not authorized (extension loading is off; queries are read-only)")
-                else:
-                    self._error(400, f"SQL error: {e}")
-                return
-            except sqlite3.DatabaseError as e:
-                self._error(400, (f"refused: {guard.refused} (queries are read-only)" if guard.refused
-                                  else f"SQL error: {e}"))
-                return
-            except (sqlite3.Warning, sqlite3.ProgrammingError) as e:
-                self._error(400, f"SQL error: {e}")
-                return
-            if not names:
+            if not q.names:
                 self._error(400, "the statement returns no rows (queries are read-only SELECTs)")
+                return
+            rows = iter(q)
+            try:
+                first = next(rows, None)
+            except query.QueryError as e:
+                self._error(400, str(e) + (" before the first row" if e.kind == "time" else ""))
                 return
             self.send_response(200)
             self.send_header("Content-Type", "application/x-ndjson")
             self.send_header("X-Nccl-Node", ep.node)
             self.send_header("Cache-Control", "no-store")
             self.end_headers()
-            self._stream(cur, names, first, max_rows, deadline)
+            self._stream(rows, q.names, first, max_rows)
         finally:
-            conn.close()
+            q.close()
 
-    def _stream(self, cur, names, first, max_rows, deadline) -> None:
+    def _stream(self, rows, names, first, max_rows) -> None:
         ep = self.ep
         buf = [json.dumps(names)]
         size = len(buf[0]) + 1
         sent = size
         n = 0
         why = None
-        rows = first
+        row = first
         try:
-            while rows:
-                for row in rows:
-                    if n >= max_rows:
-                        raise _Cut(f"row cap {max_rows}")
-                    line = json.dumps([v.hex() if isinstance(v, bytes) else v for v in row])
-                    if sent + len(line) + 1 > ep.max_bytes:
-                        raise _Cut(f"byte cap {ep.max_bytes}")
-                    buf.append(line)
-                    n += 1
-                    size += len(line) + 1
-                    sent += len(line) + 1
-                    if size >= FLUSH_BYTES:
-                        self.wfile.write(("\n".join(buf) + "\n").encode())
-                        buf, size = [], 0
-                rows = cur.fetchmany(256)
+            while row is not None:
+                if n >= max_rows:
+                    raise _Cut(f"row cap {max_rows}")
+                line = json.dumps([v.hex() if isinstance(v, bytes) else v for v in row])
+                if sent + len(line) + 1 > ep.max_bytes:
+                    raise _Cut(f"byte cap {ep.max_bytes}")
+                buf.append(line)
+                n += 1
+                size += len(line) + 1
+                sent += len(line) + 1
+                if size >= FLUSH_BYTES:
+                    self.wfile.write(("\n".join(buf) + "\n").encode())
+                    buf, size = [], 0
+                row = next(rows, None)
         except _Cut as cut:
             why = str(cut)
-        except sqlite3.OperationalError as e:
-            why = (f"time limit of {ep.time_limit:g} s" if time.monotonic() > deadline
-                   else f"SQL error: {e}")
-        except (BrokenPipeError, ConnectionResetError):
-            return  # the client went away
+        except query.QueryError as e:
+            why = str(e)
+        except (OSError, ValueError):
+            return  # the client went away, or stopped reading past the write deadline
         trailer = {"node": ep.node, "rows": n, "complete": why is None}
         if why:
             trailer["truncated"] = why
         buf.append(json.dumps(trailer))
         try:
             self.wfile.write(("\n".join(buf) + "\n").encode())
-        except (BrokenPipeError, ConnectionResetError):
+        except (OSError, ValueError):
             pass
 
     # --- the recording ---------------------------------------------------------------
@@ -309,6 +305,7 @@ class QueryEndpoint:
                                 "it needs --query-tls-cert and --query-tls-key")
         self.db, self.node, self.token = db, node, token
         self.max_rows, self.max_bytes, self.time_limit = int(max_rows), int(max_bytes), float(time_limit)
+        self.limits = dataclasses.replace(query.SHARED, time_s=self.time_limit)  # per query
         self.clock = clock  # the wall clock /api/v1/time reports (tests give a skewed one)
         self.copies = threading.Semaphore(2)  # recording copies prepared at once
         try:

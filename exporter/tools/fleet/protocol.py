@@ -46,18 +46,29 @@ def read_token(path: str | None, flag: str = "--token-file") -> str | None:
     return token
 
 
+NS_MIN, NS_MAX = -(1 << 63), (1 << 63) - 1   # what a recording's INTEGER holds
+
+
 def parse_time_ns(text: str | None) -> int | None:
-    """'1700000000000000000' (ns since the epoch) or ISO 8601 -> ns; None/'' -> None."""
+    """'1700000000000000000' (ns since the epoch) or ISO 8601 -> ns; None/'' -> None.
+    ValueError (one line) for anything else, and for a time a recording cannot hold."""
     if text is None or str(text).strip() == "":
         return None
     text = str(text).strip()
+    if len(text) > 64:
+        raise ValueError(f"not a time: {text[:20]!r}... ({len(text)} characters)")
     if text.lstrip("-").isdigit():
-        return int(text)
-    try:
-        t = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(f"not a time: {text!r} (ns since the epoch, or ISO 8601 such as "
-                         "2026-01-02T03:04:05Z)") from None
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=_dt.timezone.utc)
-    return int(t.timestamp()) * 1_000_000_000 + t.microsecond * 1000
+        ns = int(text)
+    else:
+        try:
+            t = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+            if t.tzinfo is None:
+                t = t.replace(tzinfo=_dt.timezone.utc)
+            ns = int(t.timestamp()) * 1_000_000_000 + t.microsecond * 1000
+        except (ValueError, OverflowError, OSError):
+            raise ValueError(f"not a time: {text!r} (ns since the epoch, or ISO 8601 such as "
+                             "2026-01-02T03:04:05Z)") from None
+    if not NS_MIN <= ns <= NS_MAX:
+        raise ValueError(f"time {text!r} is out of range: a recording holds 1677-09-21 .. 2262-04-11 "
+                         "(signed 64-bit ns since the epoch)")
+    return ns
