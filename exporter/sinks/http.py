@@ -14,45 +14,42 @@
 
 from __future__ import annotations
 
-import gzip
 import os
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
-from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.exposition import make_wsgi_app
+
+from exporter.sinks import serving
 
 READY_PATH = "/-/ready"
 HEALTHY_PATH = "/-/healthy"
 METRICS_PATH = "/metrics"
 
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, address, handler, registry, family):
-        self.address_family = family
-        self.registry = registry
-        self.ready = threading.Event()
-        super().__init__(address, handler)
+# /metrics under Prometheus's own defaults: --web.max-connections 512, and
+# scrapes answered from a few threads (docs/architecture.md, "Serving HTTP").
+LIMITS = serving.Limits(workers=8, queue=256, max_connections=512, backlog=512,
+                        idle_timeout=10.0, header_timeout=10.0, body_timeout=5.0,
+                        write_timeout=10.0, max_header_bytes=16 << 10, max_body_bytes=0)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
+class _Handler(serving.Handler):
+    """The dispatcher: /metrics to an exposition encoder, /-/ready, /-/healthy, 404."""
+
+    server: "_Server"
+    server_version = "nccl-exporter"
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        path = urlsplit(self.path).path
-        if path == METRICS_PATH:
-            self._metrics()
-        elif path == READY_PATH:
+        url = urlsplit(self.path)
+        if url.path == METRICS_PATH:
+            self._metrics(url.query)
+        elif url.path == READY_PATH:
             if self.server.ready.is_set():
                 self._text(200, "ready\n")
             else:
                 self._text(503, "not ready: loading the probes and attaching to libnccl\n")
-        elif path == HEALTHY_PATH:
+        elif url.path == HEALTHY_PATH:
             self._text(200, "healthy\n")
         else:
             self._text(404, f"not found; try {METRICS_PATH}, {READY_PATH} or {HEALTHY_PATH}\n")
@@ -60,22 +57,22 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:  # noqa: N802
         self.do_GET()
 
-    def _metrics(self) -> None:
-        registry = self.server.registry
-        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-        names = parse_qs(urlsplit(self.path).query).get("name[]")
-        if names:
-            registry = registry.restricted_registry(names)
+    def _metrics(self, query: str) -> None:
+        app = self.server.exposition(self.headers.get("Accept", ""))
+        got: dict = {}
+
+        def start_response(status, headers):
+            got["status"], got["headers"] = status, headers
+
+        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": METRICS_PATH, "QUERY_STRING": query,
+                   "HTTP_ACCEPT": self.headers.get("Accept", ""),
+                   "HTTP_ACCEPT_ENCODING": self.headers.get("Accept-Encoding", "")}
         try:
-            body = encoder(registry)
+            body = b"".join(app(environ, start_response))
         except Exception as e:  # a collector failed: say so, keep serving
             self._text(500, f"error collecting metrics: {e}\n")
             raise
-        headers = {"Content-Type": content_type}
-        if gzip_accepted(self.headers.get("Accept-Encoding", "")):
-            body = gzip.compress(body, compresslevel=6)
-            headers["Content-Encoding"] = "gzip"
-        self._send(200, body, headers)
+        self._send(int(got["status"].split()[0]), body, dict(got["headers"]))
 
     def _text(self, code: int, text: str) -> None:
         self._send(code, text.encode(), {"Content-Type": "text/plain; charset=utf-8"})
@@ -89,23 +86,37 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def log_message(self, format, *args) -> None:  # noqa: A002 (http.server's name)
-        pass  # no access log
+
+class _Server(serving.BoundedServer):
+    def __init__(self, host, port, registry, limits):
+        super().__init__(host, port, _Handler, limits, name="nccl-exporter-http")
+        self.registry = registry
+        self.ready = threading.Event()
+        # client_python's own text exposition: Prometheus text or OpenMetrics by Accept,
+        # name[] filtering, gzip when asked
+        self._text_app = make_wsgi_app(registry)
+
+    def exposition(self, accept: str):
+        """The one place an exposition format is chosen by the Accept header. Everything
+        client_python encodes (Prometheus text, OpenMetrics) is its WSGI app; a protobuf
+        encoder for `application/vnd.google.protobuf` goes here, before the fallback."""
+        return self._text_app
 
 
 class HttpServer:
-    """The endpoints above on HOST:PORT, served by a daemon thread."""
+    """The endpoints above on HOST:PORT ([::1] and names too: getaddrinfo), served by threads
+    under LIMITS."""
 
-    def __init__(self, host: str, port: int, registry):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._server = _Server((host, port), _Handler, registry, family)
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                         name="nccl-exporter-http", daemon=True)
-        self._thread.start()
+    def __init__(self, host: str, port: int, registry, limits: serving.Limits = LIMITS):
+        self._server = _Server(host, port, registry, limits).start()
 
     @property
     def port(self) -> int:
-        return self._server.server_address[1]
+        return self._server.port
+
+    @property
+    def server(self) -> serving.BoundedServer:
+        return self._server
 
     def set_ready(self) -> None:
         self._server.ready.set()
@@ -115,8 +126,7 @@ class HttpServer:
         return self._server.ready.is_set()
 
     def shutdown(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close()
 
 
 def notify_systemd(state: str = "READY=1", environ=None) -> bool:

@@ -34,9 +34,9 @@ import ssl
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from exporter.sinks import serving
 from exporter.sinks.recording import query
 from exporter.sinks.recording.window import window_copy
 
@@ -45,7 +45,13 @@ from exporter.tools.fleet.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH,
 DEFAULT_MAX_ROWS = 100_000
 DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_TIME_LIMIT_S = 10.0
-MAX_BODY = 64 << 10          # the SQL text
+WRITE_GRACE_S = 2.0          # an answer's writing ends this long after the query's time limit
+# Queries and downloads served at once (workers), waiting (queue; beyond: 503 + Retry-After),
+# connections open, and the deadlines (docs/fleet-live.md, "Limits"). Memory: each query
+# at most query.SHARED's per-query bound, times `workers`.
+LIMITS = serving.Limits(workers=4, queue=16, max_connections=128, backlog=128,
+                        idle_timeout=10.0, header_timeout=10.0, body_timeout=10.0,
+                        write_timeout=10.0, max_header_bytes=16 << 10, max_body_bytes=64 << 10)
 FLUSH_BYTES = 64 << 10       # rows are written in pieces of about this size
 RECORDING_CHUNK = 1 << 20
 
@@ -81,14 +87,11 @@ def parse_query_body(body: str) -> tuple[str, int | None]:
     return sql, max(0, min(int(n), 1 << 62))
 
 
-class Handler(BaseHTTPRequestHandler):
-    """The endpoint's requests; `self.server.endpoint` is the QueryEndpoint."""
+class Handler(serving.Handler):
+    """The endpoint's requests; `self.server.endpoint` is the QueryEndpoint. Answers end
+    with the connection (HTTP/1.0): rows stream without a length."""
 
-    protocol_version = "HTTP/1.0"  # answers end with the connection: rows stream without a length
     server_version = "nccl-exporter-query"
-
-    def log_message(self, *args):  # no line per request on stderr
-        pass
 
     @property
     def ep(self) -> "QueryEndpoint":
@@ -140,17 +143,13 @@ class Handler(BaseHTTPRequestHandler):
             return
         if not self._authorized():
             return
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
-        if length <= 0:
-            self._error(400, "the request body must hold the SQL (Content-Length required)")
+        raw = self.read_body()  # 411/413/408 answered there
+        if raw is None:
             return
-        if length > MAX_BODY:
-            self._error(413, f"the SQL is {length} bytes; at most {MAX_BODY}")
+        if not raw.strip():
+            self._error(400, "the request body must hold the SQL")
             return
-        body = self.rfile.read(length).decode("utf-8", "replace")
+        body = raw.decode("utf-8", "replace")
         max_rows = self.ep.max_rows
         sql = body
         if body.lstrip().startswith("{"):
@@ -170,6 +169,8 @@ class Handler(BaseHTTPRequestHandler):
         if not sql.strip():
             self._error(400, "empty SQL")
             return
+        # a client that stops reading loses its answer when the query's time is up
+        self.write_deadline = time.monotonic() + ep.time_limit + WRITE_GRACE_S
         try:
             q = query.ReadOnlyQuery(ep.db, sql, ep.limits)
         except query.QueryError as e:
@@ -260,33 +261,21 @@ class Handler(BaseHTTPRequestHandler):
             except sqlite3.DatabaseError as e:
                 self._error(500, f"cannot copy the recording: {e}")
                 return
+            finally:
+                ep.copies.release()  # preparing copies is bounded; sending is the workers' and deadlines'
             size = os.path.getsize(path)
             self.send_response(200)
             self.send_header("Content-Type", "application/vnd.sqlite3")
             self.send_header("Content-Length", str(size))
             self.send_header("X-Nccl-Node", ep.node)
             self.end_headers()
-            with open(path, "rb") as f:
+            with open(path, "rb") as f:  # each write ends within write_timeout, or the download does
                 while chunk := f.read(RECORDING_CHUNK):
                     self.wfile.write(chunk)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+        except (OSError, ValueError):
+            pass  # the client went away or stopped reading
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            ep.copies.release()
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128
-
-    def handle_error(self, request, client_address):
-        # a client that fails the TLS handshake or goes away: no traceback on stderr
-        import sys
-
-        if isinstance(sys.exc_info()[1], (ssl.SSLError, ConnectionError, TimeoutError)):
-            return
-        super().handle_error(request, client_address)
 
 
 class QueryEndpoint:
@@ -295,7 +284,9 @@ class QueryEndpoint:
     def __init__(self, db: str, node: str, token: str, host: str = "127.0.0.1", port: int = 0,
                  tls_cert: str | None = None, tls_key: str | None = None,
                  max_rows: int = DEFAULT_MAX_ROWS, max_bytes: int = DEFAULT_MAX_BYTES,
-                 time_limit: float = DEFAULT_TIME_LIMIT_S, handler=Handler, clock=time.time_ns):
+                 time_limit: float = DEFAULT_TIME_LIMIT_S, handler=Handler, clock=time.time_ns,
+                 limits: serving.Limits = None):
+        limits = limits or LIMITS
         if not token:
             raise EndpointError("the query endpoint needs a bearer token (--query-token-file)")
         if bool(tls_cert) != bool(tls_key):
@@ -308,27 +299,24 @@ class QueryEndpoint:
         self.limits = dataclasses.replace(query.SHARED, time_s=self.time_limit)  # per query
         self.clock = clock  # the wall clock /api/v1/time reports (tests give a skewed one)
         self.copies = threading.Semaphore(2)  # recording copies prepared at once
-        try:
-            self.server = _Server((host, port), handler)
-        except OSError as e:
-            raise EndpointError(f"cannot listen on {host}:{port} for queries: {e.strerror or e}") from None
-        self.server.endpoint = self
         self.tls = bool(tls_cert)
+        ctx = None
         if tls_cert:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2
             try:
                 ctx.load_cert_chain(tls_cert, tls_key)
             except (OSError, ssl.SSLError) as e:
-                self.server.server_close()
                 raise EndpointError(f"--query-tls-cert/--query-tls-key: {e}") from None
-            # the handshake happens in the request's thread, not in the accept loop
-            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True,
-                                                 do_handshake_on_connect=False)
+        try:
+            # the handshake happens in a worker, under the header timeout, not in the accept loop
+            self.server = serving.BoundedServer(host, port, handler, limits, ssl_context=ctx,
+                                                name="nccl-query")
+        except OSError as e:
+            raise EndpointError(f"cannot listen on {host}:{port} for queries: {e.strerror or e}") from None
+        self.server.endpoint = self
         self.host = host
-        self.port = self.server.server_address[1]
-        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name=f"nccl-query-{self.port}", daemon=True)
+        self.port = self.server.port
 
     @property
     def url(self) -> str:
@@ -336,13 +324,11 @@ class QueryEndpoint:
         return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     def start(self) -> "QueryEndpoint":
-        self._thread.start()
+        self.server.start()
         return self
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
     def __enter__(self):
         return self.start()

@@ -1,0 +1,394 @@
+"""HTTP serving with every limit explicit, for both listeners (/metrics in http.py,
+the node query endpoint in tools/fleet/endpoint.py). Why not a server library:
+docs/architecture.md, "Serving HTTP".
+
+The standard library's http.server parses the requests; what it lacks is here:
+
+- one thread waits for every connection that has not yet sent a request
+  (a selector, no thread per connection); a connection is handed to a worker
+  only once its first bytes have arrived;
+- `workers` threads serve requests; `queue` requests may wait for one; beyond
+  that a request is answered 503 with Retry-After at once (TLS: closed);
+- at most `max_connections` connections are open; at the limit the one that
+  has waited longest without sending anything is closed for the newcomer, so
+  idle connections never take a scrape's place;
+- deadlines: `idle_timeout` from accept to the first byte, `header_timeout`
+  for the whole request head (408 after it, 431 beyond `max_header_bytes`),
+  `body_timeout` for the body; every write has a deadline (`write_timeout`
+  for each write, or the handler's own `write_deadline`), so a client that
+  stops reading loses its answer and its worker;
+- one request per connection (HTTP/1.0 answers, Connection: close): no
+  keep-alive connection holds a worker between requests;
+- the listen backlog is `backlog`; the address family comes from getaddrinfo
+  (so [::1]:P works), and the descriptor limit is raised to its hard limit.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import queue
+import resource
+import selectors
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
+
+
+@dataclass(frozen=True)
+class Limits:
+    workers: int = 8               # requests served at once (threads)
+    queue: int = 256               # requests waiting for a worker; beyond: 503 + Retry-After
+    max_connections: int = 512     # open connections (as Prometheus's --web.max-connections)
+    backlog: int = 512             # the kernel's accept queue
+    idle_timeout: float = 10.0     # accept -> first byte of a request
+    header_timeout: float = 10.0   # first byte -> end of the request head
+    body_timeout: float = 10.0     # the request body
+    write_timeout: float = 10.0    # each write of the answer
+    max_header_bytes: int = 16 << 10
+    max_body_bytes: int = 64 << 10
+    retry_after_s: int = 1
+
+
+class _DeadlineIO(io.RawIOBase):
+    """A socket as a raw stream whose reads and writes end at the handler's deadlines."""
+
+    def __init__(self, sock, handler):
+        self.sock, self.h = sock, handler
+        self.read_bytes = 0
+
+    def readable(self):
+        return True
+
+    def writable(self):
+        return True
+
+    def _timeout(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        return left
+
+    def readinto(self, b):
+        try:
+            self.sock.settimeout(self._timeout(self.h.read_deadline))
+            n = self.sock.recv_into(b)
+        except TimeoutError:  # not http.server's: it would drop the connection without a word
+            raise _Late() from None
+        self.read_bytes += n
+        if self.h.read_budget is not None and self.read_bytes > self.h.read_budget:
+            raise _TooLarge()
+        return n
+
+    def write(self, b):
+        deadline = self.h.write_deadline or (time.monotonic() + self.h.limits.write_timeout)
+        self.sock.settimeout(self._timeout(deadline))
+        self.sock.sendall(b)
+        return len(b)
+
+
+class _TooLarge(Exception):
+    """The request head is larger than max_header_bytes."""
+
+
+class _Late(Exception):
+    """The request head or body did not arrive before its deadline."""
+
+
+class Handler(BaseHTTPRequestHandler):
+    """A BaseHTTPRequestHandler under the server's limits: one request, deadlines on
+    every read and write. Handlers read a body with `read_body()`; one that must
+    finish its answer by a given time sets `write_deadline` (time.monotonic())."""
+
+    protocol_version = "HTTP/1.0"
+    server: "BoundedServer"
+
+    def setup(self):
+        self.limits = self.server.limits
+        self.connection = self.request
+        self.read_deadline = time.monotonic() + self.limits.header_timeout
+        self.read_budget = self.limits.max_header_bytes
+        self.write_deadline = None
+        self._raw = _DeadlineIO(self.request, self)
+        self.rfile = io.BufferedReader(self._raw, 4096)
+        self.wfile = self._raw
+
+    def finish(self):
+        pass  # the server closes the socket
+
+    def handle(self):
+        self.close_connection = True
+        try:
+            self.handle_one_request()
+        except _TooLarge:
+            self._refuse(431, "request head too large")
+        except _Late:
+            self._refuse(408, f"request not received within {self.limits.header_timeout:g} s")
+        except (OSError, ValueError):
+            pass  # the client went away, or a write passed its deadline
+
+    def _refuse(self, code: int, message: str) -> None:
+        if getattr(self, "_headers_buffer", None):
+            return  # an answer had begun
+        self.request_version = "HTTP/1.0"
+        self.read_budget = None
+        self.write_deadline = time.monotonic() + 1.0
+        try:
+            self.send_error(code, message)
+        except (OSError, ValueError):
+            pass
+
+    def parse_request(self) -> bool:
+        words = self.raw_requestline.decode("iso-8859-1", "replace").split()
+        if len(words) == 2:  # HTTP/0.9: no headers follow, and no status line could answer
+            self.request_version = "HTTP/1.0"
+            self.command, self.path = words
+            self.send_error(400, "HTTP/0.9 is not served")
+            return False
+        ok = super().parse_request()
+        if ok:  # the head is in: the body has its own deadline and size
+            self.read_budget = None
+            self.read_deadline = time.monotonic() + self.limits.body_timeout
+        return ok
+
+    def read_body(self) -> bytes | None:
+        """The request body (Content-Length required), or None after answering 400/411/413/408."""
+        try:
+            length = int(self.headers.get("Content-Length") or -1)
+        except ValueError:
+            length = -1
+        if length < 0:
+            self.send_error(411, "Content-Length required")
+            return None
+        if length > self.limits.max_body_bytes:
+            self.send_error(413, f"the body is {length} bytes; at most {self.limits.max_body_bytes}")
+            return None
+        try:
+            body = self.rfile.read(length)
+        except _Late:
+            body = b""
+        if len(body) != length:
+            self._refuse(408, f"the body did not arrive whole ({length} bytes) within "
+                               f"{self.limits.body_timeout:g} s")
+            return None
+        return body
+
+    def log_message(self, format, *args):  # noqa: A002 - no access log
+        pass
+
+
+def raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+        except (ValueError, OSError):
+            pass
+
+
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket on host:port, of the family getaddrinfo gives (OSError otherwise)."""
+    infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class BoundedServer:
+    """HTTP on host:port under `limits` (module doc); start() serves from threads, close() stops."""
+
+    def __init__(self, host: str, port: int, handler, limits: Limits = Limits(),
+                 ssl_context: ssl.SSLContext | None = None, name: str = "http"):
+        raise_fd_limit()
+        self.handler, self.limits, self.ssl_context, self.name = handler, limits, ssl_context, name
+        self.socket = listening_socket(host, port, limits.backlog)
+        self.socket.setblocking(False)
+        self.server_address = self.socket.getsockname()
+        self._sel = selectors.DefaultSelector()
+        self._waiting: collections.OrderedDict = collections.OrderedDict()  # sock -> deadline
+        self._work: queue.Queue = queue.Queue(maxsize=limits.queue)
+        self._lock = threading.Lock()
+        self._open = 0               # connections accepted and not yet closed
+        self._idle_workers = 0
+        self._workers: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-accept", daemon=True)
+        self.refused = 0             # answered 503 (no worker free, queue full)
+        self.evicted = 0             # idle connections closed for a newcomer
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def start(self) -> "BoundedServer":
+        self._thread.start()
+        return self
+
+    # --- the accept and wait loop -------------------------------------------------------
+
+    def _loop(self) -> None:
+        self._sel.register(self.socket, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(timeout=0.25):
+                if key.data == "listen":
+                    self._accept()
+                elif key.data == "wake":
+                    self._wake_r.recv(64)
+                else:
+                    self._ready(key.fileobj)
+            self._reap()
+        for s in list(self._waiting):
+            self._close_waiting(s)
+        self._sel.close()
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                conn, _addr = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # EMFILE and friends: the backlog keeps the rest
+            with self._lock:
+                full = self._open >= self.limits.max_connections
+            if full and self._waiting:
+                oldest = next(iter(self._waiting))
+                self._close_waiting(oldest)
+                self.evicted += 1
+            elif full:
+                self._overflow(conn)
+                continue
+            with self._lock:
+                self._open += 1
+            conn.setblocking(False)
+            self._waiting[conn] = time.monotonic() + self.limits.idle_timeout
+            self._sel.register(conn, selectors.EVENT_READ, "conn")
+
+    def _ready(self, conn) -> None:
+        self._sel.unregister(conn)
+        self._waiting.pop(conn, None)
+        try:
+            self._work.put_nowait(conn)
+        except queue.Full:
+            self._overflow(conn)
+            self._closed()
+            return
+        with self._lock:
+            spawn = self._idle_workers == 0 and len(self._workers) < self.limits.workers
+            if spawn:
+                self._idle_workers += 1  # counted idle until it takes its first request
+        if spawn:
+            t = threading.Thread(target=self._work_loop, name=f"{self.name}-{len(self._workers)}",
+                                 daemon=True)
+            self._workers.append(t)
+            t.start()
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        while self._waiting:
+            conn, deadline = next(iter(self._waiting.items()))
+            if deadline > now:
+                break
+            self._close_waiting(conn)
+
+    def _close_waiting(self, conn) -> None:
+        self._waiting.pop(conn, None)
+        try:
+            self._sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+        self._closed()
+
+    def _closed(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    def _overflow(self, conn) -> None:
+        """No worker and no queue place: 503 + Retry-After, without waiting for the client."""
+        self.refused += 1
+        if self.ssl_context is None:
+            body = b"busy: too many requests at once; retry shortly\n"
+            try:
+                conn.setblocking(False)
+                conn.send(b"HTTP/1.0 503 Service Unavailable\r\nRetry-After: %d\r\n"
+                          b"Content-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
+                          b"Connection: close\r\n\r\n%s" % (self.limits.retry_after_s, len(body), body))
+            except OSError:
+                pass
+        try:
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        conn.close()
+
+    # --- the workers ------------------------------------------------------------------------
+
+    def _work_loop(self) -> None:
+        while True:
+            conn = self._work.get()
+            if conn is None:
+                return
+            with self._lock:
+                self._idle_workers -= 1
+            try:
+                self._serve(conn)
+            finally:
+                with self._lock:
+                    self._idle_workers += 1
+                self._closed()
+
+    def _serve(self, conn) -> None:
+        addr = None
+        try:
+            conn.setblocking(True)
+            addr = conn.getpeername()
+            if self.ssl_context is not None:
+                conn.settimeout(self.limits.header_timeout)
+                conn = self.ssl_context.wrap_socket(conn, server_side=True)
+            self.handler(conn, addr, self)
+        except (OSError, ssl.SSLError, ValueError):
+            pass  # a failed handshake, a client gone: nothing to answer
+        finally:
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    # --- stopping ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop accepting, close waiting connections; requests in service end on their own
+        (their threads are daemons, bounded by the deadlines)."""
+        self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        for _ in self._workers:
+            try:
+                self._work.put_nowait(None)
+            except queue.Full:
+                break
+        self.socket.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    @property
+    def threads(self) -> int:
+        return 1 + len(self._workers)
