@@ -11,6 +11,15 @@ import sys
 TABLE_SAMPLE_ROWS = 1000   # a streamed table's column widths come from its first rows
 
 
+def terminal_safe(text, limit: int = 300) -> str:
+    """`text` on one line that a terminal shows as it is: control characters (NUL, CR,
+    ESC, ...) and other unprintables escaped as \\xNN/\\uNNNN, at most `limit` characters."""
+    text = str(text)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _cell(v) -> str:
     if v is None:
         return "NULL"
@@ -18,7 +27,7 @@ def _cell(v) -> str:
         return f"{v:.6g}" if abs(v) < 1e15 else repr(v)
     if isinstance(v, bytes):
         return v.hex()
-    return str(v)
+    return terminal_safe(v, 1 << 30)
 
 
 class TableLayout:

@@ -97,7 +97,12 @@ def _options(args):
 
 def _warn(res) -> None:
     where = res.node if res.node in res.url else f"{res.node} ({res.url})"
-    print(f"nccl-exporter: warning: node {where}: {res.error}", file=sys.stderr, flush=True)
+    _warning(f"node {where}: {res.error}")
+
+
+def _warning(text: str) -> None:
+    """One line on stderr, whatever a node sent (output.terminal_safe)."""
+    print(f"nccl-exporter: warning: {output.terminal_safe(text, 500)}", file=sys.stderr, flush=True)
 
 
 # --- fleet query -------------------------------------------------------------------
@@ -130,8 +135,7 @@ def main_query(args) -> int:
                                    + ", ".join(names))
             elif list(ev.names) != names:
                 bad_columns.add(ev.url)
-                print(f"nccl-exporter: warning: node {ev.node}: columns {ev.names} differ from "
-                      f"{names}; its rows are left out", file=sys.stderr, flush=True)
+                _warning(f"node {ev.node}: columns {ev.names} differ from {names}; its rows are left out")
         elif ev.kind == "rows":
             if ev.url in bad_columns:
                 continue
@@ -146,8 +150,7 @@ def main_query(args) -> int:
             elif not res.ok:
                 _warn(res)
             elif res.truncated:
-                print(f"nccl-exporter: warning: node {res.node}: answer cut at its {res.truncated}",
-                      file=sys.stderr, flush=True)
+                _warning(f"node {res.node}: answer cut at its {res.truncated}")
             results.append(res)
     answered = [r for r in results if r.ok]
     if writer:

@@ -135,6 +135,14 @@ def _label(url: str) -> str:
     return urllib.parse.urlsplit(url).netloc
 
 
+def _node_name(text: str | None) -> str | None:
+    """A node's name as it says it (X-Nccl-Node), kept only when printable and short: it goes
+    to terminals, file names and the node column."""
+    if not text or len(text) > 253 or not text.isprintable():
+        return None
+    return text
+
+
 class _Conn:
     """One HTTP(S) exchange with a node."""
 
@@ -174,6 +182,10 @@ def _describe(e: BaseException) -> str:
         return "connection refused"
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
+    if isinstance(e, RecursionError):
+        return "malformed answer: nested too deep"
+    if isinstance(e, (ValueError, KeyError, TypeError)) and not isinstance(e, MalformedAnswer):
+        return f"malformed answer: {type(e).__name__}: {e}"
     return str(e) or type(e).__name__
 
 
@@ -194,13 +206,34 @@ def estimate_clock(url: str, opts: FleetOptions, res: NodeResult | None = None) 
             raise RuntimeError(f"clock: HTTP {resp.status}")
         answer = json.loads(body)
         remote = int(answer["time_ns"])
-        if res is not None and answer.get("node"):
-            res.node = answer["node"]
+        if res is not None and isinstance(answer, dict) and isinstance(answer.get("node"), str):
+            res.node = _node_name(answer["node"]) or res.node
         rtt = t1 - t0
         if best is None or rtt < best[0]:
             best = (rtt, remote - (t0 + t1) // 2)
     return Clock(offset_ns=best[1], uncertainty_ns=best[0] // 2, rtt_ns=best[0],
                  samples=max(1, opts.clock_samples))
+
+
+class MalformedAnswer(ValueError):
+    """A node's answer is not the endpoint's NDJSON (one line)."""
+
+
+def _check_names(item) -> list[str]:
+    if not isinstance(item, list) or not item or not all(isinstance(n, str) for n in item):
+        raise MalformedAnswer(f"malformed answer: the first line is not a list of column names "
+                              f"({type(item).__name__})")
+    return item
+
+
+def _check_row(item, width: int, n: int) -> list:
+    if not isinstance(item, list) or len(item) != width:
+        raise MalformedAnswer(f"malformed answer: row {n + 1} is not a list of {width} values "
+                              f"({type(item).__name__})")
+    for v in item:
+        if v is not None and not isinstance(v, (str, int, float)):
+            raise MalformedAnswer(f"malformed answer: row {n + 1} holds a {type(v).__name__}")
+    return item
 
 
 def _query_node(url: str, sql: str, opts: FleetOptions, put) -> NodeResult:
@@ -219,7 +252,7 @@ def _query_node(url: str, sql: str, opts: FleetOptions, put) -> NodeResult:
             body["max_rows"] = opts.max_rows
         resp = c.request("POST", QUERY_PATH, json.dumps(body).encode(),
                          {"Content-Type": "application/json"})
-        res.node = resp.getheader("X-Nccl-Node") or res.node
+        res.node = _node_name(resp.getheader("X-Nccl-Node")) or res.node
         if resp.status != 200:
             res.error = _http_error(resp)
             return res
@@ -238,10 +271,10 @@ def _query_node(url: str, sql: str, opts: FleetOptions, put) -> NodeResult:
                 trailer = item
                 break
             if names is None:
-                names = item
+                names = _check_names(item)
                 put(Event("columns", res.node, url, names=names))
                 continue
-            batch.append(item)
+            batch.append(_check_row(item, len(names), res.rows))
             held += len(line)
             res.rows += 1
             if len(batch) >= BATCH or held >= BATCH_BYTES:
@@ -316,7 +349,7 @@ def fetch_one(url: str, outdir: str, opts: FleetOptions, since: int | None, unti
         params = {k: str(v) for k, v in (("since", since), ("until", until)) if v is not None}
         path = RECORDING_PATH + ("?" + urllib.parse.urlencode(params) if params else "")
         resp = c.request("GET", path)
-        res.node = resp.getheader("X-Nccl-Node") or res.node
+        res.node = _node_name(resp.getheader("X-Nccl-Node")) or res.node
         if resp.status != 200:
             res.error = _http_error(resp)
             return res
@@ -331,7 +364,9 @@ def fetch_one(url: str, outdir: str, opts: FleetOptions, since: int | None, unti
         expected = resp.getheader("Content-Length")
         if expected is not None and os.path.getsize(part) != int(expected):
             raise RuntimeError(f"cut short: {os.path.getsize(part)} of {expected} bytes")
-        conn = sqlite3.connect(f"file:{part}?mode=ro", uri=True)
+        # immutable: no -shm/-wal beside the part file, whatever journal mode the copy has
+        conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(part))}?mode=ro&immutable=1",
+                               uri=True)
         try:
             res.rows = conn.execute("SELECT COUNT(*) FROM nccl_events").fetchone()[0]
         finally:
@@ -344,8 +379,12 @@ def fetch_one(url: str, outdir: str, opts: FleetOptions, since: int | None, unti
         res.error = _describe(e)
     finally:
         c.close()
-        if part and os.path.exists(part):
-            os.unlink(part)
+        if part:  # failed: nothing of it stays
+            for leftover in (part, part + "-shm", part + "-wal", part + "-journal"):
+                try:
+                    os.unlink(leftover)
+                except FileNotFoundError:
+                    pass
         res.elapsed_s = time.monotonic() - t0
     return res
 
