@@ -96,16 +96,59 @@ def _open_input(path: str, tmpdir: str) -> str:
         raise MergeError(f"{path}: not an nccl-exporter recording (no schema version or no nccl_events table)")
     if version > SCHEMA_VERSION:
         raise MergeError(f"{path}: schema version {version} is newer than this nccl-exporter ({SCHEMA_VERSION})")
+    try:
+        conn = sqlite3.connect(_uri(path) + "?mode=ro", uri=True)
+        try:
+            problem = conn.execute("PRAGMA quick_check(1)").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        problem = str(e)
+    if problem != "ok":
+        raise MergeError(f"{path}: the file is damaged ({problem})")
     if version == SCHEMA_VERSION:
+        _check_tables(path, path, version)
         return path
     copy = os.path.join(tmpdir, f"v{version}-{len(os.listdir(tmpdir))}.db")
-    src = sqlite3.connect(_uri(path) + "?mode=ro", uri=True)
-    dst = sqlite3.connect(copy)
-    src.backup(dst)
-    src.close()
-    migrate(dst)
-    dst.close()
+    try:
+        src = sqlite3.connect(_uri(path) + "?mode=ro", uri=True)
+        dst = sqlite3.connect(copy)
+        try:
+            src.backup(dst)
+            migrate(dst)
+        finally:
+            src.close()
+            dst.close()
+    except sqlite3.DatabaseError as e:
+        raise MergeError(f"{path}: schema version {version} does not match its tables ({e})") from None
+    _check_tables(copy, path, version)
     return copy
+
+
+def _expected_columns() -> dict[str, set]:
+    """The merged tables' columns at SCHEMA_VERSION."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        migrate(conn)
+        return {t: set(_columns(conn, "main", t)) for t in TABLES}
+    finally:
+        conn.close()
+
+
+def _check_tables(path: str, label: str, version: int) -> None:
+    """MergeError unless `path` holds every merged table with every column of its version."""
+    expected = _expected_columns()
+    conn = sqlite3.connect(_uri(path) + "?mode=ro", uri=True)
+    try:
+        for table, cols in expected.items():
+            have = set(_columns(conn, "main", table))
+            missing = sorted(cols - have)
+            if missing:
+                what = "no table" if not have else "no column " + ", ".join(missing)
+                raise MergeError(f"{label}: schema version {version} does not match its tables "
+                                 f"({table}: {what})")
+    finally:
+        conn.close()
 
 
 def _uri(path: str) -> str:
@@ -167,7 +210,10 @@ def merge(out: str, inputs: list[str], renames=(), align: bool = True, query_ind
         plan = []
         for label in inputs:
             path = _open_input(label, tmpdir)
-            ids = _identities(path, label, _mapping(renames, label))
+            try:
+                ids = _identities(path, label, _mapping(renames, label))
+            except (sqlite3.DatabaseError, ValueError) as e:
+                raise MergeError(f"{label}: cannot read its nodes ({e})") from None
             for node, machine, *_rest in ids:
                 if not machine:
                     continue
@@ -202,7 +248,10 @@ def merge(out: str, inputs: list[str], renames=(), align: bool = True, query_ind
         except (sqlite3.DatabaseError, OSError, RuntimeError) as e:
             raise MergeError(f"cannot write {out}: {e}") from None
         for label, path, ids in plan:
-            _merge_one(conn, label, path, ids, _mapping(renames, label), rep)
+            try:
+                _merge_one(conn, label, path, ids, _mapping(renames, label), rep)
+            except sqlite3.DatabaseError as e:
+                raise MergeError(f"{label}: {e}") from None
             rep.inputs += 1
         rep.nodes = conn.execute("SELECT COUNT(DISTINCT node) FROM nodes").fetchone()[0]
         rep.phases["rows"] = time.monotonic() - t0 - sum(rep.phases.values())
