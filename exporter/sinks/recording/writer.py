@@ -48,6 +48,11 @@ def _read_id(path: str) -> str:
         return ""
 
 
+# Meta counters that add up over the sessions that recorded into one file (and lost_*).
+COUNTED_META = ("events_offered", "events_recorded", "nccl_events_recorded", "tcp_events_recorded",
+                "sched_events_recorded", "out_of_scope")
+
+
 # --- the recorder -----------------------------------------------------------------
 
 class Recorder:
@@ -98,12 +103,21 @@ class Recorder:
         self._extra_meta: dict[str, str] = {}
         self._clock_sampled = float("-inf")
         self.conn = open_db(path)
+        # A recording added to (run --db / trace --out on an existing file) keeps its start
+        # and counts on from its totals: its rows are all still there.
+        try:
+            before = dict(self.conn.execute("SELECT key, value FROM meta"))
+        except sqlite3.Error:
+            before = {}
+        self._base = {k: int(v) for k, v in before.items()
+                      if (k in COUNTED_META or k.startswith("lost_")) and str(v).lstrip("-").isdigit()}
         meta = {
             "node": self.node,
             "agent_version": __version__,
             "schema_version": str(SCHEMA_VERSION),
             "hostname": socket.gethostname(),
-            "start_ns": str(self.started_ns),
+            "start_ns": before.get("start_ns") or str(self.started_ns),
+            "session_start_ns": str(self.started_ns),
             "scope": self.scope.describe(),
             "clock_offset_ns": "" if clock_offset_ns is None else str(clock_offset_ns),
             "queue_max": str(self.queue_max),
@@ -383,6 +397,9 @@ class Recorder:
             "lost_total": str(self.total_lost),
             **self._extra_meta,
         }
+        for k, v in self._base.items():
+            if k in meta and meta[k].lstrip("-").isdigit():
+                meta[k] = str(int(meta[k]) + v)
         if final:
             meta["end_ns"] = str(self.ended_ns)
         sample = final or time.monotonic() - self._clock_sampled >= CLOCK_SAMPLE_EVERY_S
