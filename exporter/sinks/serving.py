@@ -142,7 +142,8 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
     def parse_request(self) -> bool:
-        words = self.raw_requestline.decode("iso-8859-1", "replace").split()
+        self.requestline = self.raw_requestline.decode("iso-8859-1", "replace").rstrip("\r\n")
+        words = self.requestline.split()
         if len(words) == 2:  # HTTP/0.9: no headers follow, and no status line could answer
             self.request_version = "HTTP/1.0"
             self.command, self.path = words
@@ -177,6 +178,32 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     def log_message(self, format, *args):  # noqa: A002 - no access log
+        pass
+
+
+LINGER_S = 1.0          # after an answer: how long unread request bytes are read and dropped,
+LINGER_BYTES = 256 << 10  # and how many: closing with them unread would reset the connection,
+                          # and the client could lose the answer (a 413 before a large body)
+
+
+def _linger(conn) -> None:
+    """Half-close, then drop what the client still sends until it closes (bounded)."""
+    try:
+        if isinstance(conn, ssl.SSLSocket):
+            return  # TLS: its close_notify is the end; a reset there loses nothing readable
+        conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + LINGER_S
+        dropped = 0
+        while dropped < LINGER_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            conn.settimeout(left)
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            dropped += len(chunk)
+    except OSError:
         pass
 
 
@@ -217,7 +244,7 @@ class BoundedServer:
         self.server_address = self.socket.getsockname()
         self._sel = selectors.DefaultSelector()
         self._waiting: collections.OrderedDict = collections.OrderedDict()  # sock -> deadline
-        self._work: queue.Queue = queue.Queue(maxsize=limits.queue)
+        self._work: queue.Queue = queue.Queue()  # bounded in _ready: limits.queue beyond the workers
         self._lock = threading.Lock()
         self._open = 0               # connections accepted and not yet closed
         self._idle_workers = 0
@@ -280,16 +307,21 @@ class BoundedServer:
     def _ready(self, conn) -> None:
         self._sel.unregister(conn)
         self._waiting.pop(conn, None)
-        try:
-            self._work.put_nowait(conn)
-        except queue.Full:
+        with self._lock:
+            unstarted = self.limits.workers - len(self._workers)
+            waiting = self._work.qsize() + 1 - self._idle_workers - unstarted  # with this one
+            if waiting > self.limits.queue:
+                full = True
+            else:
+                full = False
+                self._work.put_nowait(conn)
+                spawn = self._work.qsize() > self._idle_workers and unstarted > 0
+                if spawn:
+                    self._idle_workers += 1  # counted idle until it takes its first request
+        if full:
             self._overflow(conn)
             self._closed()
             return
-        with self._lock:
-            spawn = self._idle_workers == 0 and len(self._workers) < self.limits.workers
-            if spawn:
-                self._idle_workers += 1  # counted idle until it takes its first request
         if spawn:
             t = threading.Thread(target=self._work_loop, name=f"{self.name}-{len(self._workers)}",
                                  daemon=True)
@@ -360,6 +392,7 @@ class BoundedServer:
                 conn.settimeout(self.limits.header_timeout)
                 conn = self.ssl_context.wrap_socket(conn, server_side=True)
             self.handler(conn, addr, self)
+            _linger(conn)
         except (OSError, ssl.SSLError, ValueError):
             pass  # a failed handshake, a client gone: nothing to answer
         finally:

@@ -105,7 +105,7 @@ def _open_input(path: str, tmpdir: str) -> str:
     except sqlite3.DatabaseError as e:
         problem = str(e)
     if problem != "ok":
-        raise MergeError(f"{path}: the file is damaged ({problem})")
+        raise MergeError(f"{path}: the file is damaged ({' '.join(str(problem).split())})")
     if version == SCHEMA_VERSION:
         _check_tables(path, path, version)
         return path
