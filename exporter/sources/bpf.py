@@ -211,6 +211,70 @@ class Program:
         self.bpf.cleanup()
 
 
+class Teardown:
+    """The kernel's side of detaching, handed to a child process.
+
+    Detaching a uprobe or a tracepoint waits for RCU grace periods, under a
+    kernel mutex that serialises them: 64 uprobes on libnccl take ~8 s however
+    many threads close them. A forked child holds a reference to every BPF and
+    perf-event descriptor of this process (and closes all others at once), so
+    that this process's own closes are quick; when this process has closed its
+    references (`release()`, or its exit), the child exits and the kernel does
+    the detaching in the child's exit, which nobody waits for. The programs are
+    inert meanwhile: nothing reads their maps or ring buffers. Meant for
+    processes about to end (`trace`, `run`): the child outlives them by those
+    seconds, with no open socket or file but those descriptors."""
+
+    KINDS = ("anon_inode:[perf_event]", "anon_inode:bpf-map", "anon_inode:bpf-prog",
+             "anon_inode:bpf_link", "anon_inode:bpf-link")
+
+    def __init__(self):
+        import os
+
+        self.pid = None
+        self._w = None
+        keep = []
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{name}").startswith(self.KINDS):
+                    keep.append(int(name))
+            except (OSError, ValueError):
+                continue
+        if not keep:
+            return
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: system calls only, then _exit
+            try:
+                import signal
+
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                low = 0
+                for fd in sorted(set(keep) | {r}):
+                    os.closerange(low, fd)
+                    low = fd + 1
+                os.closerange(low, 1 << 20)
+                os.read(r, 1)  # EOF: the parent has dropped its references
+            finally:
+                os._exit(0)
+        os.close(r)
+        self.pid, self._w = pid, w
+
+    def release(self) -> None:
+        """This process has closed its BPF objects: the child may end (and detach)."""
+        import os
+
+        if self._w is not None:
+            os.close(self._w)
+            self._w = None
+        if self.pid is not None:
+            try:
+                os.waitpid(self.pid, os.WNOHANG)  # reaped by init if still running
+            except ChildProcessError:
+                pass
+
+
 def set_tracepoint(bpf, tp: str, on: bool, fn_name: str | None = None) -> None:
     """Attach (on) or detach one tracepoint of a BCC object, idempotently:
     "category:name" for a classic one, a bare name for a raw one. The

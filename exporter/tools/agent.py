@@ -396,7 +396,20 @@ class Agent:
                 # retransmits bpf/tcp.c did not run for (e.g. another BPF program was running on that CPU)
                 "kernel_skipped_retransmits": retransmits_missed(counters)}
 
-    def close(self) -> None:
+    def close(self, detach_in_background: bool = False) -> None:
+        """Detach and unload everything. detach_in_background (a process about to end):
+        the kernel's part of detaching is left to a child process (sources/bpf.py
+        Teardown), so this returns in milliseconds instead of ~0.13 s per probe."""
+        from exporter.sources.bpf import Teardown
+
+        teardown = Teardown() if detach_in_background else None
+        try:
+            self._close()
+        finally:
+            if teardown is not None:
+                teardown.release()
+
+    def _close(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
         self.waiter.close()

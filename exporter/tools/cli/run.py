@@ -124,7 +124,8 @@ def main(args) -> int:
         # --db: every call, and run-queue waits
         agent, node = start_agent(args, cfg, record_all=bool(args.db),
                                    runq_event_min_ns=args.runq_wait_min if args.db else 0)
-        opened.callback(agent.close)
+        # the kernel's detaching (~0.13 s a probe) outlives the process: docs/deploy.md "Stopping"
+        opened.callback(agent.close, detach_in_background=True)
         pipeline = Pipeline(agent, node)
         spans = start_tracing(args, cfg, agent, node)
         if spans is not None:

@@ -1,0 +1,161 @@
+"""How long `trace --duration` and `run` take to stop, once a library is attached.
+
+    .venv/bin/python bench/stop_latency.py [--reps 5] [--duration 5] [--lib PATH]
+
+A caller process maps the library (the real NCCL 2.32 wheel's libnccl.so.2
+when installed) and calls ncclAllReduce every millisecond, so each agent
+attaches its probes to it and records its calls. Then, R times each:
+
+- `nccl-exporter trace --duration D --out F`: the time from its "tracing NCCL
+  calls for D s" line (where its clock starts, after compiling and attaching)
+  to its exit, minus D (the goal: within 1 s of the duration);
+- `nccl-exporter run --db F --listen 127.0.0.1:P`: once /-/ready answers 200,
+  SIGTERM; the time from the signal to the exit (the goal: 2 s).
+
+Each recording is checked: meta's events_recorded equals its rows (nothing
+recorded is lost on the way out). Prints the medians and every sample.
+As root; loopback only; everything it starts is stopped when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import signal
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CLI = [str(REPO / ".venv" / "bin" / "nccl-exporter")]
+
+
+def default_lib() -> str:
+    real = next((REPO / ".venv" / "lib").glob("python3*/site-packages/nvidia/nccl/lib/libnccl.so.2"), None)
+    if real is not None:
+        return str(real)
+    sys.path.insert(0, str(REPO))
+    from exporter.simulator.build import build_library
+
+    return str(build_library())
+
+
+# Maps the library and calls ncclAllReduce every millisecond (on the real NCCL: a NULL
+# communicator, ncclInvalidArgument at once) so that the recordings have rows to lose.
+CALLER = r"""
+import ctypes, sys, time
+lib = ctypes.CDLL(sys.argv[1])
+lib.ncclAllReduce.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                                      ctypes.c_void_p, ctypes.c_void_p]
+end = time.monotonic() + 3600
+while time.monotonic() < end:
+    lib.ncclAllReduce(None, None, 1, 7, 0, None, None)
+    time.sleep(0.001)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_recording(path: str) -> str:
+    conn = sqlite3.connect(path)
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM meta"))
+        rows = sum(conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
+                   for t in ("nccl_events", "tcp_events", "sched_events"))
+    finally:
+        conn.close()
+    ok = int(meta.get("events_recorded", -1)) == rows and "end_ns" in meta
+    return f"{rows} rows, meta {meta.get('events_recorded')}, {'ok' if ok else 'LOST'}"
+
+
+def trace_once(tmp: str, lib: str, duration: float, i: int) -> tuple[float, str]:
+    """Seconds from trace's "tracing NCCL calls for D s" line (its clock starts there) to its
+    exit, minus D."""
+    out = os.path.join(tmp, f"trace-{i}.db")
+    proc = subprocess.Popen([*CLI, "trace", "--duration", f"{duration:g}s", "--out", out, "--nccl-lib", lib],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = None
+        for line in proc.stderr:
+            if t0 is None and line.startswith("tracing NCCL calls"):
+                t0 = time.monotonic()
+        proc.wait(120)
+        end = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if t0 is None or proc.returncode != 0:
+        raise SystemExit(f"trace failed (exit {proc.returncode})")
+    return end - t0 - duration, check_recording(out)
+
+
+def run_once(tmp: str, lib: str, i: int) -> tuple[float, str]:
+    out = os.path.join(tmp, f"run-{i}.db")
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "run", "--db", out, "--listen", f"127.0.0.1:{port}", "--nccl-lib", lib],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        else:
+            raise SystemExit("run did not get ready in 60 s")
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+        return time.monotonic() - t0, check_recording(out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--lib", default=None)
+    args = ap.parse_args()
+    lib = args.lib or default_lib()
+    holder = subprocess.Popen([sys.executable, "-c", CALLER, lib])
+    try:
+        time.sleep(1.0)
+        with tempfile.TemporaryDirectory(prefix="stop-latency-") as tmp:
+            print(f"library: {lib}; {args.reps} reps; trace --duration {args.duration:g}s", flush=True)
+            traces, runs = [], []
+            for i in range(args.reps):
+                late, rec = trace_once(tmp, lib, args.duration, i)
+                traces.append(late)
+                print(f"  trace: ended {late:+.2f} s after its duration ({rec})", flush=True)
+                took, rec = run_once(tmp, lib, i)
+                runs.append(took)
+                print(f"  run:   exited {took:.2f} s after SIGTERM ({rec})", flush=True)
+            print(f"trace --duration: median {statistics.median(traces):+.2f} s past the duration "
+                  f"(goal: within 1 s)")
+            print(f"run, SIGTERM -> exit: median {statistics.median(runs):.2f} s (goal: 2 s)")
+    finally:
+        holder.kill()
+        holder.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
