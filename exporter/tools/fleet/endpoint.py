@@ -49,7 +49,7 @@ WRITE_GRACE_S = 2.0          # an answer's writing ends this long after the quer
 # Queries and downloads served at once (workers), waiting (queue; beyond: 503 + Retry-After),
 # connections open, and the deadlines (docs/fleet-live.md, "Limits"). Memory: each query
 # at most query.SHARED's per-query bound, times `workers`.
-LIMITS = serving.Limits(workers=4, queue=16, max_connections=128, backlog=128,
+LIMITS = serving.Limits(workers=2, queue=8, max_connections=128, backlog=128,
                         idle_timeout=10.0, header_timeout=10.0, body_timeout=10.0,
                         write_timeout=10.0, max_header_bytes=16 << 10, max_body_bytes=64 << 10)
 FLUSH_BYTES = 64 << 10       # rows are written in pieces of about this size
