@@ -303,6 +303,25 @@ def test_beyond_the_queue_is_503_with_retry_after(db):
     assert status_of(answer) == 503 and b"Retry-After: 1" in answer
 
 
+def test_a_503_is_not_lost_to_a_reset_when_the_body_comes_late(db):
+    """The 503 is sent on the head; the body that follows must not turn it into a reset."""
+    limits = serving.Limits(**{**LIMITS.__dict__, "workers": 1, "queue": 0})
+    sql = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT max(x) FROM c"
+    with endpoint(db, limits=limits, time_limit=3.0) as ep:
+        slow = threading.Thread(target=post, args=(ep.url, sql))
+        slow.start()
+        time.sleep(0.5)
+        body = b"SELECT 1" * 1000
+        with socket.create_connection(("127.0.0.1", ep.port), timeout=10) as s:
+            s.sendall(f"POST /api/v1/query HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: {len(body)}\r\n\r\n"
+                      .encode())
+            time.sleep(0.3)
+            s.sendall(body)
+            answer = drain(s)
+        slow.join()
+    assert status_of(answer) == 503, answer[:100]
+
+
 def test_metrics_keep_client_python_features():
     with metrics_server() as server:
         base = f"http://127.0.0.1:{server.port}"
@@ -489,3 +508,30 @@ def test_mcp_stdio_answers_bad_lines_with_jsonrpc_errors(db):
     assert [a.get("error", {}).get("code") for a in answers[:3]] == [-32700, -32600, -32600]
     assert [a["id"] for a in answers] == [None, None, 5, 1]
     assert "result" in answers[3]
+
+
+def test_every_one_of_many_concurrent_queries_gets_an_answer(db):
+    """Beyond the workers and the queue each gets its 503, never a reset connection."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+
+    sql = json.dumps({"sql": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+                             "SELECT max(x) FROM c"})
+
+    def ask(_):
+        c = http.client.HTTPConnection("127.0.0.1", ep.port, timeout=30)
+        try:
+            c.request("POST", "/api/v1/query", sql, {"Authorization": f"Bearer {TOKEN}"})
+            r = c.getresponse()
+            r.read()
+            return r.status
+        except OSError as e:
+            return type(e).__name__
+        finally:
+            c.close()
+
+    with endpoint(db, time_limit=1.0) as ep:
+        with ThreadPoolExecutor(50) as pool:
+            got = list(pool.map(ask, range(50)))
+    assert set(got) <= {200, 400, 503}, got
+    assert got.count(503) >= 50 - LIMITS.workers - LIMITS.queue - 5

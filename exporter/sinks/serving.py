@@ -244,6 +244,7 @@ class BoundedServer:
         self.server_address = self.socket.getsockname()
         self._sel = selectors.DefaultSelector()
         self._waiting: collections.OrderedDict = collections.OrderedDict()  # sock -> deadline
+        self._closing: dict = {}  # answered 503, dropping what the client still sends -> deadline
         self._work: queue.Queue = queue.Queue()  # bounded in _ready: limits.queue beyond the workers
         self._lock = threading.Lock()
         self._open = 0               # connections accepted and not yet closed
@@ -274,11 +275,15 @@ class BoundedServer:
                     self._accept()
                 elif key.data == "wake":
                     self._wake_r.recv(64)
+                elif key.data == "closing":
+                    self._linger_some(key.fileobj)
                 else:
                     self._ready(key.fileobj)
             self._reap()
         for s in list(self._waiting):
             self._close_waiting(s)
+        for s in list(self._closing):
+            self._end_linger(s)
         self._sel.close()
 
     def _accept(self) -> None:
@@ -330,6 +335,9 @@ class BoundedServer:
 
     def _reap(self) -> None:
         now = time.monotonic()
+        for conn, deadline in list(self._closing.items()):
+            if deadline <= now:
+                self._end_linger(conn)
         while self._waiting:
             conn, deadline = next(iter(self._waiting.items()))
             if deadline > now:
@@ -364,7 +372,31 @@ class BoundedServer:
         try:
             conn.shutdown(socket.SHUT_WR)
         except OSError:
+            conn.close()
+            return
+        # what the client still sends is read and dropped for up to LINGER_S, from this
+        # thread: a close with unread bytes would reset the connection, and the 503 with it
+        self._closing[conn] = time.monotonic() + LINGER_S
+        self._sel.register(conn, selectors.EVENT_READ, "closing")
+        self._linger_some(conn)
+
+    def _linger_some(self, conn) -> None:
+        try:
+            while True:
+                if not conn.recv(65536):
+                    break
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
             pass
+        self._end_linger(conn)
+
+    def _end_linger(self, conn) -> None:
+        if self._closing.pop(conn, None) is not None:
+            try:
+                self._sel.unregister(conn)
+            except (KeyError, ValueError):
+                pass
         conn.close()
 
     # --- the workers ------------------------------------------------------------------------
