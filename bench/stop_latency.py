@@ -133,6 +133,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--lib", default=None)
+    ap.add_argument("--pause", type=float, default=0.0,
+                    help="seconds between runs (the previous run's detaching child ends meanwhile)")
     args = ap.parse_args()
     lib = args.lib or default_lib()
     holder = subprocess.Popen([sys.executable, "-c", CALLER, lib])
@@ -142,9 +144,11 @@ def main() -> int:
             print(f"library: {lib}; {args.reps} reps; trace --duration {args.duration:g}s", flush=True)
             traces, runs = [], []
             for i in range(args.reps):
+                time.sleep(args.pause)
                 late, rec = trace_once(tmp, lib, args.duration, i)
                 traces.append(late)
                 print(f"  trace: ended {late:+.2f} s after its duration ({rec})", flush=True)
+                time.sleep(args.pause)
                 took, rec = run_once(tmp, lib, i)
                 runs.append(took)
                 print(f"  run:   exited {took:.2f} s after SIGTERM ({rec})", flush=True)
