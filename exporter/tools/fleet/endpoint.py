@@ -15,11 +15,12 @@ starts it on its own listener, apart from /metrics (docs/fleet-live.md):
                              without a window), for `fleet fetch`
     GET  /api/v1/time        {"node": ..., "time_ns": wall clock} (clock estimate)
 
-Every request needs `Authorization: Bearer <token>` (401 otherwise). The
-recording is opened read-only (query.open_readonly) with its
-authorizer, which refuses writes, ATTACH, PRAGMA writes and extension loading
-before a statement runs; a progress handler ends a query past its time limit;
-rows and bytes are capped. Every answer names the node (X-Nccl-Node header).
+Every request needs `Authorization: Bearer <token>` (401 otherwise). A query
+is the one guarded read-only query (query.ReadOnlyQuery: the authorizer, the
+VACUUM refusal, the time limit, value, column and cache limits) with
+query.SHARED's limits; rows and bytes are capped. The listener is
+sinks/serving.py under LIMITS (connections, workers, timeouts, write
+deadlines). Every answer names the node (X-Nccl-Node header).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from urllib.parse import parse_qs, urlsplit
 from exporter.sinks import serving
 from exporter.sinks.recording import query
 from exporter.sinks.recording.window import window_copy
-
 from exporter.tools.fleet.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH, is_loopback, parse_time_ns
 
 DEFAULT_MAX_ROWS = 100_000
