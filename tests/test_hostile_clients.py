@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from exporter.sinks import serving
 from exporter.sinks.http import HttpServer
-from exporter.sinks.recording import reader
+from exporter.sinks.recording import query
 from exporter.sinks.recording.writer import Recorder
 from exporter.tools.fleet.endpoint import LIMITS, QueryEndpoint
 from tests.test_fleet import TOKEN, cli, ev, make_recording, post
@@ -100,12 +100,12 @@ def test_recording_window_out_of_range_gets_a_400(db, since):
 
 
 def test_pragma_table_info_and_dbstat_are_answered(db):
-    names, rows = reader.run(db, "SELECT name FROM pragma_table_info('nccl_events')")
+    names, rows = query.run(db, "SELECT name FROM pragma_table_info('nccl_events')")
     assert ("duration_ns",) in rows
-    names, rows = reader.run(db, "SELECT COUNT(*) FROM dbstat")
+    names, rows = query.run(db, "SELECT COUNT(*) FROM dbstat")
     assert rows[0][0] > 0
-    with pytest.raises(reader.QueryError, match="refused: PRAGMA writable_schema"):
-        reader.run(db, "PRAGMA writable_schema = 1")
+    with pytest.raises(query.QueryError, match="refused: PRAGMA writable_schema"):
+        query.run(db, "PRAGMA writable_schema = 1")
 
 
 # --- memory ------------------------------------------------------------------------
