@@ -47,6 +47,8 @@ struct series_stats {
     u64 calls;
     u64 bytes;
     u64 sum_ns;
+    u64 last_ns;    // CLOCK_MONOTONIC of the latest return counted here (`hang`,
+                    // nccl_collective_last_return_timestamp_seconds)
     u64 buckets[HIST_SLOTS];
 };
 
@@ -905,6 +907,7 @@ static __always_inline s32 account(struct call *c, u64 duration) {
     __sync_fetch_and_add(&s->bytes, c->count * datatype_size(c->datatype));
     __sync_fetch_and_add(&s->sum_ns, duration);
     __sync_fetch_and_add(&s->buckets[b], 1);
+    s->last_ns = c->start_ns + duration;  // one plain store: a later return may win, as it should
     return slot;
 }
 

@@ -37,6 +37,7 @@ class Series:
     sum_ns: int
     buckets: tuple[int, ...]
     slot: int = -1  # index in the kernel's series_stats array
+    last_ns: int = 0  # CLOCK_MONOTONIC of the latest return counted (0: none)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,14 @@ INFLIGHT_OLDEST = _m(
     "nccl_inflight_oldest_seconds", "gauge", ("node", "op", "comm", "rank"),
     "Age of the oldest NCCL call still inside the library, per op, communicator and rank. "
     "A value that keeps growing is a hang.")
+COLLECTIVE_LAST_SEQ = _m(
+    "nccl_collective_last_seq", "gauge", ("node", "op", "comm", "rank"),
+    "Sequence number of this rank's latest returned call of this op on this communicator, from 0 "
+    "like the recordings' seq (every rank makes the same sequence). The call in flight, if any, "
+    "is this + 1: a rank whose value stays below its peers' in-flight call never joined it.")
+COLLECTIVE_LAST_RETURN = _m(
+    "nccl_collective_last_return_timestamp_seconds", "gauge", ("node", "op", "comm", "rank"),
+    "Unix time at which this rank's latest call of this op on this communicator returned.")
 # Where a traced process runs in Kubernetes (sources/pods.py; "" outside a
 # pod or where unknown): only on the two per-process info families, joined
 # to the other series in PromQL (docs/metrics.md, "Pod identity").

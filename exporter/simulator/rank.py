@@ -311,9 +311,14 @@ class Rank:
         L("ncclCommDestroy", world)
 
     def run_hang(self):
+        """Every rank makes --hang-after AllReduces; then rank 0 stops (sleeps
+        forever, never entering the next one) while the others enter it."""
         world = self.comm_init("world")
+        for _ in range(self.a.hang_after):
+            self.allreduce(world, self.rank, self.n, FLOAT32, SUM, 0, self.a.count)
         if self.rank == 0:
-            sys.stdout.write(f"rank 0: initialized, hanging (never enters ncclAllReduce)\n")
+            sys.stdout.write(f"rank 0: {self.a.hang_after} AllReduce(s) done, hanging "
+                             f"(never enters the next ncclAllReduce)\n")
             sys.stdout.flush()
             while True:
                 time.sleep(3600)
@@ -344,6 +349,8 @@ def parse_args(argv=None):
     p.add_argument("--rendezvous", required=True, help="directory shared by all ranks (<name>.uid files)")
     p.add_argument("--workload", choices=["mixed", "allreduce", "hang", "train", "gpu"], default="allreduce")
     p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--hang-after", type=int, default=0,
+                   help="hang: AllReduces every rank completes before rank 0 stops")
     p.add_argument("--count", type=int, default=1024, help="elements per collective")
     p.add_argument("--compute-delay-ms", type=float, default=0.0, help="sleep before every collective")
     p.add_argument("--startup-delay-ms", type=float, default=0.0, help="sleep before the first NCCL call")

@@ -149,12 +149,20 @@ class NcclCollector:
         lifecycle = Histograms(metrics.LIFECYCLE_DURATION, duration_bounds_s())
         nbytes: dict[tuple, int] = defaultdict(int)
         made: set[tuple[int, int]] = set()  # (comm, rank) with collectives: whose process made one
+        last_seq: dict[tuple, int] = {}
+        last_return: dict[tuple, float] = {}
         for s in self.nccl.series():
             if s.op in contract.COLLECTIVE_OPS.values():
                 made.add((s.comm_hash, s.rank))
                 comm = format_comm(s.comm_hash)
-                durations.add((node, s.op, comm, label(s.rank)), s.buckets, s.sum_ns / 1e9)
-                nbytes[(node, s.op, comm, label(s.rank))] += s.bytes
+                key = (node, s.op, comm, label(s.rank))
+                durations.add(key, s.buckets, s.sum_ns / 1e9)
+                nbytes[key] += s.bytes
+                if s.calls and s.comm_hash != contract.SERIES_OVERFLOW_COMM:
+                    last_seq[key] = max(last_seq.get(key, -1), s.calls - 1)
+                    if s.last_ns:
+                        t = self.nccl.clock.to_realtime(s.last_ns) / 1e9
+                        last_return[key] = max(last_return.get(key, 0.0), t)
             else:
                 lifecycle.add((node, s.op), s.buckets, s.sum_ns / 1e9)
         self._made_collectives = made
@@ -164,6 +172,8 @@ class NcclCollector:
                 exemplars[(node, op, comm, label(rank))] = ex
         yield durations.family(exemplars)
         yield filled(metrics.COLLECTIVE_BYTES, nbytes)
+        yield filled(metrics.COLLECTIVE_LAST_SEQ, last_seq)
+        yield filled(metrics.COLLECTIVE_LAST_RETURN, last_return)
         yield lifecycle.family()
 
     def _errors(self):

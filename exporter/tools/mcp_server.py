@@ -8,7 +8,7 @@ Tools (every input checked; a bad one is a tool error saying what is wrong):
                                          nodes' query endpoints; a `node` column first
     slowest_collectives(limit, op)       the longest NCCL calls, everywhere
     retransmits_by_link(limit)           TCP retransmits per link, everywhere
-    hang_status(metrics_url, threshold_s) an agent's nccl_inflight_oldest_seconds: stuck calls
+    hang_status(metrics_url, threshold_s) which rank never joined a hung collective (tools/analysis/hang.py)
     explain(db, align)                   one-line verdict + evidence (tools/analysis/explain.py)
     stragglers(db, comm, op, limit)      per rank: how often last, median lag (tools/analysis)
 Resources: nccl://schema (docs/schema.md), nccl://queries (docs/queries.md) and
@@ -18,11 +18,8 @@ nccl://queries/<name>, one per documented query.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import sqlite3
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +37,6 @@ except ImportError:  # mcp 1.x
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 MAX_ROWS = 1000          # rows a tool answers at most (an assistant's context is small)
 MAX_SQL = 64 << 10
-HANG_METRIC = "nccl_inflight_oldest_seconds"
 
 
 @dataclass
@@ -143,41 +139,28 @@ def run_everywhere(src: Sources, sql: str, max_rows: int, source: str = "all") -
     return {"columns": ["node", *names], "rows": bytes_values, "truncated": truncated, "warnings": warnings}
 
 
-def hang_status(metrics_url: str, threshold_s: float = 60.0, timeout: float = 10.0) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
+def hang_status(metrics_url, threshold_s: float = 60.0, timeout: float = 10.0,
+                interval_s: float | None = None) -> dict:
+    """The verdict of `nccl-exporter hang` (exporter/tools/analysis/hang.py) as a dict.
+    metrics_url: one agent's /metrics URL or a list of them (one per node of the job)."""
+    from exporter.tools.analysis import hang
 
-    u = urllib.parse.urlsplit(metrics_url or "")
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise ToolError(f"metrics_url: an http(s) URL of an agent's /metrics, e.g. "
-                        f"http://gpu-017:{contract.DEFAULT_PORT}/metrics, not {metrics_url!r}")
-    if not (isinstance(threshold_s, (int, float)) and math.isfinite(threshold_s) and threshold_s >= 0):
-        raise ToolError(f"threshold_s: seconds >= 0, not {threshold_s!r}")
+    if metrics_url is None or metrics_url == "" or metrics_url == []:
+        raise ToolError(f"metrics_url is required: an agent's /metrics, e.g. "
+                        f"http://gpu-017:{contract.DEFAULT_PORT}/metrics (or a list, one per node)")
+    urls = [metrics_url] if isinstance(metrics_url, str) else metrics_url
+    if not isinstance(urls, list) or len(urls) > 256:
+        raise ToolError(f"metrics_url: a URL or a list of at most 256 URLs, not {metrics_url!r}")
     try:
-        with urllib.request.urlopen(metrics_url, timeout=timeout) as r:
-            text = r.read(64 << 20).decode("utf-8", "replace")
-    except (OSError, ValueError) as e:
-        raise ToolError(f"cannot read {metrics_url}: {getattr(e, 'reason', None) or e}") from None
-    calls = []
-    try:
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name == HANG_METRIC:
-                    calls.append({**s.labels, "oldest_s": s.value})
-    except ValueError as e:
-        raise ToolError(f"{metrics_url}: not a Prometheus exposition ({e})") from None
-    calls.sort(key=lambda c: -c["oldest_s"])
-    stuck = [c for c in calls if c["oldest_s"] >= threshold_s]
-    oldest = calls[0]["oldest_s"] if calls else 0.0
-    if stuck:
-        c = stuck[0]
-        verdict = (f"HUNG: {len(stuck)} call(s) in flight for at least {threshold_s:g} s; the oldest: "
-                   f"{c.get('op')} on comm {c.get('comm')} rank {c.get('rank')} node {c.get('node')}, "
-                   f"{c['oldest_s']:.1f} s")
-    elif calls:
-        verdict = f"not hung: the oldest call in flight is {oldest:.3f} s old (threshold {threshold_s:g} s)"
-    else:
-        verdict = f"not hung: no NCCL call in flight ({HANG_METRIC} absent)"
-    return {"verdict": verdict, "hung": bool(stuck), "oldest_s": oldest, "in_flight": calls[:MAX_ROWS]}
+        answer = hang.hang_status(urls, threshold_s, timeout=timeout,
+                                  interval_s=hang.INTERVAL_S if interval_s is None else interval_s)
+    except hang.HangInputError as e:
+        raise ToolError(f"metrics_url/threshold_s: {e}") from None
+    if not answer.answered:
+        raise ToolError(answer.verdict)
+    out = answer.as_dict()
+    out["in_flight"] = out["in_flight"][:MAX_ROWS]
+    return out
 
 
 # --- the server ---------------------------------------------------------------------
@@ -233,10 +216,12 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
         return out
 
     @mcp.tool(name="hang_status")
-    def hang_status_tool(metrics_url: str, threshold_s: float = 60.0) -> dict:
-        """Is a job hung? Reads an agent's /metrics (e.g. http://gpu-017:9401/metrics): every
-        NCCL call in flight and its age (nccl_inflight_oldest_seconds); hung when one is at
-        least threshold_s old."""
+    def hang_status_tool(metrics_url: str | list[str] | None = None, threshold_s: float = 60.0) -> dict:
+        """Is a job hung, and which rank never joined? Reads agents' /metrics (metrics_url: one
+        URL such as http://gpu-017:9862/metrics, or a list, one per node of the job). For each
+        communicator with a call in flight at least threshold_s: the ranks waiting in which
+        collective (op, seq), the member ranks that never entered it and what they last did,
+        ranks in another collective (desync). Same verdict as `nccl-exporter hang`."""
         return hang_status(metrics_url, threshold_s)
 
     analysis = _analysis()

@@ -78,6 +78,7 @@ class NcclReader:
                     sum_ns=v.sum_ns,
                     buckets=tuple(v.buckets),
                     slot=slot.value,
+                    last_ns=v.last_ns,
                 )
             )
         # Fixed slots past the capacity: a collective op's overflow series, a
