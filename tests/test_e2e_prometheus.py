@@ -55,6 +55,8 @@ EMPTY_OK = {metrics.spec(n).name for n in (
 EMPTY_OK_TARGETS = {
     ("nccl-fleet-overview.json", "Bus bandwidth estimate (busbw)", "B"),  # ALL_GATHER|REDUCE_SCATTER
     ("nccl-fleet-overview.json", "Bus bandwidth estimate (busbw)", "C"),  # the other ops
+    # ranks missing from a hung collective: none (tests/test_hang.py has a hang)
+    ("nccl-fleet-overview.json", "Hang: ranks missing from a collective, and where every rank is", "A"),
 }
 pytestmark = [
     pytest.mark.slow,

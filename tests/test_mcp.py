@@ -70,9 +70,19 @@ def cluster(tmp_path_factory):
     return {"a": a, "b": b, "whole": whole, "dir": d}
 
 
-METRICS_PAGE = ('# TYPE nccl_inflight_oldest_seconds gauge\n'
-                'nccl_inflight_oldest_seconds{node="gpu-b",op="ALL_REDUCE",comm="3f00aa",rank="5"} 312.5\n'
-                'nccl_inflight_oldest_seconds{node="gpu-b",op="ALL_REDUCE",comm="3f00aa",rank="4"} 0.002\n')
+# A live agent's page during a hang: comm 3f00aa (2 ranks, both on gpu-b);
+# rank 1 waits in AllReduce #41, rank 0 returned #40 and never entered #41.
+METRICS_PAGE = (
+    '# TYPE nccl_communicator_info gauge\n'
+    'nccl_communicator_info{node="gpu-b",comm="00000000003f00aa",nccl_comm_hash="",rank="0",nranks="2",'
+    'pid="1004",launcher="",launcher_rank="",world_size=""} 1\n'
+    'nccl_communicator_info{node="gpu-b",comm="00000000003f00aa",nccl_comm_hash="",rank="1",nranks="2",'
+    'pid="1005",launcher="",launcher_rank="",world_size=""} 1\n'
+    '# TYPE nccl_inflight_oldest_seconds gauge\n'
+    'nccl_inflight_oldest_seconds{node="gpu-b",op="ALL_REDUCE",comm="00000000003f00aa",rank="1"} 312.5\n'
+    '# TYPE nccl_collective_last_seq gauge\n'
+    'nccl_collective_last_seq{node="gpu-b",op="ALL_REDUCE",comm="00000000003f00aa",rank="0"} 40\n'
+    'nccl_collective_last_seq{node="gpu-b",op="ALL_REDUCE",comm="00000000003f00aa",rank="1"} 40\n')
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +151,10 @@ async def session_checks(s, cluster, metrics_url, node_url):
     # hang status from a live /metrics
     out = payload(await s.call_tool("hang_status", {"metrics_url": metrics_url, "threshold_s": 60}))
     assert out["hung"] is True and out["oldest_s"] == 312.5
-    assert "rank 5" in out["verdict"] and "gpu-b" in out["verdict"]
+    assert "rank 1 waiting in AllReduce #41" in out["verdict"], out["verdict"]
+    assert "rank 0 on gpu-b never entered it: its last AllReduce #40" in out["verdict"], out["verdict"]
+    assert [m["rank"] for m in out["hangs"][0]["missing"]] == [0]
+    assert "metrics_url is required" in error_text(await s.call_tool("hang_status", {}))
     out = payload(await s.call_tool("hang_status", {"metrics_url": metrics_url, "threshold_s": 1000}))
     assert out["hung"] is False
 

@@ -385,6 +385,9 @@ def start_job(cluster: Cluster, lib, workload: str, iterations: int, rendezvous_
               rank_env: dict[int, dict] | None = None) -> Job:
     """Start one rank per host (rank i on host i) and return at once.
 
+    lib: the libnccl.so.2 every rank loads, or a dict rank -> its own copy
+    (an agent attached to one copy sees only those ranks, as one node's).
+
     startup_delay_ms: an int for every rank, or a dict rank -> ms.
     extra_args: more arguments for every rank (e.g. ["--sync-every", "0"]);
     rank_env: rank -> more environment for that rank only.
@@ -404,7 +407,8 @@ def start_job(cluster: Cluster, lib, workload: str, iterations: int, rendezvous_
         truth = tdir / f"rank{i}.jsonl"
         if truth.exists():
             truth.unlink()
-        argv = [python, "-m", "exporter.simulator.rank", "--lib", str(pathlib.Path(lib).resolve()),
+        lib_i = lib[i] if isinstance(lib, dict) else lib
+        argv = [python, "-m", "exporter.simulator.rank", "--lib", str(pathlib.Path(lib_i).resolve()),
                 "--rank", str(i), "--nranks", str(nranks), "--rendezvous", str(rdv.resolve()),
                 "--workload", workload, "--iterations", str(iterations), "--count", str(count),
                 "--compute-delay-ms", str(compute_delay_ms.get(i, 0)), "--startup-delay-ms", str(sd),

@@ -134,6 +134,7 @@ class Hang:
     desync: list[Call]                            # member ranks in another (op, seq) of this comm
     missing: list[Missing]
     unknown_members: bool                         # the communicator's size is not known
+    unseen: list[int] = field(default_factory=list)  # members no agent read knows anything of
 
     @property
     def age_s(self) -> float:
@@ -236,9 +237,12 @@ class Model:
             seen = {c.rank for c in calls} | {r for (cm, r) in self.info if cm == comm}
             members = set(range(n)) if n else seen
             in_flight = {c.rank for c in calls}
-            missing = [self.missing(comm, op, r) for r in sorted(members - in_flight)]
+            known = seen | {r for (cm, _o, r) in self.last_seq if cm == comm}
+            missing = [self.missing(comm, op, r) for r in sorted((members - in_flight) & known)]
+            unseen = sorted(members - in_flight - known)
             out.append(Hang(comm, n, op, seq, sorted(waiting, key=lambda c: c.rank),
-                            sorted(desync, key=lambda c: c.rank), missing, unknown_members=not n))
+                            sorted(desync, key=lambda c: c.rank), missing, unknown_members=not n,
+                            unseen=unseen))
         out.sort(key=lambda h: -h.age_s)
         return out
 
@@ -353,7 +357,10 @@ def verdict(h: Hang) -> str:
                          f"(for {max(c.age_s for c in cs):.1f} s)")
     for i, m in enumerate(h.missing):
         parts.append(missing_text(h, m, i == 0))
-    if not h.desync and not h.missing:
+    if h.unseen:
+        parts.append(f"{ranks_text(h.unseen)} not seen by the agents read (on other nodes: give "
+                     f"every node's agent with --metrics)")
+    if not h.desync and not h.missing and not h.unseen:
         if h.unknown_members:
             parts.append("which ranks did not join is unknown: the communicator's size is not known "
                          "(its init was not seen; read every node's agent with --metrics)")
@@ -413,6 +420,7 @@ class Answer:
                        "waiting_ranks": [c.rank for c in h.waiting],
                        "desync": [{"rank": c.rank, "op": c.op, "seq": c.seq, "age_s": c.age_s}
                                   for c in h.desync],
+                       "unseen_ranks": h.unseen,
                        "missing": [{"rank": m.rank, "node": m.node, "pid": m.pid,
                                     "last": ({"op": m.last[0], "seq": m.last[1], "ago_s": m.last[2]}
                                              if m.last else None),

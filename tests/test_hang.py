@@ -1,0 +1,219 @@
+"""Which rank never joined: `nccl-exporter hang`, MCP hang_status and the
+NcclRankMissing alert on a real hang.
+
+A 4-rank simulated job (one rank per network namespace) makes two AllReduces;
+then rank 0 stops before its third while ranks 1-3 enter it. Real agents
+(real uprobes) serve /metrics, a real Prometheus scrapes them with a copy of
+alerts/nccl.yml whose hang threshold is 3 s instead of 300 s (and `for:`
+divided by 20, as tests/test_e2e_prometheus.py does), and:
+
+- `nccl-exporter hang` names rank 0, its last AllReduce (#1) and its process;
+- MCP hang_status gives the same verdict;
+- NcclRankMissing fires in Prometheus for rank 0 only.
+
+Once with one agent for the whole job, once as two nodes: ranks 0-1 load one
+copy of the library and ranks 2-3 another, each copy probed by its own agent
+(a uprobe belongs to the file), so each agent sees only its node's ranks, and
+`hang` is given both agents' --metrics (and, with only the second node's, it
+still names rank 0 but says its process is not seen).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from conftest import ExporterProcess, free_port, run_cli
+from exporter.records import metrics
+from exporter.tools import mcp_server
+from tests.test_dashboards import dashboard_queries
+from tests.test_e2e_prometheus import PROMETHEUS, http_json, short_rules, stop, wait_ready
+
+REPO = Path(__file__).resolve().parent.parent
+HANG_AFTER = 2            # AllReduces every rank completes; rank 0 stops before the next
+THRESHOLD_S = 3           # the tests' hang threshold (production: 300 s alerts, 60 s `hang`)
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and network namespaces"),
+    pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="prometheus not installed (make deps)"),
+]
+
+
+def rules_with_short_hang(text: str) -> str:
+    """alerts/nccl.yml with short windows and the 5-minute hang threshold at THRESHOLD_S."""
+    text = short_rules(text)
+    assert text.count("(nccl_inflight_oldest_seconds) > 300") >= 2
+    return text.replace("(nccl_inflight_oldest_seconds) > 300", f"(nccl_inflight_oldest_seconds) > {THRESHOLD_S}")
+
+
+class Prometheus:
+    def __init__(self, work: Path, targets: list[int]):
+        rules = work / "rules"
+        rules.mkdir()
+        (rules / "nccl.yml").write_text(rules_with_short_hang((REPO / "alerts" / "nccl.yml").read_text()))
+        self.port = free_port()
+        (work / "prometheus.yml").write_text(json.dumps({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+            "rule_files": [str(rules / "*.yml")],
+            "scrape_configs": [{"job_name": "nccl-exporter",
+                                "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in targets]}]}],
+        }))
+        self.log = work / "prometheus.log"
+        self.proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_ready(f"http://127.0.0.1:{self.port}/-/ready", self.proc, self.log)
+        self.api = f"http://127.0.0.1:{self.port}/api/v1"
+
+    def firing(self, name: str) -> list[dict]:
+        return [a["labels"] for a in http_json(f"{self.api}/alerts")["data"]["alerts"]
+                if a["labels"].get("alertname") == name and a["state"] == "firing"]
+
+    def query(self, expr: str) -> list[dict]:
+        return http_json(f"{self.api}/query?" + urllib.parse.urlencode({"query": expr}))["data"]["result"]
+
+
+def hang_scenario(two_nodes: bool):
+    """Runs the scenario; yields (agents, job, prometheus, world comm) while the job hangs."""
+    from exporter.simulator.build import build_library
+    from exporter.simulator.cluster import Cluster, cleanup_stale, start_job
+
+    work = Path(tempfile.mkdtemp(prefix="nccl-hang-"))
+    cleanup_stale()
+    # Private copies of the simulated library: only this test's job is traced.
+    lib_a = build_library(work / "lib-a")
+    lib_b = work / "lib-b" / lib_a.name
+    lib_b.parent.mkdir()
+    shutil.copy2(lib_a, lib_b)
+    agents: list[ExporterProcess] = []
+    prom = None
+    try:
+        if two_nodes:
+            agents.append(ExporterProcess(nccl_libs=[lib_a], node="node-a", startup_timeout=180).__enter__())
+            agents.append(ExporterProcess(nccl_libs=[lib_b], node="node-b", startup_timeout=180).__enter__())
+            libs = {0: lib_a, 1: lib_a, 2: lib_b, 3: lib_b}
+        else:
+            agents.append(ExporterProcess(nccl_libs=[lib_a], node="node-a", startup_timeout=180).__enter__())
+            libs = {i: lib_a for i in range(4)}
+        prom = Prometheus(work, [a.port for a in agents])
+        with Cluster(4) as cluster:
+            job = start_job(cluster, libs, "hang", iterations=1, rendezvous_dir=work / "rdv",
+                            truth_dir=work / "truth", count=16, extra_args=["--hang-after", str(HANG_AFTER)])
+            try:
+                # Ranks 1-3 inside their third AllReduce for longer than the threshold.
+                deadline = time.monotonic() + 90
+                waiting = []
+                while time.monotonic() < deadline:
+                    assert all(rc is None for rc in job.poll()), job.result().summary()
+                    waiting = [s for a in agents for s in a.samples(a.scrape(), metrics.INFLIGHT_OLDEST)
+                               if s.labels["op"] == "ALL_REDUCE" and s.value > THRESHOLD_S + 1]
+                    if len(waiting) == 3:
+                        break
+                    time.sleep(0.5)
+                assert sorted(s.labels["rank"] for s in waiting) == ["1", "2", "3"], waiting
+                info = [s.labels for a in agents for s in a.samples(a.scrape(), metrics.COMMUNICATOR_INFO)]
+                (world,) = {i["comm"] for i in info if i["nranks"] == "4"}
+                yield agents, job, prom, world
+            finally:
+                job.kill()
+    finally:
+        stop(prom.proc if prom else None)
+        for a in agents:
+            a.__exit__(None, None, None)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def check_verdict(verdict: str, evidence: list[str], world: str, pid0: int, node0: str) -> None:
+    assert verdict.startswith(f"comm {world[:8]}… (4 ranks): ranks 1–3 waiting in AllReduce #{HANG_AFTER} for "), \
+        verdict
+    assert f"; rank 0 on {node0} never entered it: its last AllReduce #{HANG_AFTER - 1} returned " in verdict, \
+        verdict
+    assert 3 <= len(evidence) <= 5, evidence
+    text = "\n".join(evidence)
+    assert f"rank 0 (pid {pid0} on {node0}): last call on this communicator AllReduce #{HANG_AFTER - 1}" in text
+    assert "process alive" in text
+    # Rank 0 sleeps (time.sleep) outside NCCL: its calling thread is off-CPU.
+    assert "asleep or blocked outside NCCL" in text, text
+
+
+def check_alert(prom: Prometheus, world: str, node0: str) -> None:
+    deadline = time.monotonic() + 60
+    got = []
+    while time.monotonic() < deadline and not got:
+        got = prom.firing("NcclRankMissing")
+        time.sleep(1)
+    assert [(a["comm"], a.get("op"), a["rank"], a["node"]) for a in got] == \
+        [(world, "ALL_REDUCE", "0", node0)], got
+    # The dashboard's panel names it too (its 60 s threshold at the test's).
+    (panel,) = [(e) for dash, title, ref, e in dashboard_queries()
+                if title.startswith("Hang: ranks missing") and ref == "A"]
+    got = prom.query(panel.replace("> 60", f"> {THRESHOLD_S}"))
+    assert [(g["metric"]["comm"], g["metric"]["rank"], g["value"][1]) for g in got] == \
+        [(world, "0", str(HANG_AFTER - 1))], got
+    # Rank 0's last AllReduce; its peers wait in the next.
+    (v,) = prom.query(f'nccl_collective_last_seq{{comm="{world}",op="ALL_REDUCE",rank="0"}}')
+    assert v["value"][1] == str(HANG_AFTER - 1)
+
+
+def test_hang_names_the_rank_that_never_joined():
+    for agents, job, prom, world in hang_scenario(two_nodes=False):
+        url = agents[0].url
+        r = run_cli("hang", "--threshold", f"{THRESHOLD_S}s", "--metrics", url)
+        assert r.returncode == 1, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        check_verdict(lines[0], [line.removeprefix("  - ") for line in lines[1:]], world, job.pids[0], "node-a")
+
+        out = mcp_server.hang_status(url, THRESHOLD_S)
+        assert out["hung"] is True
+        check_verdict(out["verdict"], out["evidence"], world, job.pids[0], "node-a")
+        (h,) = [h for h in out["hangs"] if h["comm"] == world]
+        assert (h["op"], h["seq"], h["waiting_ranks"]) == ("ALL_REDUCE", HANG_AFTER, [1, 2, 3])
+        assert [m["rank"] for m in h["missing"]] == [0]
+
+        # Below the hang threshold: not hung, exit 0.
+        r = run_cli("hang", "--threshold", "10m", "--metrics", url)
+        assert r.returncode == 0 and r.stdout.startswith("not hung: the oldest NCCL call in flight is"), r.stdout
+        check_alert(prom, world, "node-a")
+
+
+def test_hang_across_two_nodes():
+    for agents, job, prom, world in hang_scenario(two_nodes=True):
+        a, b = agents
+        # Each agent sees only its node's ranks.
+        assert {s.labels["rank"] for s in a.samples(a.scrape(), metrics.COMMUNICATOR_INFO)} == {"0", "1"}
+        assert {s.labels["rank"] for s in b.samples(b.scrape(), metrics.COMMUNICATOR_INFO)} == {"2", "3"}
+        r = run_cli("hang", "--threshold", f"{THRESHOLD_S}s", "--metrics", a.url, "--metrics", b.url)
+        assert r.returncode == 1, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        check_verdict(lines[0], [line.removeprefix("  - ") for line in lines[1:]], world, job.pids[0], "node-a")
+        assert "2 on node-b" in r.stdout and "1 on node-a" in r.stdout
+
+        out = mcp_server.hang_status([a.url, b.url], THRESHOLD_S)
+        check_verdict(out["verdict"], out["evidence"], world, job.pids[0], "node-a")
+
+        # Only node-b's agent: the hang is found, and ranks 0 and 1 (the
+        # communicator has 4) are said to be unseen, not blamed.
+        r = run_cli("hang", "--threshold", f"{THRESHOLD_S}s", "--metrics", b.url)
+        assert r.returncode == 1
+        assert "ranks 2, 3 waiting in AllReduce #2" in r.stdout, r.stdout
+        assert "ranks 0, 1 not seen by the agents read" in r.stdout and "never entered" not in r.stdout
+        check_alert(prom, world, "node-a")
+
+
+def test_hang_bad_input_is_one_line():
+    r = run_cli("hang", "--metrics", "file:///etc/passwd")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "http(s) URL" in r.stderr
+    port = free_port()
+    r = run_cli("hang", "--metrics", f"http://127.0.0.1:{port}/metrics")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no agent answered" in r.stderr
+    r = run_cli("hang", "--threshold", "soon")
+    assert r.returncode == 2 and "not a duration" in r.stderr
