@@ -100,6 +100,36 @@ def test_bad_trace_duration(value):
     assert_one_line_error(r, "--duration", "not a duration", "nccl-exporter trace --help")
 
 
+def test_trace_pid_of_no_process():
+    r = run_cli("trace", "--pid", "999999999", "--duration", "1s")
+    assert r.returncode == 2
+    assert_one_line_error(r, "--pid 999999999: no such process")
+
+
+def test_stragglers_filter_matching_nothing(tmp_path):
+    """--op/--comm that match no collective: said, with what the recording holds, exit 2."""
+    from exporter.records.events import CallEvent
+    from exporter.sinks.recording.writer import Recorder
+
+    db = tmp_path / "r.db"
+    rec = Recorder(str(db), node="n", identify_processes=False)
+    for seq in range(3):
+        for rank in range(2):
+            t = 1_700_000_000_000_000_000 + seq * 10_000_000 + rank * 1000
+            rec(CallEvent(kind=1, op="ALL_REDUCE", pid=100 + rank, tid=100 + rank, start_ns=t, end_ns=t + 5000,
+                          start_real_ns=t, comm=1, comm_hash=0xAB, nccl_hash=0, seq=seq, rank=rank, nranks=2,
+                          count=4, bytes=16, datatype=7, red_op=0, root=-1, peer=-1, stream=0, result=0,
+                          color=-1))
+    rec.close()
+    assert run_cli("stragglers", str(db)).returncode == 0
+    r = run_cli("stragglers", str(db), "--op", "BROADCAST")
+    assert r.returncode == 2
+    assert_one_line_error(r, "no collective matches --op BROADCAST", "ALL_REDUCE on 00000000000000ab (6 calls)")
+    r = run_cli("stragglers", str(db), "--comm", "ffff")
+    assert r.returncode == 2
+    assert_one_line_error(r, "no collective matches --comm ffff")
+
+
 @pytest.mark.parametrize("flag,value,fragment", [
     ("--owner-window", "0", "above 0 or 'always'"),
     ("--owner-window", "soon", "above 0 or 'always'"),

@@ -222,6 +222,19 @@ def _evidence(conn, collectives: list[Collective]) -> None:
                 a.runq_measured = a.runq_in_call is not None
 
 
+def what_there_is(conn: sqlite3.Connection) -> str:
+    """The synchronous collectives a recording holds, by op and communicator, in one line
+    (what a --op/--comm that matched nothing could have been)."""
+    marks = ",".join("?" * len(SYNC_OPS))
+    rows = conn.execute(f"SELECT op, comm_id_hash, COUNT(*) FROM nccl_events WHERE kind = 'call' "
+                        f"AND op IN ({marks}) GROUP BY op, comm_id_hash ORDER BY COUNT(*) DESC",
+                        sorted(SYNC_OPS)).fetchall()
+    if not rows:
+        return "it holds no synchronous collective call"
+    shown = ", ".join(f"{op} on {comm} ({n} calls)" for op, comm, n in rows[:6])
+    return f"it holds {shown}" + (f" and {len(rows) - 6} more" if len(rows) > 6 else "")
+
+
 def per_rank(collectives: list[Collective]) -> list[RankStats]:
     """Per (comm, op, rank): how often last, median lag when last, evidence in its windows."""
     complete = [c for c in collectives if c.complete]

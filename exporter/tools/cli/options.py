@@ -232,6 +232,10 @@ def recording_scope(args):
         netns = netns_inode(args.netns) if args.netns else None
     except RecordingError as e:
         raise CliError(str(e)) from None
+    gone = [p for p in args.pid or () if p <= 0 or not os.path.exists(f"/proc/{p}")]
+    if gone:
+        raise CliError(f"--pid {gone[0]}: no such process (a process to trace must be running: "
+                       "see 'ps', or trace everything and filter with 'query')")
     return Scope(pids=args.pid or (), netns=netns)
 
 

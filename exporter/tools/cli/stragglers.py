@@ -40,6 +40,9 @@ def main(args) -> int:
     try:
         collectives, _ = stragglers.load(conn, align=not args.no_align, comm=args.comm,
                                          op=args.op.upper() if args.op else None)
+        if not collectives and (args.op or args.comm):
+            raise CliError(f"no collective matches {_filters(args)} in {args.db}; "
+                           + stragglers.what_there_is(conn))
     except sqlite3.DatabaseError as e:
         raise CliError(f"{args.db}: {e}") from None
     finally:
@@ -50,3 +53,7 @@ def main(args) -> int:
         output.write(stragglers.RANK_COLUMNS, stragglers.rank_rows(stragglers.per_rank(collectives)),
                      args.format)
     return 0
+
+
+def _filters(args) -> str:
+    return " ".join(f"--{k} {v}" for k, v in (("op", args.op), ("comm", args.comm)) if v)
