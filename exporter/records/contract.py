@@ -171,6 +171,11 @@ MAX_SERIES = 2048      # (op, comm, rank, nranks) series: series_index / series_
 # comm_hash of the overflow series: calls made while series_index is full
 # (one series per op, exported as comm="overflow"; STATS_FULL counts them).
 SERIES_OVERFLOW_COMM = (1 << 64) - 1
+# A communicator the agent did not see created (it attached mid-job) gets a
+# stable local id per process, comm="local-<pid>-<n>" (docs/communicators.md
+# "Communicators made before the agent"): LOCAL_COMM_TAG in the top 24 bits,
+# the pid in the next 24, n (from 1, per process) in the low 16.
+LOCAL_COMM_TAG = 0x10CA1D
 DEFAULT_SERIES_TTL = 300.0  # s: `run --series-ttl`, how long an ended communicator's series stay
 MAX_COMMS = 4096       # live communicators, all processes (also async_errors' size)
 MAX_THREADS = 16384    # threads that have called NCCL (inflight slots)

@@ -11,15 +11,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exporter.records.contract import SERIES_OVERFLOW_COMM
+from exporter.records.contract import LOCAL_COMM_TAG, SERIES_OVERFLOW_COMM
 
 
 def format_comm(h: int) -> str:
-    """Label value of a communicator hash; 'unknown' when the agent never saw it
-    made; 'overflow' for the series that count calls once the map is full."""
+    """Label value of a communicator hash; 'local-<pid>-<n>' for one the agent
+    did not see made (local_comm_hash); 'unknown' until it is named so;
+    'overflow' for the series that count calls once the map is full."""
     if h == SERIES_OVERFLOW_COMM:
         return "overflow"
+    if h >> 40 == LOCAL_COMM_TAG:
+        return f"local-{(h >> 16) & 0xFFFFFF}-{h & 0xFFFF}"
     return f"{h:016x}" if h else "unknown"
+
+
+def local_comm_hash(pid: int, n: int) -> int:
+    """The id of the n-th (from 1) communicator of a process that the agent
+    did not see created: per process, never shared by two processes."""
+    return (LOCAL_COMM_TAG << 40) | ((pid & 0xFFFFFF) << 16) | (n & 0xFFFF)
 
 
 # --- NCCL calls (bpf/nccl.c) ----------------------------------------------------

@@ -28,7 +28,7 @@ from exporter.sources.nccl.probes import NcclProbes
 from exporter.sources.nccl.maps import NcclReader
 from exporter.sources.plugin import source as plugin_source
 from exporter.sources.plugin.source import PluginSource
-from exporter.sources.processes import ProcessTable
+from exporter.sources.processes import ProcessTable, alive_checker
 from exporter.sources.sched import SchedSource
 from exporter.sources.schedstat import POLL_INTERVAL_S, SchedTotals
 from exporter.sources.tcp import TcpSource, retransmits_missed
@@ -141,6 +141,7 @@ class Agent:
             self._close_sources()
             raise
         self.processes = ProcessTable(self.probes)
+        self.reader.identity = self.processes.identity  # launcher rank of a mid-job communicator
         self._found: queue.Queue = queue.Queue()
         # Set once the kernel side is loaded and every library found at start
         # is attached: counting has started (`run` answers /-/ready with 200).
@@ -317,6 +318,8 @@ class Agent:
             self.tcp.srtt_duty(now, *self.config.srtt_sampling)
         if now >= self._next_poll:
             self._next_poll = now + POLL_INTERVAL_S
+            with self.lock:  # communicators of a job that began before the agent
+                self.reader.name_unknown_comms()
             if self.config.owner_window is not None:
                 self.tcp.owner_duty(now, self.config.owner_window, self.reader.counter("OWNERS_WANTED"),
                                     self.reader.traced_pids())
@@ -370,6 +373,7 @@ class Agent:
             self.tcp.expire_owners(self.config.series_ttl, rank_label)
             self.sched.expire_owners(self.config.series_ttl, rank_label)
             self.reader.forget_dead_processes()
+            self.reader.forget_local_names(alive_checker())
             freed = self.reader.expire_series(self.config.series_ttl)
             if freed and self.slow is not None:
                 self.slow.forget(freed)

@@ -261,8 +261,8 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
             _check_limit("limit", limit)
             if op is not None and op.upper() not in ops:
                 raise ToolError(f"op: one of {', '.join(ops)}; not {op!r}")
-            if comm is not None and not re.fullmatch(r"[0-9a-f]{1,16}|unknown", comm):
-                raise ToolError(f"comm: a communicator hash (16 hex digits), not {comm!r}")
+            if comm is not None and not re.fullmatch(r"[0-9a-f]{1,16}|unknown|local-\d+-\d+(~aligned)?", comm):
+                raise ToolError(f"comm: a communicator hash (16 hex digits) or local-<pid>-<n>, not {comm!r}")
             conn = open_db(db)
             try:
                 collectives, _ = stragglers_mod.load(conn, align=True, comm=comm,

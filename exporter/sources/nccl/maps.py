@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from exporter.records import contract
-from exporter.records.events import CallEvent, Communicator, InflightCall, Series
+from exporter.records.events import CallEvent, Communicator, InflightCall, Series, local_comm_hash
 from exporter.sources.processes import alive_checker
 from exporter.sources.bpf import ClockOffset, forget_dead
 
@@ -51,6 +51,11 @@ class NcclReader:
         # False without bpf/sched.c (`--sched totals`): calls' waits are not
         # measured, and events carry None (NULL in recordings), never 0.
         self.sched_waits = True
+        self._local_next: dict[int, int] = {}   # pid -> local communicator ids given
+        self._local: dict[tuple[int, int], tuple[int, int, int]] = {}  # (pid, ptr) -> hash, rank, nranks
+        self._pending: set[tuple[int, int]] = set()  # named, not yet in the kernel's map
+        self.identity = None                    # pid -> launcher identity (the ProcessTable's)
+        self._tgids: dict[int, int] = {}        # thread id -> process id
 
     def keep_comm_ids(self, nccl_hashes: set[int]) -> None:
         """Forget the commHash -> communicator id of every other communicator."""
@@ -212,6 +217,92 @@ class NcclReader:
             if v.op and v.start_ns  # op 0: the thread's slot is idle; start 0: being filled
         ]
 
+    def name_unknown_comms(self, proc: str = "/proc") -> int:
+        """Give every communicator the agent did not see created (it attached
+        mid-job) a local id, comm="local-<pid>-<n>", and add it to the
+        kernel's `communicators` map so that later calls on it are labelled
+        with it (docs/communicators.md, "Communicators made before the
+        agent"). Pointers come from the call events (every call while
+        recording: `decode_event` names them at once) and from the threads'
+        call slots, which keep the communicator each thread used last
+        (`cached_comm`; `cached_hash` 0: unknown), read once per loop turn.
+        Returns how many were written. For the agent's loop."""
+        for tid, v in self._call_slots():
+            ptr = v.cached_comm
+            if not ptr or v.cached_hash or v.cached_gen == (1 << 64) - 1:
+                continue
+            tgid = self._tgid(tid, proc)
+            if tgid and (tgid, ptr) not in self._local:
+                self._name(tgid, ptr)
+        if not self._pending:
+            return 0
+        table = self.probes["communicators"]
+        written = 0
+        for (tgid, ptr) in sorted(self._pending):
+            h, rank, nranks = self._local[(tgid, ptr)]
+            leaf = table.Leaf()
+            leaf.comm_hash, leaf.rank, leaf.nranks = h, rank, nranks
+            try:
+                table[table.Key(tgid, 0, ptr)] = leaf
+                written += 1
+            except Exception:  # map full: the calls stay "unknown" in the kernel's series
+                pass
+        self._pending.clear()
+        if written:
+            gen = self.probes["comm_generation"]  # threads re-read their cached identity
+            gen[gen.Key(0)] = gen.Leaf(gen[gen.Key(0)].value + 1)
+        return written
+
+    def _name(self, tgid: int, ptr: int) -> tuple[int, int, int] | None:
+        """The local id (and rank, nranks) of an unknown communicator, given on first sight.
+        Where it is the process's only communicator (no other known or named
+        one), its rank and size are the launcher's (RANK/WORLD_SIZE,
+        SLURM_PROCID/SLURM_NTASKS, ...); else unknown (-1)."""
+        known = {k.comm for k in self.probes["communicators"].keys() if k.tgid == tgid}
+        if ptr in known:
+            return None
+        n = self._local_next.get(tgid, 0) + 1
+        if n > 0xFFFF:
+            return None
+        self._local_next[tgid] = n
+        rank = nranks = -1
+        if n == 1 and not known and self.identity is not None:
+            who = self.identity(tgid) or {}
+            if who.get("rank") is not None and who.get("world_size") is not None:
+                rank, nranks = int(who["rank"]), int(who["world_size"])
+        elif n == 2:
+            # No longer the process's only communicator: which one is the world is
+            # unknown, so the first loses the launcher's rank and size too.
+            for key, (h, r, _nr) in list(self._local.items()):
+                if key[0] == tgid and r >= 0:
+                    self._local[key] = (h, -1, -1)
+                    self._pending.add(key)
+        self._local[(tgid, ptr)] = got = (local_comm_hash(tgid, n), rank, nranks)
+        self._pending.add((tgid, ptr))
+        return got
+
+    def _tgid(self, tid: int, proc: str) -> int:
+        tgid = self._tgids.get(tid)
+        if tgid is None:
+            try:
+                with open(f"{proc}/{tid}/status") as f:
+                    tgid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
+            except (OSError, StopIteration, ValueError, IndexError):
+                return 0
+            if len(self._tgids) > 65536:
+                self._tgids.clear()
+            self._tgids[tid] = tgid
+        return tgid
+
+    def forget_local_names(self, alive) -> None:
+        """Drop the local names of processes that are gone."""
+        for pid in [p for p in self._local_next if not alive(p)]:
+            del self._local_next[pid]
+        for key in [k for k in self._local if not alive(k[0])]:
+            del self._local[key]
+            self._pending.discard(key)
+        self._tgids = {t: p for t, p in self._tgids.items() if alive(p)}
+
     def traced_pids(self) -> list[int]:
         """Processes the kernel side traces (`traced_processes`)."""
         return [k.value for k in self.probes["traced_processes"].keys()]
@@ -232,6 +323,12 @@ class NcclReader:
         e = self.probes["events"].event(data)
         if e.nccl_hash and e.comm_hash:
             self.comm_ids[e.nccl_hash] = e.comm_hash
+        comm_hash, rank, nranks = e.comm_hash, e.rank, e.nranks
+        if not comm_hash and e.comm and e.kind == contract.EVENT_CALL:
+            # A communicator made before the agent: its local id from this call on.
+            named = self._local.get((e.pid, e.comm)) or self._name(e.pid, e.comm)
+            if named:
+                comm_hash, rank, nranks = named
         return CallEvent(
             kind=e.kind,
             op=contract.op_name(e.op),
@@ -241,11 +338,11 @@ class NcclReader:
             end_ns=e.end_ns,
             start_real_ns=self.clock.to_realtime(e.start_ns),
             comm=e.comm,
-            comm_hash=e.comm_hash,
+            comm_hash=comm_hash,
             nccl_hash=e.nccl_hash,
             seq=e.seq,
-            rank=e.rank,
-            nranks=e.nranks,
+            rank=rank,
+            nranks=nranks,
             count=e.count,
             bytes=e.bytes,
             datatype=e.datatype,

@@ -104,13 +104,35 @@ def _durations(collectives, comm, op) -> str:
     return f"median {op} call on comm {comm[:8]}… took {_ms(statistics.median(d))} (p90 {_ms(p90)}) over {n} collectives"
 
 
+def _no_collectives(conn: sqlite3.Connection) -> list[str]:
+    """What the recording lacked, and what to run instead."""
+    rows = conn.execute("SELECT COUNT(*), COUNT(DISTINCT node), "
+                        "SUM(comm_id_hash IS NULL OR comm_id_hash = 'unknown' OR comm_id_hash LIKE 'local-%'), "
+                        "COUNT(DISTINCT CASE WHEN comm_id_hash NOT LIKE 'local-%' AND comm_id_hash != 'unknown' "
+                        "THEN comm_id_hash END) "
+                        "FROM nccl_events WHERE kind = 'call'").fetchone()
+    calls, nodes, local, comms = (v or 0 for v in rows)
+    if not calls:
+        return ["no collectives: the recording holds no NCCL call (was the job running, and traced? "
+                "'nccl-exporter check', then 'trace --duration 30s' to see calls as they come)",
+                "nccl_events rows: 0"]
+    if local:
+        return ["no collectives: the calls are on communicators made before the recording began "
+                "(comm local-<pid>-<n> or unknown) and their ranks could not be aligned by call sequence "
+                "(different op orders or sizes, or one rank per node: merge every node's recording, or "
+                "record from the job's start: 'trace --out' before the job, or 'run --db')",
+                f"{local} of {calls} calls on communicators without a job-wide id, {nodes} node(s)"]
+    hint = ("merge every node's recording first: each communicator here was seen on one rank"
+            if comms else "no collective communicator")
+    return [f"no collectives: the recording holds no collective seen on two or more ranks ({hint})",
+            f"nccl_events rows: {calls} calls on {comms} communicator(s), {nodes} node(s)"]
+
+
 def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
     """[verdict, evidence...]"""
     collectives, offsets = stragglers.load(conn, align=align)
     if not collectives:
-        return ["no collectives: the recording holds no collective seen on two or more ranks "
-                "(merge every node's recording first)",
-                f"nccl_events rows: {conn.execute('SELECT COUNT(*) FROM nccl_events').fetchone()[0]}"]
+        return _no_collectives(conn)
     stats = stragglers.per_rank(collectives)
     prank = _process_ranks(conn, collectives)
     addr_rank = _addr_ranks(conn)

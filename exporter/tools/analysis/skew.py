@@ -80,8 +80,8 @@ def _ends(conn: sqlite3.Connection) -> dict[tuple, dict[str, tuple]]:
     # Per communicator and op, at most MAX_COLLECTIVES sequence numbers (every k-th): served by the
     # (comm_id_hash, op, seq) index where there is one.
     for comm, op in _comm_ops(conn):
-        if not comm or comm == "unknown" or op not in SYNC_OPS:
-            continue
+        if not comm or comm == "unknown" or comm.startswith("local-") or op not in SYNC_OPS:
+            continue  # no job-wide id: its seq does not name one collective across processes
         lo = conn.execute("SELECT seq FROM nccl_events WHERE comm_id_hash = ? AND op = ? AND seq IS NOT NULL "
                           "ORDER BY seq LIMIT 1", (comm, op)).fetchone()
         hi = conn.execute("SELECT seq FROM nccl_events WHERE comm_id_hash = ? AND op = ? AND seq IS NOT NULL "

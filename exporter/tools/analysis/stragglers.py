@@ -35,6 +35,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from exporter.tools.analysis import align as midjob
 from exporter.tools.analysis import skew
 from exporter.tools.analysis.skew import SYNC_OPS
 
@@ -167,18 +168,39 @@ def load(conn: sqlite3.Connection, align: bool = True, comm: str | None = None,
            f"FROM nccl_events WHERE kind = 'call'")
     groups: dict[tuple, list[Arrival]] = defaultdict(list)
     nranks_of: dict[tuple, int] = {}
+    loose: list[midjob.Loose] = []
     for (c, o, seq, rank, nranks, node, pid, tid, ts, dur, nbytes, rq, prev_end) in conn.execute(sql):
-        if o not in SYNC_OPS or seq is None or not c or c == "unknown":
+        if o not in SYNC_OPS or seq is None:
             continue
-        if (comm and not c.startswith(comm)) or (op and o != op):
+        local = midjob.is_local(c)
+        if (comm and not local and not c.startswith(comm)) or (op and o != op):
             continue
         off = offsets[node]
         end = ts + dur
         wstart = prev_end if prev_end is not None and prev_end <= ts else ts
+        if local:  # a communicator first seen mid-job: aligned by call sequence below
+            loose.append(midjob.Loose(c or "unknown", o, -1 if rank is None else rank, node, pid, nbytes,
+                                     ts - off, end - off, (tid, wstart, end, ts, rq, off)))
+            continue
         groups[(c, o, seq)].append(Arrival(rank, node, pid, tid, ts - off, end - off, wstart - off, ts,
                                            (wstart, end), nbytes, rq))
         nranks_of[(c, o, seq)] = max(nranks_of.get((c, o, seq), 0), nranks or 0)
     del marks
+    members: dict[str, set] = defaultdict(set)
+    launcher = {}
+    if loose and skew.has_table(conn, "processes"):
+        launcher = {(n, p): r for n, p, r in conn.execute(
+            "SELECT node, pid, launcher_rank FROM processes WHERE launcher_rank IS NOT NULL")}
+    for label, o, index, rank, lc in midjob.align(loose, launcher):
+        if comm and not label.startswith(comm):
+            continue
+        tid, wstart, end, ts, rq, off = lc.row
+        groups[(label, o, index)].append(Arrival(rank, lc.node, lc.pid, tid, lc.start, lc.end, wstart - off,
+                                                 ts, (wstart, end), lc.bytes, rq))
+        members[label].add((lc.node, lc.pid))
+    for key in groups:
+        if key[0] in members:
+            nranks_of[key] = len(members[key[0]])
     collectives = []
     for key, arr in groups.items():
         if len(arr) < 2:
@@ -262,6 +284,18 @@ def per_rank(collectives: list[Collective]) -> list[RankStats]:
                 for link, n in (a.links or {}).items():
                     s.links_when_last[link] += n
     return sorted(stats.values(), key=lambda s: (s.comm, s.op, s.rank))
+
+
+def worst_first(stats: list[RankStats]) -> list[RankStats]:
+    """The (comm, op) with most ranks, then most collectives, first; in each, the rank most
+    often last first."""
+    most: dict[tuple, int] = defaultdict(int)
+    ranks: dict[tuple, int] = defaultdict(int)
+    for s in stats:
+        most[(s.comm, s.op)] = max(most[(s.comm, s.op)], s.collectives)
+        ranks[(s.comm, s.op)] += 1
+    return sorted(stats, key=lambda s: (-ranks[(s.comm, s.op)], -most[(s.comm, s.op)], s.comm, s.op,
+                                        -s.last, s.rank))
 
 
 RANK_COLUMNS = ["comm", "op", "rank", "node", "pid", "collectives", "last", "last_pct", "median_lag_ms",

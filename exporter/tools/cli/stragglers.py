@@ -50,8 +50,8 @@ def main(args) -> int:
     if args.collectives:
         output.write(stragglers.COLLECTIVE_COLUMNS, stragglers.collective_rows(collectives), args.format)
     else:
-        output.write(stragglers.RANK_COLUMNS, stragglers.rank_rows(stragglers.per_rank(collectives)),
-                     args.format)
+        output.write(stragglers.RANK_COLUMNS, stragglers.rank_rows(stragglers.worst_first(
+            stragglers.per_rank(collectives))), args.format)
     return 0
 
 

@@ -1,0 +1,170 @@
+"""An agent that arrived after the job began (docs/communicators.md, "Communicators
+made before the agent"; docs/fleet.md, "Recordings that began mid-job").
+
+- Pure logic: a recording whose ranks' communicators have only local ids
+  (`local-<pid>-<n>`, and `unknown` before the agent named them) and whose
+  seqs start at different calls: `stragglers` and `explain` align the ranks
+  by their call sequence and name the straggler.
+- End to end: a 4-rank simulated job with a straggler (rank 2 sleeps 30 ms
+  before every collective), `trace --out` started 5 s after the job began:
+  every call is labelled with a local id (never one shared `unknown` after
+  the agent's first loop turn), the world communicator's rank and size come
+  from the launcher's environment, `explain` names rank 2 and `stragglers`
+  lists it first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from exporter.records.events import CallEvent, local_comm_hash
+
+T0 = 1_700_000_000_000_000_000
+MS = 1_000_000
+STRAGGLER = 2
+
+
+def synthetic(path: Path, n: int = 60) -> None:
+    """4 ranks; ranks 1 and 3 recorded from the job's 2nd collective on (their
+    seq 0 is everyone else's 1); rank 0's first 3 calls before the agent named
+    its communicator (comm 0: unknown); rank 2 arrives 30 ms late every time."""
+    from exporter.sinks.recording.writer import Recorder
+
+    rec = Recorder(str(path), node="simnode", identify_processes=False)
+    for rank in range(4):
+        pid = 100 + rank
+        first = 1 if rank in (1, 3) else 0
+        for i in range(first, n):
+            base = T0 + i * 50 * MS
+            start = base + (30 * MS if rank == STRAGGLER else rank * 100_000)
+            end = base + 31 * MS + rank * 20_000
+            seq = i - first
+            comm = 0 if (rank == 0 and i < 3) else local_comm_hash(pid, 1)
+            if rank == 0 and i >= 3:
+                seq = i - 3
+            rec(CallEvent(kind=1, op="ALL_REDUCE", pid=pid, tid=pid, start_ns=start - T0, end_ns=end - T0,
+                          start_real_ns=start, comm=0xAA, comm_hash=comm, nccl_hash=0, seq=seq, rank=rank,
+                          nranks=4, count=1024, bytes=4096, datatype=7, red_op=0, root=-1, peer=-1,
+                          stream=0, result=0, color=-1))
+    rec.close()
+
+
+def test_recording_without_job_wide_ids_is_aligned_by_call_sequence(tmp_path):
+    db = tmp_path / "mid.db"
+    synthetic(db)
+    conn = sqlite3.connect(db)
+    assert {r[0] for r in conn.execute("SELECT DISTINCT comm_id_hash FROM nccl_events")} == \
+        {"unknown", "local-100-1", "local-101-1", "local-102-1", "local-103-1"}
+    conn.close()
+    r = run_cli("stragglers", str(db), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert rows[0]["rank"] == STRAGGLER and rows[0]["comm"] == "local-100-1~aligned", rows[:2]
+    assert rows[0]["collectives"] >= 55 and rows[0]["last_pct"] == 100, rows[0]
+    assert 25 <= rows[0]["median_lag_ms"] <= 35, rows[0]
+    r = run_cli("explain", str(db))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"straggler: rank {STRAGGLER} on simnode arrives late"), r.stdout
+
+
+def test_unalignable_recording_says_what_it_lacked(tmp_path):
+    """One rank's calls only: nothing to align; explain says why and what to run instead."""
+    from exporter.sinks.recording.writer import Recorder
+
+    db = tmp_path / "one.db"
+    rec = Recorder(str(db), node="simnode", identify_processes=False)
+    for i in range(10):
+        t = T0 + i * 50 * MS
+        rec(CallEvent(kind=1, op="ALL_REDUCE", pid=7, tid=7, start_ns=t - T0, end_ns=t - T0 + MS,
+                      start_real_ns=t, comm=0xAA, comm_hash=local_comm_hash(7, 1), nccl_hash=0, seq=i, rank=0,
+                      nranks=4, count=1, bytes=4, datatype=7, red_op=0, root=-1, peer=-1, stream=0, result=0,
+                      color=-1))
+    rec.close()
+    r = run_cli("explain", str(db))
+    assert r.returncode == 0, r.stderr
+    assert "communicators made before the recording began" in r.stdout, r.stdout
+    assert "record from the job's start" in r.stdout
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and network namespaces")
+
+
+@needs_root
+@pytest.mark.parametrize("workload", ["allreduce", "train"])
+def test_trace_started_mid_job_names_the_straggler(workload):
+    """allreduce: one world communicator per process (rank and size from the
+    launcher); train: a world and an even/odd split per process (local ids
+    1 and 2, ranks unknown: the analysis names the launcher rank)."""
+    from exporter.simulator.build import build_library
+    from exporter.simulator.cluster import Cluster, cleanup_stale, start_job
+
+    work = Path(tempfile.mkdtemp(prefix="nccl-midjob-"))
+    cleanup_stale()
+    lib = build_library(work / "lib")  # a private copy: only this job is traced
+    db = work / "mid.db"
+    trace = None
+    try:
+        with Cluster(4) as cluster:
+            delays = {r: 2 for r in range(4)}
+            delays[STRAGGLER] += 30
+            # About 35 ms an iteration: ~20 s.
+            job = start_job(cluster, lib, workload, iterations=600, rendezvous_dir=work / "rdv",
+                            truth_dir=work / "truth", count=1024, compute_delay_ms=delays)
+            try:
+                time.sleep(5)
+                assert all(rc is None for rc in job.poll()), job.result().summary()
+                trace = subprocess.Popen(
+                    [sys.executable, "-m", "exporter", "trace", "--nccl-lib", str(lib), "--out", str(db),
+                     "--duration", "12s", "--sched", "totals"],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                out, err = trace.communicate(timeout=240)
+                assert trace.returncode == 0, err
+            finally:
+                job.kill()
+        conn = sqlite3.connect(db)
+        comms = dict(conn.execute("SELECT comm_id_hash, COUNT(*) FROM nccl_events WHERE op = 'ALL_REDUCE' "
+                                  "GROUP BY comm_id_hash").fetchall())
+        named = {c: n for c, n in comms.items() if c.startswith("local-")}
+        per_process = 1 if workload == "allreduce" else 2
+        assert len(named) == 4 * per_process, comms                   # per process, never shared
+        assert comms.get("unknown", 0) < 0.2 * sum(comms.values()), comms  # only before the first naming
+        ranks = conn.execute("SELECT DISTINCT comm_id_hash, pid, rank, nranks FROM nccl_events "
+                             "WHERE comm_id_hash LIKE 'local-%'").fetchall()
+        assert {c for c, pid, _r, _n in ranks} == {f"local-{pid}-{n}" for _c, pid, _r, _n in ranks
+                                                    for n in range(1, per_process + 1)}, ranks
+        if workload == "allreduce":
+            # Each process's only communicator: rank and size from the launcher (RANK, WORLD_SIZE).
+            assert sorted(r[2] for r in ranks) == [0, 1, 2, 3] and {r[3] for r in ranks} == {4}, ranks
+        else:
+            # Two communicators: which is the world is unknown, so neither keeps the
+            # launcher's rank (the first had it until the second was seen).
+            latest = conn.execute(
+                "SELECT comm_id_hash, rank, nranks FROM nccl_events e WHERE comm_id_hash LIKE 'local-%' AND "
+                "timestamp_ns = (SELECT MAX(timestamp_ns) FROM nccl_events f "
+                "WHERE f.comm_id_hash = e.comm_id_hash)").fetchall()
+            assert len(latest) == 8 and {(r[1], r[2]) for r in latest} == {(-1, -1)}, latest
+        conn.close()
+        r = run_cli("explain", str(db))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"straggler: rank {STRAGGLER} on "), r.stdout
+        r = run_cli("stragglers", str(db), "--format", "json")
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(r.stdout)
+        assert rows[0]["rank"] == STRAGGLER and rows[0]["last_pct"] >= 80, rows[:4]
+        assert rows[0]["comm"].endswith("~aligned"), rows[0]
+    finally:
+        if trace is not None and trace.poll() is None:
+            trace.kill()
+            trace.wait()
+        shutil.rmtree(work, ignore_errors=True)
