@@ -41,10 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 HANG_AFTER = 2            # AllReduces every rank completes; rank 0 stops before the next
 THRESHOLD_S = 3           # the tests' hang threshold (production: 300 s alerts, 60 s `hang`)
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and network namespaces"),
-    pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="prometheus not installed (make deps)"),
-]
+e2e = pytest.mark.skipif(os.geteuid() != 0 or not os.access(PROMETHEUS, os.X_OK),
+                         reason="needs root (BPF, network namespaces) and prometheus (make deps)")
 
 
 def rules_with_short_hang(text: str) -> str:
@@ -164,6 +162,7 @@ def check_alert(prom: Prometheus, world: str, node0: str) -> None:
     assert v["value"][1] == str(HANG_AFTER - 1)
 
 
+@e2e
 def test_hang_names_the_rank_that_never_joined():
     for agents, job, prom, world in hang_scenario(two_nodes=False):
         url = agents[0].url
@@ -185,6 +184,7 @@ def test_hang_names_the_rank_that_never_joined():
         check_alert(prom, world, "node-a")
 
 
+@e2e
 def test_hang_across_two_nodes():
     for agents, job, prom, world in hang_scenario(two_nodes=True):
         a, b = agents
@@ -217,3 +217,80 @@ def test_hang_bad_input_is_one_line():
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no agent answered" in r.stderr
     r = run_cli("hang", "--threshold", "soon")
     assert r.returncode == 2 and "not a duration" in r.stderr
+
+
+# --- the verdict's logic, on pages as agents serve them -----------------------------------
+
+def page_read(lines: list[str], at: float = 1000.0):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from exporter.tools.analysis import hang
+
+    text = "".join(line + "\n" for line in lines)
+    return hang.Read(at=at, samples=[(s.name, s.labels, s.value) for f in text_string_to_metric_families(text)
+                                     for s in f.samples], answered=["page"])
+
+
+def info(comm, rank, nranks, pid, node="n"):
+    return (f'nccl_communicator_info{{node="{node}",comm="{comm}",nccl_comm_hash="",rank="{rank}",'
+            f'nranks="{nranks}",pid="{pid}",launcher="",launcher_rank="",world_size=""}} 1')
+
+
+def inflight(comm, op, rank, age, node="n"):
+    return f'nccl_inflight_oldest_seconds{{node="{node}",op="{op}",comm="{comm}",rank="{rank}"}} {age}'
+
+
+def last_seq(comm, op, rank, seq, node="n"):
+    return f'nccl_collective_last_seq{{node="{node}",op="{op}",comm="{comm}",rank="{rank}"}} {seq}'
+
+
+C = "4a3f00000000beef"
+
+
+def test_desync_is_named():
+    """Ranks 1-3 in AllReduce #8; rank 0 in Broadcast #3 of the same communicator."""
+    from exporter.tools.analysis import hang
+
+    lines = [info(C, r, 4, 100 + r) for r in range(4)]
+    lines += [inflight(C, "ALL_REDUCE", r, 90) for r in (1, 2, 3)] + [inflight(C, "BROADCAST", 0, 88)]
+    lines += [last_seq(C, "ALL_REDUCE", r, 7) for r in range(4)] + [last_seq(C, "BROADCAST", 0, 2)]
+    a = hang.analyse(page_read(lines), None, 60)
+    assert a.hung
+    assert a.verdict == ("comm 4a3f0000… (4 ranks): ranks 1–3 waiting in AllReduce #8 for 90.0 s; "
+                         "desync: rank 0 in Broadcast #3 instead (for 88.0 s)"), a.verdict
+    assert a.as_dict()["hangs"][0]["desync"] == [{"rank": 0, "op": "BROADCAST", "seq": 3, "age_s": 88.0}]
+
+
+def test_every_rank_inside_and_not_completing():
+    from exporter.tools.analysis import hang
+
+    lines = [info(C, r, 2, 100 + r) for r in range(2)] + [inflight(C, "ALL_REDUCE", r, 70) for r in range(2)]
+    a = hang.analyse(page_read(lines), None, 60)
+    assert a.verdict.endswith("every rank entered it and it does not complete: a peer stuck inside NCCL or "
+                              "a broken link (retransmits, resets)"), a.verdict
+
+
+def test_below_threshold_and_nothing_in_flight():
+    from exporter.tools.analysis import hang
+
+    a = hang.analyse(page_read([inflight(C, "ALL_REDUCE", 0, 0.25)]), None, 60)
+    assert not a.hung and a.verdict.startswith("not hung: the oldest NCCL call in flight is 0.250 s old")
+    a = hang.analyse(page_read([info(C, 0, 2, 100)]), None, 60)
+    assert not a.hung and "no NCCL call in flight" in a.verdict
+
+
+def test_threads_state_from_two_reads():
+    """The missing rank's caller thread was off-CPU the whole second: asleep outside NCCL."""
+    from exporter.tools.analysis import hang
+
+    base = [info(C, r, 2, 100 + r) for r in range(2)] + [inflight(C, "ALL_REDUCE", 1, 75)]
+    base += [last_seq(C, "ALL_REDUCE", r, 4) for r in range(2)]
+
+    def sched(off):
+        return [f'nccl_offcpu_seconds_total{{node="n",rank="0",thread="caller"}} {off}',
+                'nccl_runqueue_delay_seconds_sum{node="n",rank="0",thread="caller"} 0.5']
+
+    a = hang.analyse(page_read(base + sched(10.0), at=1000.0), page_read(base + sched(11.0), at=1001.0), 60)
+    assert "rank 0 on n never entered it: its last AllReduce #4" in a.verdict, a.verdict
+    assert any("off-CPU 1.00 s of the last 1.0 s and waited 0 ms for a CPU" in e and "asleep" in e
+               for e in a.evidence), a.evidence
