@@ -294,3 +294,11 @@ def test_threads_state_from_two_reads():
     assert "rank 0 on n never entered it: its last AllReduce #4" in a.verdict, a.verdict
     assert any("off-CPU 1.00 s of the last 1.0 s and waited 0 ms for a CPU" in e and "asleep" in e
                for e in a.evidence), a.evidence
+
+
+def test_a_communicator_made_before_the_agent_says_what_cannot_be_told():
+    from exporter.tools.analysis import hang
+
+    a = hang.analyse(page_read([inflight("local-4711-1", "ALL_REDUCE", 1, 80)]), None, 60)
+    assert a.hung and a.verdict.startswith("comm local-4711-1 (size unknown): rank 1 waiting in AllReduce "
+                                           "for 80.0 s; which rank did not join cannot be told"), a.verdict

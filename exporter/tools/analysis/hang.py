@@ -234,6 +234,12 @@ class Model:
             (op, seq), waiting = max(groups.items(), key=lambda kv: (len(kv[1]), max(c.age_s for c in kv[1])))
             desync = [c for k, g in groups.items() if k != (op, seq) for c in g]
             n = self.nranks.get(comm)
+            if comm == "unknown" or comm.startswith("local-"):
+                # Made before the agent started: each rank has its own id here, so the
+                # communicator's other ranks cannot be found (docs/communicators.md).
+                out.append(Hang(comm, n, op, seq, sorted(waiting, key=lambda c: c.rank),
+                                sorted(desync, key=lambda c: c.rank), [], unknown_members=True))
+                continue
             seen = {c.rank for c in calls} | {r for (cm, r) in self.info if cm == comm}
             members = set(range(n)) if n else seen
             in_flight = {c.rank for c in calls}
@@ -360,7 +366,11 @@ def verdict(h: Hang) -> str:
     if h.unseen:
         parts.append(f"{ranks_text(h.unseen)} not seen by the agents read (on other nodes: give "
                      f"every node's agent with --metrics)")
-    if not h.desync and not h.missing and not h.unseen:
+    if h.comm == "unknown" or h.comm.startswith("local-"):
+        parts.append("which rank did not join cannot be told: the communicator was made before the agent "
+                     "started, so each of its ranks has its own local id (start the agent before the job; "
+                     "docs/communicators.md)")
+    elif not h.desync and not h.missing and not h.unseen:
         if h.unknown_members:
             parts.append("which ranks did not join is unknown: the communicator's size is not known "
                          "(its init was not seen; read every node's agent with --metrics)")
