@@ -302,3 +302,21 @@ def test_a_communicator_made_before_the_agent_says_what_cannot_be_told():
     a = hang.analyse(page_read([inflight("local-4711-1", "ALL_REDUCE", 1, 80)]), None, 60)
     assert a.hung and a.verdict.startswith("comm local-4711-1 (size unknown): rank 1 waiting in AllReduce "
                                            "for 80.0 s; which rank did not join cannot be told"), a.verdict
+
+
+def test_missing_rank_in_a_call_on_another_communicator():
+    """The issue's 2:47 AM line: rank 0 never entered AllReduce #812; it is in Broadcast #96 elsewhere."""
+    from exporter.tools.analysis import hang
+
+    other = "9c1e00000000beef"
+    lines = [info(C, r, 4, 100 + r) for r in range(4)] + [info(other, 0, 2, 100)]
+    lines += [inflight(C, "ALL_REDUCE", r, 75.4) for r in (1, 2, 3)] + [inflight(other, "BROADCAST", 0, 70)]
+    lines += [last_seq(C, "ALL_REDUCE", r, 811) for r in range(4)] + [last_seq(other, "BROADCAST", 0, 95)]
+    lines.append(f'nccl_collective_last_return_timestamp_seconds{{node="n",op="ALL_REDUCE",comm="{C}",rank="0"}} '
+                 f'{1000 - 15.6}')
+    a = hang.analyse(page_read(lines, at=1000.0), None, 60)
+    assert a.verdict == ("comm 4a3f0000… (4 ranks): ranks 1–3 waiting in AllReduce #812 for 75.4 s; rank 0 on n "
+                         "never entered it: its last AllReduce #811 returned 15.6 s ago, it is now in Broadcast #96 "
+                         "on comm 9c1e0000… (as rank 0, for 70.0 s)"), a.verdict
+    assert 3 <= len(a.evidence) <= 5
+    assert any(e.startswith("1 other communicator(s) with a call in flight >= 60 s: 9c1e0000…") for e in a.evidence)
