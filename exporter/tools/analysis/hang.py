@@ -135,6 +135,7 @@ class Hang:
     missing: list[Missing]
     unknown_members: bool                         # the communicator's size is not known
     unseen: list[int] = field(default_factory=list)  # members no agent read knows anything of
+    previous: tuple[int, float] | None = None     # (seq, seconds ago) of the op's latest return on it
 
     @property
     def age_s(self) -> float:
@@ -246,9 +247,15 @@ class Model:
             known = seen | {r for (cm, _o, r) in self.last_seq if cm == comm}
             missing = [self.missing(comm, op, r) for r in sorted((members - in_flight) & known)]
             unseen = sorted(members - in_flight - known)
+            done = [(self.last_seq.get((cm, o, r), -1), t) for (cm, o, r), t in self.last_ret.items()
+                    if cm == comm and o == op]
+            previous = None
+            if done:
+                sq, t = max(done, key=lambda x: x[1])
+                previous = (sq, max(0.0, self.now - t))
             out.append(Hang(comm, n, op, seq, sorted(waiting, key=lambda c: c.rank),
                             sorted(desync, key=lambda c: c.rank), missing, unknown_members=not n,
-                            unseen=unseen))
+                            unseen=unseen, previous=previous))
         out.sort(key=lambda h: -h.age_s)
         return out
 
@@ -385,6 +392,10 @@ def evidence(h: Hang, others: list[Hang], r: Read, threshold_s: float) -> list[s
     w = ", ".join(f"{c.rank} on {c.node} ({c.age_s:.1f} s)" for c in h.waiting[:8])
     more = f" (+{len(h.waiting) - 8} more)" if len(h.waiting) > 8 else ""
     lines.append(f"waiting in {call_name(h.op, h.seq)} on comm {h.comm}: rank {w}{more}")
+    if h.previous is not None:
+        seq, ago = h.previous
+        lines.append(f"the latest {op_name(h.op)} returned on this communicator was #{seq}, {ago:.1f} s ago: "
+                     f"nothing of it has completed since")
     for m in h.missing[:2]:
         who = f"rank {m.rank}" + (f" (pid {m.pid} on {m.node})" if m.pid else "")
         facts = []
@@ -401,8 +412,7 @@ def evidence(h: Hang, others: list[Hang], r: Read, threshold_s: float) -> list[s
         lines.append(f"{len(others)} other communicator(s) with a call in flight >= {threshold_s:g} s: "
                      + ", ".join(f"{short(o.comm)} ({call_name(o.op, o.seq)}, {o.age_s:.1f} s)"
                                  for o in others[:3]))
-    lines.append(read_summary(r))
-    return lines[:5]
+    return lines[:4] + [read_summary(r)]
 
 
 def read_summary(r: Read) -> str:
