@@ -320,3 +320,15 @@ def test_missing_rank_in_a_call_on_another_communicator():
                          "on comm 9c1e0000… (as rank 0, for 70.0 s)"), a.verdict
     assert 3 <= len(a.evidence) <= 5
     assert any(e.startswith("1 other communicator(s) with a call in flight >= 60 s: 9c1e0000…") for e in a.evidence)
+
+
+def test_a_missing_rank_whose_process_exited():
+    """Rank 0's calls were counted on node n, but n's agent lists no live communicator of it."""
+    from exporter.tools.analysis import hang
+
+    lines = [info(C, r, 2, 100 + r) for r in (1,)] + [inflight(C, "ALL_REDUCE", 1, 90)]
+    lines += [last_seq(C, "ALL_REDUCE", r, 4) for r in range(2)]
+    a = hang.analyse(page_read(lines), None, 60)
+    assert "rank 0 on n never entered it: its last AllReduce #4 returned at an unknown time, its process is " \
+           "gone" in a.verdict, a.verdict
+    assert a.as_dict()["hangs"][0]["missing"][0]["alive"] is False

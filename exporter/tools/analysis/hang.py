@@ -122,6 +122,8 @@ class Missing:
     last_of_op: tuple[int, float] | None          # (seq, seconds ago) of the hung op
     elsewhere: list[tuple[Call, int]]             # calls it is in on other communicators (call, rank there)
     threads: str | None                           # its threads over the last interval, in words
+    gone_from: str | None = None                  # the node whose agent counted its calls but lists
+                                                  # no live communicator of it: its process exited
 
 
 @dataclass
@@ -153,6 +155,7 @@ class Model:
         self.inflight: list[tuple[str, str, int, str, float]] = []   # comm, op, rank, node, age
         self.last_seq: dict[tuple[str, str, int], int] = {}
         self.last_ret: dict[tuple[str, str, int], float] = {}
+        self.series_node: dict[tuple[str, int], str] = {}   # (comm, rank) -> node of its call series
         for name, lab, v in last.samples:
             rank = _int(lab.get("rank"))
             comm = lab.get("comm", "")
@@ -170,6 +173,7 @@ class Model:
             elif name == metrics.COLLECTIVE_LAST_SEQ and rank is not None:
                 k = (comm, lab.get("op", ""), rank)
                 self.last_seq[k] = max(self.last_seq.get(k, -1), int(v))
+                self.series_node[(comm, rank)] = lab.get("node", "")
             elif name == metrics.COLLECTIVE_LAST_RETURN and rank is not None:
                 k = (comm, lab.get("op", ""), rank)
                 self.last_ret[k] = max(self.last_ret.get(k, 0.0), v)
@@ -279,8 +283,9 @@ class Model:
                 for cm, o, r, node, age in self.inflight:
                     if cm == comm2 and r == rank2:
                         elsewhere.append((self.call(cm, o, r, node, age), rank2))
+        gone = self.series_node.get((comm, rank)) if w is None else None
         return Missing(rank, w.node if w else None, w.pid if w else None, last, last_of_op,
-                       elsewhere, self.threads_of(w) if w else None)
+                       elsewhere, self.threads_of(w) if w else None, gone_from=gone)
 
 
 def _sched(r: Read) -> dict[tuple[str, str, str], tuple[float, float]]:
@@ -336,7 +341,7 @@ def _ago(s: float) -> str:
 
 
 def missing_text(h: Hang, m: Missing, first: bool) -> str:
-    where = f" on {m.node}" if m.node else ""
+    where = f" on {m.node or m.gone_from}" if (m.node or m.gone_from) else ""
     head = f"rank {m.rank}{where} never entered it" if first else f"rank {m.rank}{where}"
     parts = []
     if m.last_of_op is not None:
@@ -350,7 +355,10 @@ def missing_text(h: Hang, m: Missing, first: bool) -> str:
     for c, rank2 in m.elsewhere:
         parts.append(f"it is now in {call_name(c.op, c.seq)} on comm {short(c.comm)} (as rank {rank2}, "
                      f"for {c.age_s:.1f} s)")
-    if m.node is None:
+    if m.gone_from:
+        parts.append(f"its process is gone (the agent on {m.gone_from} counted its calls but lists no live "
+                     f"communicator of it: it exited or crashed)")
+    elif m.node is None:
         parts.append("no agent read shows its process (on a node not given with --metrics, or gone)")
     return head + ": " + ", ".join(parts)
 
@@ -402,7 +410,8 @@ def evidence(h: Hang, others: list[Hang], r: Read, threshold_s: float) -> list[s
         if m.last is not None:
             facts.append(f"last call on this communicator {call_name(m.last[0], m.last[1])}, "
                          f"returned {m.last[2]:.1f} s ago")
-        facts.append("process alive (its communicators are live)" if m.pid else "process not seen")
+        facts.append("process alive (its communicators are live)" if m.pid else
+                     "process gone" if m.gone_from else "process not seen")
         facts.append(m.threads or "its threads' recent state unknown (no scheduler series)")
         lines.append(f"{who}: " + "; ".join(facts))
     if len(h.missing) > 2:
@@ -441,7 +450,8 @@ class Answer:
                        "desync": [{"rank": c.rank, "op": c.op, "seq": c.seq, "age_s": c.age_s}
                                   for c in h.desync],
                        "unseen_ranks": h.unseen,
-                       "missing": [{"rank": m.rank, "node": m.node, "pid": m.pid,
+                       "missing": [{"rank": m.rank, "node": m.node or m.gone_from, "pid": m.pid,
+                                    "alive": bool(m.pid), 
                                     "last": ({"op": m.last[0], "seq": m.last[1], "ago_s": m.last[2]}
                                              if m.last else None),
                                     "elsewhere": [{"comm": c.comm, "op": c.op, "seq": c.seq,
