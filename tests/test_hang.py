@@ -41,8 +41,9 @@ REPO = Path(__file__).resolve().parent.parent
 HANG_AFTER = 2            # AllReduces every rank completes; rank 0 stops before the next
 THRESHOLD_S = 3           # the tests' hang threshold (production: 300 s alerts, 60 s `hang`)
 
-e2e = pytest.mark.skipif(os.geteuid() != 0 or not os.access(PROMETHEUS, os.X_OK),
-                         reason="needs root (BPF, network namespaces) and prometheus (make deps)")
+# markers, root and the heavy lock come from the fixtures (tests/conftest.py)
+e2e = [pytest.mark.usefixtures("bpf", "netns", "prometheus"),
+       pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="prometheus not installed (make deps)")]
 
 
 def rules_with_short_hang(text: str) -> str:
@@ -162,7 +163,8 @@ def check_alert(prom: Prometheus, world: str, node0: str) -> None:
     assert v["value"][1] == str(HANG_AFTER - 1)
 
 
-@e2e
+@e2e[0]
+@e2e[1]
 def test_hang_names_the_rank_that_never_joined():
     for agents, job, prom, world in hang_scenario(two_nodes=False):
         url = agents[0].url
@@ -184,7 +186,8 @@ def test_hang_names_the_rank_that_never_joined():
         check_alert(prom, world, "node-a")
 
 
-@e2e
+@e2e[0]
+@e2e[1]
 def test_hang_across_two_nodes():
     for agents, job, prom, world in hang_scenario(two_nodes=True):
         a, b = agents

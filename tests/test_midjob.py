@@ -16,7 +16,6 @@ made before the agent"; docs/fleet.md, "Recordings that began mid-job").
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sqlite3
 import subprocess
@@ -97,10 +96,7 @@ def test_unalignable_recording_says_what_it_lacked(tmp_path):
     assert "record from the job's start" in r.stdout
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and network namespaces")
-
-
-@needs_root
+@pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: tests/conftest.py
 @pytest.mark.parametrize("workload", ["allreduce", "train"])
 def test_trace_started_mid_job_names_the_straggler(workload):
     """allreduce: one world communicator per process (rank and size from the
