@@ -69,16 +69,22 @@ class FakeProbes(FakeProgram):
         raise KeyError(name)
 
 
+LAST_RETURN_NS = 5_000_000_000        # CLOCK_MONOTONIC of the ALL_REDUCE series' latest return
+WALL_OFFSET_NS = 1_700_000_000_000_000_000
+
+
 class FakeNcclReader:
     """NcclReader's surface: series, errors, in-flight calls, communicators."""
 
     def __init__(self):
         self.probes = FakeProbes()
         self.comm_ids = {NCCL_HASH: COMM}
+        # CLOCK_MONOTONIC -> wall clock at a fixed offset: the last-return gauge is reproducible
+        self.clock = SimpleNamespace(to_realtime=lambda ns: ns + WALL_OFFSET_NS)
         slots = histogram.SLOTS
         self._series = [
             Series("ALL_REDUCE", COMM, 0, 2, calls=5, bytes=5 << 20, sum_ns=15_000_000,
-                   buckets=_buckets(slots, (12, 4), (14, 1))),
+                   buckets=_buckets(slots, (12, 4), (14, 1)), last_ns=LAST_RETURN_NS),
             Series("SEND", COMM, 0, 2, calls=2, bytes=4096, sum_ns=40_000, buckets=_buckets(slots, (5, 2))),
             Series("COMM_INIT_RANK", 0, 0, 2, calls=1, bytes=0, sum_ns=2_000_000, buckets=_buckets(slots, (11, 1))),
         ]
