@@ -42,13 +42,12 @@
 
 #include "traced.h"
 
-// SCHED_KIND_* (thread kinds) and RUNQ_MAX_LOG2 come from the contract:
+// SCHED_KIND_* (thread kinds) come from the contract:
 //   caller: the thread has an inflight slot: it called NCCL
 //   proxy:  its name starts with "NCCL " (proxy/progress threads)
 
-// Histogram of run-queue delay in µs: bucket 0: d <= 1 µs; bucket k
-// (1..RUNQ_MAX_LOG2): 2^(k-1) < d <= 2^k µs; the last one: above 2^22 µs (~4.2 s).
-#define RUNQ_SLOTS (RUNQ_MAX_LOG2 + 2)
+// Histogram of run-queue delay: schema-3 buckets of nanoseconds, RUNQ_SLOTS
+// per series (bpf/histogram.h; exporter/records/histogram.py's RUNQ: up to 4 s).
 
 // prev_state of the raw sched_switch is the task's __state as __schedule()
 // read it: TASK_RUNNING (0) when it stays runnable (it yields), sleep bits
@@ -111,11 +110,7 @@ BPF_HASH(sched_stats, struct sched_key, struct sched_stats, MAX_SCHED_KEYS);
 BPF_ARRAY(sched_empty, struct sched_stats, 1);
 
 static __always_inline u32 runq_bucket(u64 ns) {
-    u64 us = (ns + 999) / 1000;  // ceil: d <= 2^k µs exactly when ceil(ns/1000) <= 2^k
-    if (us <= 1)
-        return 0;
-    u32 k = log2_floor(us - 1) + 1;
-    return k > RUNQ_MAX_LOG2 ? RUNQ_MAX_LOG2 + 1 : k;
+    return SCHEMA3_SLOT(RUNQ, ns);
 }
 
 static __always_inline int comm_is_proxy(const char *comm) {

@@ -5,7 +5,7 @@
 // Compiled on its own (exporter/sources/tcp.py) after bpf/nccl.c, whose maps
 // it imports through bpf/traced.h: traced_threads (thread_traced()) and the
 // counters (count_up()). MAX_SOCKETS, MAX_LINKS, TCP_EVENT_PAGES,
-// EPHEMERAL_PORT_LO/HI, HAVE_RETRANSMIT_ERR, TCP_EV_*, SRTT_FINITE and CNT_*
+// EPHEMERAL_PORT_LO/HI, HAVE_RETRANSMIT_ERR, TCP_EV_*, SRTT_* and CNT_*
 // come from the generated header (exporter/records/contract.py).
 //
 // Attribution: retransmits, resets and tcp_probe mostly run in softirq or
@@ -38,9 +38,8 @@ enum tcp_rst_reason_compat { TCP_RST_REASON_COMPAT_ = 0 };
 // Event kinds on tcp_events (TCP_EV_*, from the contract) also say which
 // tcp_link_stats field counts it.
 
-// srtt histogram: bucket i <= 2^i us for i < SRTT_FINITE (1 us .. 8.4 s),
-// the last one is the overflow.
-#define SRTT_BUCKETS (SRTT_FINITE + 1)
+// srtt histogram: schema-3 buckets of microseconds, SRTT_SLOTS per link
+// (bpf/histogram.h; exporter/records/histogram.py's SRTT: up to 8 s).
 
 struct sock_owner_t {
     u32 tgid;
@@ -69,7 +68,7 @@ struct tcp_link_stats {
 struct tcp_srtt_hist {
     u64 count;
     u64 sum_us;
-    u64 buckets[SRTT_BUCKETS];
+    u64 buckets[SRTT_SLOTS];
 };
 
 struct tcp_event {
@@ -402,9 +401,9 @@ TRACEPOINT_PROBE(tcp, tcp_probe) {
             return 0;
         }
     }
-    u32 b = srtt <= 1 ? 0 : log2_floor(srtt - 1) + 1;  // 2^(b-1) < srtt <= 2^b
-    if (b > SRTT_FINITE)
-        b = SRTT_FINITE;
+    u32 b = SCHEMA3_SLOT(SRTT, srtt);
+    if (b >= SRTT_SLOTS)
+        b = SRTT_SLOTS - 1;
     __sync_fetch_and_add(&h->count, 1);
     __sync_fetch_and_add(&h->sum_us, srtt);
     __sync_fetch_and_add(&h->buckets[b], 1);

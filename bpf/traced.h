@@ -3,8 +3,9 @@
 //
 // Each program (bpf/nccl.c, bpf/tcp.c, bpf/sched.c) is compiled on its own by
 // BCC (exporter/sources/bpf.py), after a generated header of constants from
-// exporter/records/contract.py (OP_*, MAX_*, CNT_*, record kinds, histogram
-// layout). The maps below have one owner, bpf/nccl.c, which defines
+// exporter/records/contract.py (OP_*, MAX_*, CNT_*, record kinds) and
+// exporter/records/histogram.py (the histogram layouts). The maps below have
+// one owner, bpf/nccl.c, which defines
 // TRACED_OWNER before including this file and so exports them
 // (BPF_TABLE_PUBLIC); the others import the same maps by name ("extern"
 // tables, resolved by BCC in the agent's process when they are compiled).
@@ -123,34 +124,13 @@ static __always_inline u32 pointer_slot(u64 p, u32 bits) {
     return (p * 0x9E3779B97F4A7C15ULL) >> (64 - bits);
 }
 
-static __always_inline u32 log2_floor(u64 v) {
-    u32 r = 0;
-    if (v >> 32) { v >>= 32; r += 32; }
-    if (v >> 16) { v >>= 16; r += 16; }
-    if (v >> 8)  { v >>= 8;  r += 8; }
-    if (v >> 4)  { v >>= 4;  r += 4; }
-    if (v >> 2)  { v >>= 2;  r += 2; }
-    if (v >> 1)  { r += 1; }
-    return r;
-}
-
-// ---- The duration histogram (host time in bpf/nccl.c, GPU time in
-// bpf/plugin.c): HIST_MIN_LOG2, HIST_MAX_LOG2, HIST_SUB(_BITS) come from
-// exporter/records/histogram.py. Bucket 0: d <= 2^MIN ns. Then HIST_SUB linear
-// sub-buckets per power of two up to 2^MAX ns: bucket 1 + SUB*(k-MIN) + s
-// holds 2^k + s*2^k/SUB < d <= 2^k + (s+1)*2^k/SUB. The last is overflow.
-#define HIST_FINITE (1 + (HIST_MAX_LOG2 - HIST_MIN_LOG2) * HIST_SUB)
-#define HIST_SLOTS (HIST_FINITE + 1)
+// The duration histogram (host time in bpf/nccl.c, GPU time in bpf/plugin.c):
+// schema-3 buckets, HIST_SLOTS per series (bpf/histogram.h; the layout is
+// exporter/records/histogram.py's DURATION).
+#include "histogram.h"
 
 static __always_inline u32 bucket_of(u64 d) {
-    if (d <= (1ULL << HIST_MIN_LOG2))
-        return 0;
-    u64 v = d - 1;  // an exact upper bound belongs to its own bucket (Prometheus `le`)
-    u32 k = log2_floor(v);
-    if (k >= HIST_MAX_LOG2)
-        return HIST_FINITE;
-    u32 sub = (v >> (k - HIST_SUB_BITS)) & (HIST_SUB - 1);
-    return 1 + (k - HIST_MIN_LOG2) * HIST_SUB + sub;
+    return SCHEMA3_SLOT(HIST, d);
 }
 
 #endif

@@ -410,8 +410,18 @@ def sample_value(samples, name: str, **labels: str) -> float | None:
     return values[0] if values else None
 
 
+CLASSIC = histogram.CLASSIC[histogram.DEFAULT_CLASSIC]
+
+
+def classic_bucket(duration_ns: int) -> int:
+    """The default classic bucket (text scrapes) a duration is counted in."""
+    return CLASSIC.bucket_of_slot(histogram.DURATION, histogram.bucket_of(duration_ns))
+
+
 def series_by_labels(families, name: str) -> list[tuple[dict, list[int]]]:
-    """A histogram family -> [(labels without le, per-bucket counts in kernel order)]."""
+    """A histogram family of a text scrape -> [(labels without le, per-bucket counts
+    of its classic buckets)] (records/histogram.py CLASSIC; `classic_bucket` maps a
+    duration there)."""
     cumulative: dict[tuple, list[tuple[float, float]]] = {}
     for fam in families:
         if fam.name != name:
@@ -424,7 +434,8 @@ def series_by_labels(families, name: str) -> list[tuple[dict, list[int]]]:
     out = []
     for labels, pairs in cumulative.items():
         pairs.sort()
-        assert len(pairs) == histogram.SLOTS, f"{name}{dict(labels)}: {len(pairs)} buckets"
+        want = len(CLASSIC.bounds(histogram.DURATION)) + 1
+        assert len(pairs) == want, f"{name}{dict(labels)}: {len(pairs)} buckets"
         counts, prev = [], 0.0
         for _le, c in pairs:
             counts.append(int(c - prev))

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import ExporterProcess, series_by_labels
+from conftest import CLASSIC, ExporterProcess, classic_bucket, series_by_labels
 from exporter.records import histogram, metrics
 from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, run_job, start_job
@@ -79,16 +79,18 @@ def test_gpu_histogram_is_the_kernels_time_host_histogram_the_enqueue(lib, plugi
            if lbl["op"] == "ALL_REDUCE" and lbl["comm"] == comm}
     assert set(host) == set(gpu) == {"0", "1"}, (host.keys(), gpu.keys())
     for rank in ("0", "1"):
-        # the GPU histogram: exactly the truth's kernel intervals (timer ticks, ns)
-        want = Counter(histogram.bucket_of(k["gpu_stop_timer"] - k["gpu_start_timer"])
+        # the GPU histogram: exactly the truth's kernel intervals (timer ticks, ns), in
+        # the classic buckets of the text scrape
+        want = Counter(classic_bucket(k["gpu_stop_timer"] - k["gpu_start_timer"])
                        for k in gpu_kernels(truth, "ALL_REDUCE")
                        if k["profiled"] and k["nranks"] == 2 and k["rank"] == int(rank))
         assert sum(want.values()) == iterations
         assert {i: n for i, n in enumerate(gpu[rank]) if n} == dict(want), rank
         # the host histogram: every call counted, the median call far below one kernel
         assert sum(host[rank]) == iterations
-        assert histogram.quantile(host[rank], 0.5) < KERNEL_US * 1e-6 / 4, host[rank]
-        assert histogram.quantile(gpu[rank], 0.5) >= KERNEL_US * 1e-6 / 2  # within the buckets' factor 2
+        assert CLASSIC.quantile(histogram.DURATION, host[rank], 0.5) < KERNEL_US * 1e-6 / 4, host[rank]
+        # within the classic buckets' factor 2
+        assert CLASSIC.quantile(histogram.DURATION, gpu[rank], 0.5) >= KERNEL_US * 1e-6 / 2
 
 
 def test_stalled_stream_shows_gpu_inflight_while_host_shows_none(lib, plugin, tmp_path):

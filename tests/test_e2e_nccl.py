@@ -21,7 +21,7 @@ from exporter.records import histogram, metrics
 from exporter.sources.nccl import hashing
 from exporter.simulator.cluster import Cluster, run_job, start_job
 from exporter.simulator.truth import calls, lifecycle, load_truth
-from conftest import ExporterProcess, series_by_labels
+from conftest import ExporterProcess, classic_bucket, series_by_labels
 
 # The probes time a call from uprobe to uretprobe; the library times itself
 # from its first to its last instruction. The probe's window encloses the
@@ -70,16 +70,16 @@ def truth_series(records):
 
 
 def assert_buckets_hold(durations: list[int], per_bucket: list[int]) -> None:
-    """Each true duration d lies in a bucket between bucket_of(d) and bucket_of(d + slack).
+    """Each true duration d lies in a (classic) bucket between that of d and of d + slack.
 
     For intervals that move monotonically with d this is the Hall condition:
     at every edge i, the exporter's count at or below i is at least the number
     of calls that cannot be above i, and at most those that can be at or below.
     """
-    lo = Counter(histogram.bucket_of(d) for d in durations)
-    hi = Counter(histogram.bucket_of(d + PROBE_SLACK_NS) for d in durations)
+    lo = Counter(classic_bucket(d) for d in durations)
+    hi = Counter(classic_bucket(d + PROBE_SLACK_NS) for d in durations)
     got = must = can = 0
-    for i in range(histogram.SLOTS):
+    for i in range(len(per_bucket)):
         got += per_bucket[i]
         must += hi[i]
         can += lo[i]

@@ -117,11 +117,13 @@ def test_gpu_histograms_equal_the_drivers_truth(bins, sources, version):
     assert total == sum(want[("ALL_REDUCE", 0x1111222233334444, 2, 4)][0].values())
     # one more truth check through the exposition: cumulative count at every le
     b = want[("ALL_REDUCE", 0x1111222233334444, 2, 4)][0]
-    for i, bound in enumerate(histogram.UPPER_BOUNDS_NS):
+    classic = histogram.CLASSIC[histogram.DEFAULT_CLASSIC]
+    for i, bound in enumerate(classic.le_seconds(histogram.DURATION)):
         le = [s for s in parse_metrics(text) if s.name == "nccl_collective_gpu_duration_seconds_bucket"
               and s.labels["comm"] == "1111222233334444" and s.labels["op"] == "ALL_REDUCE"
-              and float(s.labels["le"]) == bound / 1e9]
-        assert le and le[0].value == sum(n for j, n in b.items() if j <= i)
+              and float(s.labels["le"]) == bound]
+        assert le and le[0].value == sum(n for j, n in b.items()
+                                         if classic.bucket_of_slot(histogram.DURATION, j) <= i)
 
 
 def test_implausible_intervals_are_counted_by_reason_not_histogrammed(bins, sources):

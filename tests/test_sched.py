@@ -19,7 +19,8 @@ from conftest import pin
 
 from exporter.records import metrics
 from exporter.sinks.prometheus import sched_families
-from exporter.sources.sched import RUNQ_BOUNDS, SchedSource, runq_bucket
+from exporter.records import histogram
+from exporter.sources.sched import SchedSource, runq_bucket
 
 pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
@@ -62,14 +63,14 @@ def start_ping_pong(n: int):
 
 
 def test_bucket_edges():
+    """Schema-3 buckets of ns (every bound: tests/test_histogram.py)."""
     assert runq_bucket(0) == 0
-    assert runq_bucket(1000) == 0        # 1 us: le 1e-06
-    assert runq_bucket(1001) == 1        # le 2 us
-    assert runq_bucket(2000) == 1
-    assert runq_bucket(2001) == 2
-    assert runq_bucket((1 << 22) * 1000) == 22
-    assert runq_bucket((1 << 22) * 1000 + 1) == 23  # overflow
-    assert len(RUNQ_BOUNDS) == 23 and RUNQ_BOUNDS[-1] == pytest.approx(4.194304)
+    assert runq_bucket(953) == 0         # le 2^-20 s: the zero bucket
+    assert runq_bucket(954) == 1
+    assert runq_bucket(1_000_000_000) == 160  # 1 s: bucket index 0
+    assert runq_bucket(1_000_000_001) == 161
+    assert runq_bucket(4 * 10**9) == histogram.RUNQ.slots - 2
+    assert runq_bucket(4 * 10**9 + 1) == histogram.RUNQ.slots - 1  # overflow
 
 
 def test_untraced_threads_never_enter_thread_sched(probes, sched):

@@ -263,19 +263,13 @@ TCP_EVENTS = {
 }
 TCP_EVENT_MACROS = {1: "RETRANSMIT", 2: "RETRANSMIT_FAILED", 3: "SEND_RESET", 4: "RECEIVE_RESET"}
 
-# srtt histogram of bpf/tcp.c: bucket i holds srtt <= 2^i us (i < SRTT_FINITE),
-# the last one everything above.
-SRTT_FINITE = 24
-# ... one sample per socket at most this often: tcp_probe fires at every
+# srtt histogram of bpf/tcp.c: records/histogram.py's SRTT layout. One srtt
+# sample per socket at most this often: tcp_probe fires at every
 # incoming segment, the kernel's srtt is already smoothed over ~8 of them.
 SRTT_SAMPLE_NS = 10_000_000
 
 # Thread kinds of bpf/sched.c (SCHED_KIND_*): the thread label.
 THREAD_KINDS = {0: "other", 1: "caller", 2: "proxy"}
-
-# Run-queue delay histogram of bpf/sched.c, in us: bucket 0: d <= 1 us;
-# bucket k (1..RUNQ_MAX_LOG2): 2^(k-1) < d <= 2^k us; the last: above.
-RUNQ_MAX_LOG2 = 22
 
 # Kinds of bpf/loader.c's records (LOADER_EV_*): why a process's libraries
 # should be looked at again.

@@ -17,6 +17,7 @@ from prometheus_client.core import (
     Exemplar,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    Metric,
 )
 from prometheus_client.utils import floatToGoString
 
@@ -31,72 +32,98 @@ from exporter.sources.plugin import source as plugin_source
 
 
 
-def duration_bounds_s() -> list[float]:
-    """Upper bounds of the duration histograms, in seconds, of the layout the
-    agent selected at start (records/histogram.py: coarse or fine)."""
-    return [b / 1e9 for b in histogram.UPPER_BOUNDS_NS]
-
-SRTT_BOUNDS_S = [(1 << i) * 1e-6 for i in range(contract.SRTT_FINITE)]
-
-
-def label(value: int) -> str:
+def rank_label(value: int) -> str:
     """rank / nranks label: the number, or 'unknown' (-1)."""
     return str(value) if value >= 0 else "unknown"
 
 
-def family(name: str):
-    """An empty family of a metric of the contract (exporter/records/metrics.py)."""
+def empty_family(name: str):
+    """An empty counter or gauge family of a metric of the contract (exporter/records/metrics.py)."""
     m = metrics.spec(name)
     make = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}[m.kind]
     return make(m.name, m.help, labels=list(m.labels))
 
 
-def filled(name: str, values: dict[tuple, float]):
+def family_of(name: str, values: dict[tuple, float]):
     """A counter or gauge family with one sample per label tuple, in sorted order."""
-    f = family(name)
+    f = empty_family(name)
     for label_values, v in sorted(values.items()):
         f.add_metric(list(label_values), v)
     return f
 
 
-class Histograms:
-    """The one histogram builder: sums per-bucket counts that land on the
-    same label set, then exposes them cumulatively with `le` formatted as
-    prometheus_client does. `bounds`: finite upper bounds in seconds; each
-    count list has one more slot (the overflow)."""
+class ExponentialHistogramFamily(Metric):
+    """A histogram family holding each series' schema-3 slots (records/histogram.py).
 
-    def __init__(self, name: str, bounds: list[float]):
+    Text scrapes read `samples`: classic buckets derived from the slots at the
+    bounds of `classic` (built on first access, so a protobuf scrape never
+    builds them). The protobuf encoder (sinks/protobuf.py) reads `series` and
+    `layout` and writes native histograms. layout None: the source has no
+    buckets (SchedTotals), only a count and a sum: +Inf alone."""
+
+    def __init__(self, name: str, documentation: str, labels: list[str], layout, classic):
+        super().__init__(name, documentation, "histogram")
+        self.label_names = labels
+        self.layout = layout
+        self.classic = classic
+        # (label values, slot counts, sum in seconds, exemplar or None), sorted by labels
+        self.series: list[tuple[tuple, list[int], float, tuple | None]] = []
+        self._samples: list | None = None
+
+    @property
+    def samples(self):
+        if self._samples is None:
+            self._samples = self._classic_samples()
+        return self._samples
+
+    @samples.setter
+    def samples(self, value):  # Metric.__init__ and restricted copies set it
+        self._samples = value if value else None
+
+    def _classic_samples(self) -> list:
+        f = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
+        layout, classic = self.layout, self.classic
+        les = [floatToGoString(b) for b in classic.le_seconds(layout)] if layout else []
+        for labels, counts, total_s, ex in self.series:
+            cumulative = classic.cumulative(layout, counts) if layout else [sum(counts)]
+            buckets = [*zip(les, cumulative), ("+Inf", cumulative[-1])]
+            if ex and layout:
+                trace_id, duration_ns, ts = ex
+                i = classic.bucket_of_slot(layout, layout.slot_of(duration_ns))
+                le, count = buckets[i]
+                buckets[i] = (le, count, Exemplar({"trace_id": trace_id}, duration_ns / 1e9, ts))
+            f.add_metric(list(labels), buckets, total_s)
+        return f.samples
+
+
+class Histograms:
+    """The one histogram builder: sums the slot counts of series that land on
+    the same label set (a layout's slots: records/histogram.py), and gives a
+    family that text scrapes read as classic buckets (`classic`: coarse or
+    fine) and protobuf scrapes as native histograms."""
+
+    def __init__(self, name: str, layout, classic=None):
         self.spec = metrics.spec(name)
-        self.bounds = bounds
-        self.le = [floatToGoString(b) for b in bounds]
+        self.layout = layout
+        self.classic = classic or histogram.CLASSIC[histogram.DEFAULT_CLASSIC]
         self.buckets: dict[tuple, list[int]] = {}
         self.sums: dict[tuple, float] = defaultdict(float)
 
     def add(self, labels: tuple, counts, sum_seconds: float) -> None:
-        acc = self.buckets.setdefault(labels, [0] * (len(self.bounds) + 1))
-        for i, n in enumerate(counts[: len(acc)]):
+        size = self.layout.slots if self.layout else 1
+        acc = self.buckets.setdefault(labels, [0] * size)
+        for i, n in enumerate(counts[:size]):
             acc[i] += n
-        acc[-1] += sum(counts[len(acc):])  # anything past the layout is overflow
+        acc[-1] += sum(counts[size:])  # anything past the layout is overflow
         self.sums[labels] += sum_seconds
 
-    def family(self, exemplars: dict | None = None) -> HistogramMetricFamily:
+    def family(self, exemplars: dict | None = None) -> ExponentialHistogramFamily:
         """exemplars: labels -> (trace id, duration ns, unix time): the latest slow
-        call's trace, shown on its bucket (OpenMetrics exposition only)."""
-        f = HistogramMetricFamily(self.spec.name, self.spec.help, labels=list(self.spec.labels))
+        call's trace, shown on its classic bucket (OpenMetrics exposition only)."""
+        f = ExponentialHistogramFamily(self.spec.name, self.spec.help, list(self.spec.labels),
+                                       self.layout, self.classic)
         for labels in sorted(self.buckets):
-            counts = self.buckets[labels]
-            cumulative, total = [], 0
-            for le, n in zip(self.le, counts):
-                total += n
-                cumulative.append((le, total))
-            cumulative.append(("+Inf", total + counts[-1]))
-            ex = (exemplars or {}).get(labels)
-            if ex:
-                trace_id, duration_ns, ts = ex
-                i = min(histogram.bucket_of(duration_ns), len(cumulative) - 1)
-                le, count = cumulative[i]
-                cumulative[i] = (le, count, Exemplar({"trace_id": trace_id}, duration_ns / 1e9, ts))
-            f.add_metric(list(labels), cumulative, self.sums[labels])
+            f.series.append((labels, self.buckets[labels], self.sums[labels], (exemplars or {}).get(labels)))
         return f
 
 
@@ -109,7 +136,7 @@ class NcclCollector:
     """
 
     def __init__(self, node: str, nccl, processes, tcp=None, sched=None, spans=None, lock=None,
-                 plugin=None, recorder=None):
+                 plugin=None, recorder=None, classic=None):
         self.lock = lock or threading.Lock()  # held while reading: BCC objects are shared
         self.node = node
         self.nccl = nccl
@@ -119,6 +146,8 @@ class NcclCollector:
         self.spans = spans
         self.plugin = plugin  # exporter.sources.plugin.source.PluginSource, None when not loaded
         self.recorder = recorder  # run --db's Recorder: its drops, by reason
+        # which classic buckets text scrapes get (run --histogram-resolution)
+        self.classic = classic or histogram.CLASSIC[histogram.DEFAULT_CLASSIC]
 
     def collect(self):
         started = time.perf_counter()
@@ -139,14 +168,14 @@ class NcclCollector:
                 *self._self_metrics(),
             ]
         yield from families
-        yield filled(metrics.EXPORTER_SCRAPE_DURATION, {(self.node,): time.perf_counter() - started})
+        yield family_of(metrics.EXPORTER_SCRAPE_DURATION, {(self.node,): time.perf_counter() - started})
 
     # --- the NCCL call surface ------------------------------------------------------
 
     def _collectives(self):
         node = self.node
-        durations = Histograms(metrics.COLLECTIVE_DURATION, duration_bounds_s())
-        lifecycle = Histograms(metrics.LIFECYCLE_DURATION, duration_bounds_s())
+        durations = Histograms(metrics.COLLECTIVE_DURATION, histogram.DURATION, self.classic)
+        lifecycle = Histograms(metrics.LIFECYCLE_DURATION, histogram.DURATION, self.classic)
         nbytes: dict[tuple, int] = defaultdict(int)
         made: set[tuple[int, int]] = set()  # (comm, rank) with collectives: whose process made one
         last_seq: dict[tuple, int] = {}
@@ -155,7 +184,7 @@ class NcclCollector:
             if s.op in contract.COLLECTIVE_OPS.values():
                 made.add((s.comm_hash, s.rank))
                 comm = format_comm(s.comm_hash)
-                key = (node, s.op, comm, label(s.rank))
+                key = (node, s.op, comm, rank_label(s.rank))
                 durations.add(key, s.buckets, s.sum_ns / 1e9)
                 nbytes[key] += s.bytes
                 if s.calls and s.comm_hash != contract.SERIES_OVERFLOW_COMM:
@@ -169,27 +198,27 @@ class NcclCollector:
         exemplars = {}
         if self.spans is not None:
             for (op, comm, rank), ex in list(self.spans.exemplars.items()):
-                exemplars[(node, op, comm, label(rank))] = ex
+                exemplars[(node, op, comm, rank_label(rank))] = ex
         yield durations.family(exemplars)
-        yield filled(metrics.COLLECTIVE_BYTES, nbytes)
-        yield filled(metrics.COLLECTIVE_LAST_SEQ, last_seq)
-        yield filled(metrics.COLLECTIVE_LAST_RETURN, last_return)
+        yield family_of(metrics.COLLECTIVE_BYTES, nbytes)
+        yield family_of(metrics.COLLECTIVE_LAST_SEQ, last_seq)
+        yield family_of(metrics.COLLECTIVE_LAST_RETURN, last_return)
         yield lifecycle.family()
 
     def _errors(self):
-        yield filled(metrics.CALL_ERRORS, {(self.node, op, result): n
+        yield family_of(metrics.CALL_ERRORS, {(self.node, op, result): n
                                            for (op, result), n in self.nccl.errors().items()})
 
     def _inflight(self):
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         oldest: dict[tuple, float] = {}
         for call in self.nccl.inflight():
-            key = (self.node, call.op, format_comm(call.comm_hash), label(call.rank))
+            key = (self.node, call.op, format_comm(call.comm_hash), rank_label(call.rank))
             oldest[key] = max(oldest.get(key, 0), max(0, now - call.start_ns) / 1e9)
-        yield filled(metrics.INFLIGHT_OLDEST, oldest)
+        yield family_of(metrics.INFLIGHT_OLDEST, oldest)
 
     def _communicators(self, comms):
-        f = family(metrics.COMMUNICATOR_INFO)
+        f = empty_family(metrics.COMMUNICATOR_INFO)
         for c in sorted(comms, key=lambda c: (c.pid, c.comm_hash)):
             who = self.processes.identity(c.pid)
             f.add_metric(
@@ -197,8 +226,8 @@ class NcclCollector:
                     self.node,
                     format_comm(c.comm_hash),
                     f"{c.nccl_hash:016x}" if c.nccl_hash else "",
-                    label(c.rank),
-                    label(c.nranks),
+                    rank_label(c.rank),
+                    rank_label(c.nranks),
                     str(c.pid),
                     who.get("launcher") or "",
                     _opt(who.get("rank")),
@@ -217,21 +246,23 @@ class NcclCollector:
         for a in self.nccl.async_errors():
             if not alive(a.pid):
                 continue
-            comm, rank = format_comm(a.comm_hash), label(a.rank)
+            comm, rank = format_comm(a.comm_hash), rank_label(a.rank)
             state[(self.node, comm, rank, a.result)] = 1
             polls[(self.node, comm, rank)] += a.polls
-        yield filled(metrics.COMMUNICATOR_ASYNC_ERROR, state)
-        yield filled(metrics.COMMUNICATOR_ASYNC_POLLS, polls)
+        yield family_of(metrics.COMMUNICATOR_ASYNC_ERROR, state)
+        yield family_of(metrics.COMMUNICATOR_ASYNC_POLLS, polls)
 
     # --- the kernel side ---------------------------------------------------------------
 
     def _tcp(self, comms):
         if self.tcp is not None:
-            yield from tcp_families(self.node, self.tcp, lambda pid: self.processes.rank_of(pid, comms))
+            yield from tcp_families(self.node, self.tcp, lambda pid: self.processes.rank_of(pid, comms),
+                                    self.classic)
 
     def _sched(self, comms):
         if self.sched is not None:
-            yield from sched_families(self.node, self.sched, lambda pid: self.processes.rank_of(pid, comms))
+            yield from sched_families(self.node, self.sched, lambda pid: self.processes.rank_of(pid, comms),
+                                      self.classic)
 
     def _gpu(self, comms, alive):
         traced = set()
@@ -241,7 +272,8 @@ class NcclCollector:
             pass
         self.processes.mark_collectives(comms, getattr(self, "_made_collectives", ()))
         yield from gpu_families(self.node, self.plugin, comms, traced | {c.pid for c in comms}, alive,
-                                getattr(self.nccl, "comm_ids", None), self.processes.identity)
+                                getattr(self.nccl, "comm_ids", None), self.processes.identity,
+                                self.classic)
 
     # --- the exporter itself -------------------------------------------------------------
 
@@ -257,8 +289,8 @@ class NcclCollector:
 
     def _self_metrics(self):
         node = self.node
-        yield filled(metrics.EXPORTER_BUILD_INFO, {(node, __version__): 1})
-        attached = family(metrics.EXPORTER_PROBE_ATTACHED)
+        yield family_of(metrics.EXPORTER_BUILD_INFO, {(node, __version__): 1})
+        attached = empty_family(metrics.EXPORTER_PROBE_ATTACHED)
         for report in self.nccl.probes.reports:
             for fn in report.attached:
                 attached.add_metric([node, report.path, fn], 1)
@@ -272,32 +304,32 @@ class NcclCollector:
                 capacity[(node, name)] = cap
             for fn, n in program.recursion_misses().items():
                 misses[(node, fn)] = n
-        yield filled(metrics.EXPORTER_NODE_TRACEPOINTS,
+        yield family_of(metrics.EXPORTER_NODE_TRACEPOINTS,
                      {(node, p.name): int(p.hot) for p in (self.tcp, self.sched) if p is not None})
-        yield filled(metrics.EXPORTER_MAP_ENTRIES, entries)
-        yield filled(metrics.EXPORTER_MAP_CAPACITY, capacity)
+        yield family_of(metrics.EXPORTER_MAP_ENTRIES, entries)
+        yield family_of(metrics.EXPORTER_MAP_CAPACITY, capacity)
         counters = self.nccl.counters()
         full = {(node, m): counters[c] for c, m in contract.MAP_FULL_COUNTERS}
         if self.plugin is not None:
             drops = self.plugin.drops()
             full.update({(node, m): drops[d] for d, m in plugin_source.MAP_FULL})
-        yield filled(metrics.EXPORTER_MAP_FULL, full)
+        yield family_of(metrics.EXPORTER_MAP_FULL, full)
         if self.plugin is not None:
-            yield filled(metrics.EXPORTER_GPU_INTERVALS_REJECTED,
+            yield family_of(metrics.EXPORTER_GPU_INTERVALS_REJECTED,
                          {(node, reason): n for reason, n in self.plugin.rejected().items()})
-        yield filled(metrics.EXPORTER_EVENTS_LOST,
+        yield family_of(metrics.EXPORTER_EVENTS_LOST,
                      {(node, source): counters[c] for c, source in contract.EVENTS_LOST_COUNTERS})
-        yield filled(metrics.EXPORTER_BPF_MISSES, misses)
+        yield family_of(metrics.EXPORTER_BPF_MISSES, misses)
         if self.tcp is not None:
-            yield filled(metrics.EXPORTER_RETRANSMITS_MISSED, {(node,): tcp_source.retransmits_missed(counters)})
+            yield family_of(metrics.EXPORTER_RETRANSMITS_MISSED, {(node,): tcp_source.retransmits_missed(counters)})
         if self.spans is not None:
-            yield filled(metrics.EXPORTER_SPANS, {(node, o): n for o, n in self.spans.counts().items()})
+            yield family_of(metrics.EXPORTER_SPANS, {(node, o): n for o, n in self.spans.counts().items()})
         if self.recorder is not None:
-            yield filled(metrics.EXPORTER_RECORDING_DROPPED,
+            yield family_of(metrics.EXPORTER_RECORDING_DROPPED,
                          {(node, reason): n for reason, n in self.recorder.drops().items()})
 
 
-def _rank_label(rank_of, pid: int) -> str:
+def _owner_rank_label(rank_of, pid: int) -> str:
     """A kernel-side series' rank label: the owner's rank, '' when unknown."""
     if not pid:
         return ""
@@ -305,7 +337,7 @@ def _rank_label(rank_of, pid: int) -> str:
     return "" if r is None or r == -1 else str(r)
 
 
-def tcp_families(node: str, tcp, rank_of) -> list:
+def tcp_families(node: str, tcp, rank_of, classic=None) -> list:
     """The TCP families of a TcpSource; rank_of(pid) -> rank or None labels each owner.
     Links of owners with the same rank are summed; an owner that is gone keeps
     the rank it had, and the retired totals of expired owners are included
@@ -313,7 +345,7 @@ def tcp_families(node: str, tcp, rank_of) -> list:
     retrans: dict[tuple, int] = defaultdict(int)
     failures: dict[tuple, int] = defaultdict(int)
     resets: dict[tuple, int] = defaultdict(int)
-    links, srtt_recs = tcp.labelled(lambda pid: _rank_label(rank_of, pid))
+    links, srtt_recs = tcp.labelled(lambda pid: _owner_rank_label(rank_of, pid))
     for lset, link in links:
         labels = (node, *lset)
         if link.retransmits:
@@ -324,25 +356,25 @@ def tcp_families(node: str, tcp, rank_of) -> list:
             resets[(node, "sent", *lset)] += link.resets_sent
         if link.resets_received:
             resets[(node, "received", *lset)] += link.resets_received
-    srtt = Histograms(metrics.TCP_SRTT, SRTT_BOUNDS_S)
+    srtt = Histograms(metrics.TCP_SRTT, histogram.SRTT, classic)
     for lset, s in srtt_recs:
         srtt.add((node, *lset), s.buckets, s.sum_us * 1e-6)
-    return [filled(metrics.TCP_RETRANSMITS, retrans), filled(metrics.TCP_RETRANSMIT_FAILURES, failures),
-            filled(metrics.TCP_RESETS, resets), srtt.family()]
+    return [family_of(metrics.TCP_RETRANSMITS, retrans), family_of(metrics.TCP_RETRANSMIT_FAILURES, failures),
+            family_of(metrics.TCP_RESETS, resets), srtt.family()]
 
 
-def sched_families(node: str, sched, rank_of) -> list:
+def sched_families(node: str, sched, rank_of, classic=None) -> list:
     """nccl_runqueue_delay_seconds and nccl_offcpu_seconds_total of a SchedSource
     or SchedTotals (whose histogram has its +Inf bucket only), labelled {node,
     rank, thread}; processes with the same rank and kind are summed (with the
     retired totals of expired processes: `labelled`)."""
-    runq = Histograms(metrics.RUNQUEUE_DELAY, list(sched.bounds))
+    runq = Histograms(metrics.RUNQUEUE_DELAY, sched.layout, classic)
     offcpu: dict[tuple, float] = defaultdict(float)
-    for lset, s in sched.labelled(lambda pid: _rank_label(rank_of, pid)):
+    for lset, s in sched.labelled(lambda pid: _owner_rank_label(rank_of, pid)):
         labels = (node, *lset)
         runq.add(labels, s.buckets, s.sum_ns / 1e9)
         offcpu[labels] += s.offcpu_ns / 1e9
-    return [runq.family(), filled(metrics.OFFCPU, offcpu)]
+    return [runq.family(), family_of(metrics.OFFCPU, offcpu)]
 
 
 def gpu_comm_ids(comms) -> dict[int, int]:
@@ -369,7 +401,7 @@ def pod_labels(who: dict) -> tuple[str, ...]:
 
 
 def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: dict | None = None,
-                 identity=None) -> list:
+                 identity=None, classic=None) -> list:
     """The profiler plugin's families: GPU duration histograms, the oldest GPU
     in-flight ages and nccl_profiler_plugin_active. comm label: the host
     series' id when the agent saw the communicator made, else NCCL's commHash
@@ -385,18 +417,18 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: di
     def comm_of(nccl_hash: int) -> str:
         return labels.get(nccl_hash) or f"{nccl_hash:016x}"
 
-    durations = Histograms(metrics.GPU_DURATION, duration_bounds_s())
+    durations = Histograms(metrics.GPU_DURATION, histogram.DURATION, classic)
     oldest: dict[tuple, float] = {}
     with_plugin: set[int] = set()
     if plugin is not None:
         for s in plugin.series():
-            durations.add((node, s.op, comm_of(s.nccl_hash), label(s.rank)),
+            durations.add((node, s.op, comm_of(s.nccl_hash), rank_label(s.rank)),
                           s.buckets, s.sum_ns / 1e9)
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         for f in plugin.inflight():
             if not is_alive(f.pid):
                 continue  # the agent's loop forgets it
-            key = (node, f.op, comm_of(f.nccl_hash), label(f.rank), f.state)
+            key = (node, f.op, comm_of(f.nccl_hash), rank_label(f.rank), f.state)
             oldest[key] = max(oldest.get(key, 0.0), max(0, now - f.since_ns) / 1e9)
         with_plugin = {p.pid for p in plugin.processes() if is_alive(p.pid)}
     def key(pid: int) -> tuple:
@@ -406,8 +438,8 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: di
     for pid in traced_pids:
         if pid not in with_plugin and is_alive(pid):
             active[key(pid)] = 0
-    return [durations.family(), filled(metrics.GPU_INFLIGHT_OLDEST, oldest),
-            filled(metrics.PROFILER_PLUGIN_ACTIVE, active)]
+    return [durations.family(), family_of(metrics.GPU_INFLIGHT_OLDEST, oldest),
+            family_of(metrics.PROFILER_PLUGIN_ACTIVE, active)]
 
 
 def _opt(v) -> str:

@@ -1,8 +1,9 @@
 """Loading one BPF program of bpf/ with BCC, and what every source shares.
 
 Each program (bpf/nccl.c, bpf/tcp.c, bpf/sched.c) is compiled on its own,
-after a header generated here from exporter/records/contract.py, so op
-codes, map sizes, counter slots and record kinds have one definition. The
+after a header generated here from exporter/records/contract.py and
+records/histogram.py, so op codes, map sizes, counter slots, record kinds
+and histogram layouts have one definition. The
 maps several programs use are declared once in bpf/traced.h and owned by
 bpf/nccl.c (see there); so nccl.c is loaded first.
 """
@@ -85,17 +86,16 @@ def generated_header() -> str:
         "MAX_ERRORS": c.MAX_ERRORS, "ERROR_RESULTS": c.ERROR_RESULTS,
         "MAX_PROCESSES": c.MAX_PROCESSES, "EVENT_PAGES": c.EVENT_PAGES,
         "EVENT_CALL": c.EVENT_CALL, "EVENT_LIFECYCLE": c.EVENT_LIFECYCLE,
-        "HIST_MIN_LOG2": histogram.MIN_LOG2, "HIST_MAX_LOG2": histogram.MAX_LOG2,
-        "HIST_SUB_BITS": histogram.SUB_BITS, "HIST_SUB": histogram.SUB,
         "SPLIT_TAG": f"0x{SPLIT_TAG:016x}ULL", "CNT_SLOTS": c.COUNTER_SLOTS,
         "PID_WORDS": (pid_max() + 63) // 64, "MAX_SOCKETS": c.MAX_SOCKETS,
         "MAX_LINKS": c.MAX_LINKS, "TCP_EVENT_PAGES": c.TCP_EVENT_PAGES,
-        "SRTT_FINITE": c.SRTT_FINITE, "SRTT_SAMPLE_NS": c.SRTT_SAMPLE_NS, "SCHED_KINDS": len(c.THREAD_KINDS),
-        "RUNQ_MAX_LOG2": c.RUNQ_MAX_LOG2,
+        "SRTT_SAMPLE_NS": c.SRTT_SAMPLE_NS, "SCHED_KINDS": len(c.THREAD_KINDS),
         "MAX_SCHED_THREADS": c.MAX_SCHED_THREADS, "SCHED_EVENT_PAGES": c.SCHED_EVENT_PAGES,
         "EPHEMERAL_PORT_LO": lo, "EPHEMERAL_PORT_HI": hi,
         "HAVE_RETRANSMIT_ERR": int(tracepoint_has_field("tcp", "tcp_retransmit_skb", "err")),
     }
+    for layout in histogram.LAYOUTS:  # HIST_*, RUNQ_*, SRTT_*: bpf/histogram.h
+        values.update(layout.c_defines())
     lines += [f"#define {k} {v}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
 
@@ -140,7 +140,8 @@ class Program:
             text = re.sub(r"\b(" + "|".join(SHARED_MAPS) + r")\b", lambda m: self.renamed[m.group(1)], text)
         self.name = name
         try:
-            self.bpf = BPF(text=text, cflags=["-Wno-unused-function", *extra_cflags])
+            # -I: traced.h includes bpf/histogram.h (no maps: a plain #include)
+            self.bpf = BPF(text=text, cflags=["-Wno-unused-function", f"-I{src}", *extra_cflags])
         except Exception as e:
             raise ProbeError(f"could not load bpf/{name}.c: {e}") from e
         self.ring_fds: list[int] = []  # the ring buffer maps opened by open_ring

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from exporter.records import contract
+from exporter.records import contract, histogram
 from exporter.records.events import SchedEvent, SchedStats
 from exporter.sources import kernel_btf
 from exporter.sources.bpf import ClockOffset, ProbeError, Program
@@ -20,10 +20,6 @@ from exporter.sources.schedstat import SchedTable
 
 KINDS = contract.THREAD_KINDS
 KIND_CODES = {name: code for code, name in KINDS.items()}
-RUNQ_MAX_LOG2 = contract.RUNQ_MAX_LOG2
-RUNQ_SLOTS = RUNQ_MAX_LOG2 + 2
-# Upper bounds in seconds of the finite buckets: 1 us, 2 us, ... 2^22 us (~4.19 s).
-RUNQ_BOUNDS = tuple((1 << k) * 1e-6 for k in range(RUNQ_MAX_LOG2 + 1))
 
 # Capacity of each map this program owns, for nccl_exporter_map_capacity.
 MAP_CAPACITY = {
@@ -33,12 +29,8 @@ MAP_CAPACITY = {
 
 
 def runq_bucket(ns: int) -> int:
-    """The bucket bpf/sched.c puts a delay of `ns` nanoseconds in (for tests)."""
-    us = (ns + 999) // 1000
-    if us <= 1:
-        return 0
-    k = (us - 1).bit_length()  # log2_floor(us - 1) + 1
-    return min(k, RUNQ_MAX_LOG2 + 1)
+    """The slot bpf/sched.c puts a delay of `ns` nanoseconds in (for tests)."""
+    return histogram.RUNQ.slot_of(ns)
 
 
 # The raw tracepoints bpf/sched.c reads, and the arguments it takes from ctx->args[].
@@ -83,7 +75,7 @@ class SchedSource(SchedTable, Program):
     `sched_events` ring buffer."""
 
     HOT_TRACEPOINTS = tuple(RAW_TRACEPOINTS)  # every context switch and wakeup of the node
-    bounds = RUNQ_BOUNDS  # the run-queue histogram's finite buckets (SchedTotals has none)
+    layout = histogram.RUNQ  # the run-queue histogram's slots (SchedTotals has none)
 
     def __init__(self, clock: ClockOffset | None = None):
         check_raw_tracepoints()

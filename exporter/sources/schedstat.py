@@ -81,14 +81,14 @@ class SchedTotals(SchedTable):
     """Per (process, thread kind) run-queue delay, switch-ins and off-CPU time
     of traced processes, from /proc (module docstring). The same accessors as
     SchedSource (SchedTable, expire_owners) so the sinks take either;
-    `bounds` is empty: the histogram has only its +Inf bucket.
+    `layout` is None: the histogram has only a count and a sum (+Inf).
 
     traced_pids() -> iterable of pids; callers() -> set of thread ids that
     hold an NCCL call slot. Both read bpf/nccl.c's maps (the agent passes
     them, under its lock)."""
 
     name = "sched"
-    bounds: tuple[float, ...] = ()
+    layout = None  # no buckets (SchedSource: records/histogram.py's RUNQ)
     hot = False  # no tracepoint: nothing to attach or detach
 
     def __init__(self, traced_pids, callers, proc: str = "/proc", clock=time.monotonic_ns):

@@ -52,7 +52,9 @@ class AgentConfig:
     prune_interval: float = 2.0  # forget dead processes' map entries this often
     series_ttl: float = contract.DEFAULT_SERIES_TTL  # s an ended communicator's series stay
     series_capacity: int = contract.MAX_SERIES  # series the kernel holds; more: comm="overflow"
-    histogram_resolution: str = histogram.DEFAULT  # duration buckets: coarse | fine
+    # classic buckets of text scrapes: coarse | fine (records/histogram.py CLASSIC;
+    # the kernel's schema-3 buckets do not change)
+    histogram_resolution: str = histogram.DEFAULT_CLASSIC
     # s without a traced process after which the tracepoints that fire for
     # every task and packet of the node are detached (until one is traced
     # again); None: always attached
@@ -124,7 +126,6 @@ class Agent:
         self.config = config
         self.lock = threading.Lock()  # BCC objects: attach and prune vs. scrape
         self.clock = ClockOffset()
-        histogram.select(config.histogram_resolution)  # into bpf/nccl.c's generated header
         self.listeners: list = []  # callables taking a CallEvent, TcpEvent, SchedEvent or GpuCall
         self.slow = None  # exporter.sinks.slow.SlowCallPolicy, set by whoever wants slow-call events
         self._next_poll = 0.0

@@ -13,6 +13,7 @@ new sink is one method here (docs/architecture.md).
 
 from __future__ import annotations
 
+from exporter.records import histogram
 from exporter.sinks.prometheus import NcclCollector
 from exporter.tools import agent as agent_module
 from exporter.tools.agent import Agent
@@ -48,6 +49,7 @@ class Pipeline:
         the sources' own families; spans and recorder add their counters."""
         registry.register(NcclCollector(self.node, processes=self.agent.processes, spans=spans,
                                         lock=self.agent.lock, recorder=recorder,
+                                        classic=histogram.CLASSIC[self.agent.config.histogram_resolution],
                                         **self.collector_sources()))
         registry.register(SourceMetrics(self.agent, self.node))
 

@@ -7,7 +7,7 @@ import logging
 import os
 
 from exporter import __version__
-from exporter.records import contract
+from exporter.records import contract, histogram
 from exporter.tools.preflight import CAPABILITIES
 from exporter.tools.cli.options import (
     DEFAULT_IDLE_DETACH,
@@ -88,9 +88,15 @@ def add_parser(sub) -> None:
     r.add_argument("--series-capacity", type=int, metavar="N",
                    help=f"(op, comm, rank) series the kernel holds at once (default {contract.MAX_SERIES}); "
                         'when full, calls are counted in comm="overflow" series')
-    r.add_argument("--histogram-resolution", choices=["coarse", "fine"],
-                   help="duration buckets: coarse (default, one per power of two, 1 us..137 s, 29 buckets) "
-                        "or fine (4 per power of two, 106 buckets)")
+    r.add_argument("--histogram-resolution", choices=sorted(histogram.CLASSIC),
+                   help="classic buckets of text scrapes, derived from the kernel's exponential "
+                        "(schema 3) buckets: coarse (default: each power of two seconds, 2^-20 s "
+                        "(0.95 us) .. 128 s, 29 buckets) or fine (each quarter power of two, 111 "
+                        "buckets); protobuf scrapes get native histograms (docs/metrics.md)")
+    r.add_argument("--protobuf-classic-buckets", action="store_true",
+                   help="protobuf scrapes carry each histogram's classic buckets beside the native "
+                        "ones (Prometheus keeps both only with scrape_classic_histograms, 2.45+, or "
+                        "always_scrape_classic_histograms, 3.x; docs/metrics.md)")
     add_lib_option(r)
     add_pod_options(r)
     add_query_endpoint_options(r)
@@ -117,7 +123,7 @@ def main(args) -> int:
     with ExitStack() as opened:
         try:
             # /metrics from the start; /-/ready answers 503 until the probes count
-            server = HttpServer(host, port, registry)
+            server = HttpServer(host, port, registry, protobuf_classic=args.protobuf_classic_buckets)
         except OSError as e:
             raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         opened.callback(server.shutdown)
