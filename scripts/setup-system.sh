@@ -6,7 +6,7 @@ set -euo pipefail
 PACKAGES=(
     python3-bpfcc python3-venv linux-headers-amd64 gcc make libc6-dev
     nftables iproute2 procps binutils prometheus prometheus-alertmanager
-    bpftrace bpftool
+    bpftrace bpftool protobuf-compiler golang-github-prometheus-client-model-dev
 )
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -1,6 +1,7 @@
 """The agent's HTTP endpoints, and the systemd readiness notification.
 
-    GET /metrics    the Prometheus exposition (OpenMetrics when asked), gzipped
+    GET /metrics    the Prometheus exposition (OpenMetrics when asked; delimited
+                    protobuf with native histograms when asked: sinks/protobuf.py), gzipped
                     when the client sends Accept-Encoding: gzip; served from the
                     start (an empty page until the collector is registered)
     GET /-/ready    503 until the kernel side is loaded and every library found
@@ -21,7 +22,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.exposition import make_wsgi_app
 
-from exporter.sinks import serving
+from exporter.sinks import protobuf, serving
 
 READY_PATH = "/-/ready"
 HEALTHY_PATH = "/-/healthy"
@@ -88,18 +89,23 @@ class _Handler(serving.Handler):
 
 
 class _Server(serving.BoundedServer):
-    def __init__(self, host, port, registry, limits):
+    def __init__(self, host, port, registry, limits, protobuf_classic=False):
         super().__init__(host, port, _Handler, limits, name="nccl-exporter-http")
         self.registry = registry
         self.ready = threading.Event()
         # client_python's own text exposition: Prometheus text or OpenMetrics by Accept,
         # name[] filtering, gzip when asked
         self._text_app = make_wsgi_app(registry)
+        # delimited protobuf with native histograms (client_python cannot write them);
+        # protobuf_classic: classic buckets beside the native ones
+        self._protobuf_app = protobuf.make_wsgi_app(registry, protobuf_classic)
 
     def exposition(self, accept: str):
         """The one place an exposition format is chosen by the Accept header. Everything
         client_python encodes (Prometheus text, OpenMetrics) is its WSGI app; a protobuf
         encoder for `application/vnd.google.protobuf` goes here, before the fallback."""
+        if protobuf.accepts_protobuf(accept):
+            return self._protobuf_app
         return self._text_app
 
 
@@ -107,8 +113,9 @@ class HttpServer:
     """The endpoints above on HOST:PORT ([::1] and names too: getaddrinfo), served by threads
     under LIMITS."""
 
-    def __init__(self, host: str, port: int, registry, limits: serving.Limits = LIMITS):
-        self._server = _Server(host, port, registry, limits).start()
+    def __init__(self, host: str, port: int, registry, limits: serving.Limits = LIMITS,
+                 protobuf_classic: bool = False):
+        self._server = _Server(host, port, registry, limits, protobuf_classic).start()
 
     @property
     def port(self) -> int:
