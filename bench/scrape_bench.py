@@ -3,18 +3,24 @@
 
 Builds the exposition with the real collector (exporter/sinks/prometheus.py
 NcclCollector) fed by a fake reader that returns N Series records, so no BPF
-is needed. For each histogram layout (exporter/records/histogram.py: coarse,
-the default, and fine, `run --histogram-resolution fine`) it prints the plain
-and gzipped size of the whole scrape and of the duration histogram family,
-and the median time of one scrape (collect + text exposition [+ gzip]).
+is needed. For each encoding of a scrape it prints the plain and gzipped
+size of the whole scrape and of the duration histogram family, and the
+median time of one scrape (collect + encode [+ gzip]):
+
+  text coarse      text 0.0.4, classic buckets at each power of two seconds
+                   (the default; what Prometheus without native histograms gets)
+  text fine        the same with `run --histogram-resolution fine`
+  protobuf         delimited MetricFamily, native histograms only (Prometheus
+                   with --enable-feature=native-histograms)
+  protobuf+classic the same with `run --protobuf-classic-buckets`
 
     .venv/bin/python bench/scrape_bench.py [--reps 7]
 
-Exits 1 if one of these goals (bench/README.md, "Scrape size benchmark") is missed by
-the default layout:
-  one 4-rank job x 6 ops on one communicator: < 200 KB plain;
-  8 ranks x 3 comms x 3 ops: < 300 KB plain per histogram family,
-  < 30 KB gzipped, < 50 ms per scrape.
+Exits 1 if a goal is missed (bench/README.md, "Scrape size benchmark"):
+  8 ranks x 3 comms x 3 ops: protobuf (no classic) <= 60 KB;
+  1,000 series: protobuf (no classic) <= 400 KB and <= 100 ms;
+  text coarse: no larger than the sizes measured before native histograms
+  (TEXT_BEFORE, from this bench on the previous layout).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from prometheus_client.exposition import generate_latest  # noqa: E402
 
 from exporter.records import contract, histogram  # noqa: E402
 from exporter.records.events import Series  # noqa: E402
+from exporter.sinks import protobuf  # noqa: E402
+from exporter.sinks.prometheus import NcclCollector  # noqa: E402
 
 OPS = list(contract.COLLECTIVE_OPS.values())
 
@@ -84,17 +92,18 @@ class FakeProcesses:
 
 
 def make_series(n_comms: int, n_ranks: int, n_ops: int, rng: random.Random) -> list[Series]:
-    """Series with realistic histograms: each series' calls spread over a few
-    neighbouring buckets around a typical duration (10 us .. 1 s)."""
+    """Series with realistic histograms: each series' 200 calls log-normally
+    spread (sigma: a factor 2) around a typical duration (10 us .. 1 s)."""
+    d = histogram.DURATION
     out = []
     for c in range(n_comms):
         comm_hash = rng.getrandbits(64) | 1
         for r in range(n_ranks):
             for o in range(n_ops):
-                counts = [0] * histogram.SLOTS
-                centre = histogram.bucket_of(int(10 ** rng.uniform(4, 9)))
+                counts = [0] * d.slots
+                centre = d.slot_of(int(10 ** rng.uniform(4, 9)))
                 for _ in range(200):
-                    i = min(histogram.SLOTS - 1, max(0, centre + int(rng.gauss(0, histogram.SUB))))
+                    i = min(d.slots - 1, max(0, centre + int(rng.gauss(0, histogram.PER_OCTAVE))))
                     counts[i] += 1
                 out.append(Series(op=OPS[o % len(OPS)], comm_hash=comm_hash, rank=r, nranks=n_ranks,
                                   calls=sum(counts), bytes=rng.getrandbits(30), sum_ns=rng.getrandbits(40),
@@ -102,37 +111,40 @@ def make_series(n_comms: int, n_ranks: int, n_ops: int, rng: random.Random) -> l
     return out
 
 
-def measure(series: list[Series], reps: int) -> dict:
-    import importlib
+ENCODINGS = {
+    "text coarse": ("coarse", lambda reg: generate_latest(reg)),
+    "text fine": ("fine", lambda reg: generate_latest(reg)),
+    "protobuf": ("coarse", lambda reg: protobuf.encode(reg)),
+    "protobuf+classic": ("coarse", lambda reg: protobuf.encode(reg, classic=True)),
+}
 
-    import exporter.sinks.prometheus as prometheus
 
-    # prometheus.py computes the duration bounds at import: import it again
-    # under the selected layout (the agent selects before it is imported).
-    NcclCollector = importlib.reload(prometheus).NcclCollector
+def measure(series: list[Series], encoding: str, reps: int) -> dict:
+    classic, encode = ENCODINGS[encoding]
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(NcclCollector("node-0", FakeReader(series), FakeProcesses()))
-    times, gz_times, collect_times = [], [], []
+    registry.register(NcclCollector("node-0", FakeReader(series), FakeProcesses(),
+                                    classic=histogram.CLASSIC[classic]))
+    times, gz_times = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        text = generate_latest(registry)
+        body = encode(registry)
         t1 = time.perf_counter()
-        gz = gzip.compress(text)
+        gz = gzip.compress(body)
         t2 = time.perf_counter()
         times.append((t1 - t0) * 1e3)
-        t3 = time.perf_counter()
-        list(registry.collect())
-        collect_times.append((time.perf_counter() - t3) * 1e3)
         gz_times.append((t2 - t0) * 1e3)
-    family = b"\n".join(line for line in text.split(b"\n")
-                        if line.startswith(b"nccl_collective_duration_seconds"))
+    if encoding.startswith("text"):
+        family = b"\n".join(line for line in body.split(b"\n")
+                            if line.startswith(b"nccl_collective_duration_seconds"))
+    else:
+        family = b"".join(f.SerializeToString() for f in protobuf.decode(body)
+                          if f.name == "nccl_collective_duration_seconds")
     return {
         "series": len(series),
-        "plain": len(text), "gzip": len(gz),
+        "plain": len(body), "gzip": len(gz),
         "family_plain": len(family), "family_gzip": len(gzip.compress(family)),
         "ms": statistics.median(times), "ms_spread": (min(times), max(times)),
         "ms_gzip": statistics.median(gz_times),
-        "ms_collect": statistics.median(collect_times),
     }
 
 
@@ -142,6 +154,14 @@ SCENARIOS = [
     ("1k series (10 comms x 10 ranks x 10 ops)", (10, 10, 10)),
     ("10k series (100 comms x 10 ranks x 10 ops)", (100, 10, 10)),
 ]
+# Whole text scrapes (plain bytes) before native histograms, from this bench
+# on that code (main at 03103d2, same session): coarse, 29 buckets at
+# 2^10..2^37 ns; fine, 106 linear quarter-octave buckets.
+TEXT_BEFORE = {
+    ("text coarse", SCENARIOS[0][0]): 100_600, ("text coarse", SCENARIOS[1][0]): 295_500,
+    ("text coarse", SCENARIOS[2][0]): 3_919_500,
+    ("text fine", SCENARIOS[0][0]): 330_300, ("text fine", SCENARIOS[1][0]): 998_800,
+}
 
 
 def main(argv=None) -> int:
@@ -149,25 +169,28 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=7)
     args = p.parse_args(argv)
     results = {}
-    print(f"{'layout':7} {'scenario':44} {'series':>6} {'plain KB':>9} {'gzip KB':>8} "
-          f"{'family KB':>9} {'fam gz KB':>9} {'ms':>7} {'ms+gz':>7} {'collect':>7}  (ms min..max)")
-    for name in ("coarse", "fine"):
-        with histogram.selected(name):
-            for title, shape in SCENARIOS:
-                reps = args.reps if shape[0] * shape[1] * shape[2] < 5000 else 1
-                r = measure(make_series(*shape, random.Random(1)), reps)
-                results[(name, title)] = r
-                print(f"{name:7} {title:44} {r['series']:6d} {r['plain'] / 1e3:9.1f} {r['gzip'] / 1e3:8.1f} "
-                      f"{r['family_plain'] / 1e3:9.1f} {r['family_gzip'] / 1e3:9.1f} {r['ms']:7.1f} "
-                      f"{r['ms_gzip']:7.1f} {r['ms_collect']:7.1f}  ({r['ms_spread'][0]:.1f}..{r['ms_spread'][1]:.1f})")
-    one = results[("coarse", SCENARIOS[0][0])]
-    node = results[("coarse", SCENARIOS[1][0])]
+    print(f"{'encoding':16} {'scenario':44} {'series':>6} {'plain KB':>9} {'gzip KB':>8} "
+          f"{'family KB':>9} {'fam gz KB':>9} {'ms':>7} {'ms+gz':>7}  (ms min..max)")
+    for title, shape in SCENARIOS:
+        series = make_series(*shape, random.Random(1))
+        for encoding in ENCODINGS:
+            reps = args.reps if len(series) < 5000 else 1
+            r = measure(series, encoding, reps)
+            results[(encoding, title)] = r
+            print(f"{encoding:16} {title:44} {r['series']:6d} {r['plain'] / 1e3:9.1f} {r['gzip'] / 1e3:8.1f} "
+                  f"{r['family_plain'] / 1e3:9.1f} {r['family_gzip'] / 1e3:9.1f} {r['ms']:7.1f} "
+                  f"{r['ms_gzip']:7.1f}  ({r['ms_spread'][0]:.1f}..{r['ms_spread'][1]:.1f})")
+    node = results[("protobuf", SCENARIOS[1][0])]
+    k1 = results[("protobuf", SCENARIOS[2][0])]
     goals = [
-        ("one 4-rank job x 6 ops: scrape < 200 KB plain", one["plain"] < 200e3),
-        ("8x3x3: duration family < 300 KB plain", node["family_plain"] < 300e3),
-        ("8x3x3: duration family < 30 KB gzipped", node["family_gzip"] < 30e3),
-        ("8x3x3: < 50 ms per scrape", node["ms_gzip"] < 50),
+        ("8x3x3: protobuf scrape <= 60 KB (no classic buckets)", node["plain"] <= 60e3),
+        ("1k series: protobuf scrape <= 400 KB (no classic buckets)", k1["plain"] <= 400e3),
+        ("1k series: protobuf scrape <= 100 ms", k1["ms"] <= 100),
     ]
+    for (encoding, title), before in TEXT_BEFORE.items():
+        now = results[(encoding, title)]["plain"]
+        goals.append((f"{encoding}, {title}: {now / 1e3:.1f} KB <= {before / 1e3:.1f} KB before",
+                      now <= before))
     for text, ok in goals:
         print(f"goal {'met ' if ok else 'MISSED'}: {text}")
     return 0 if all(ok for _, ok in goals) else 1

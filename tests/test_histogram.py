@@ -167,12 +167,18 @@ def test_classic_buckets_are_derived_at_powers_of_two_seconds():
 
 def test_fine_classic_buckets_every_quarter_octave():
     d, fine = h.DURATION, h.CLASSIC["fine"]
-    assert len(fine.bounds(d)) == 109
+    assert len(fine.bounds(d)) == 105  # + Inf: 106, as the linear layout it replaces
+    assert fine.le_seconds(d)[0] == 2.0 ** -19
     counts = [0] * d.slots
-    counts[3] = 1
+    counts[0], counts[3], counts[10] = 1, 2, 4
     cum = fine.cumulative(d, counts)
-    assert cum[1] == 0 and cum[2] == 1  # slot 3 is under the bound of slot 4 (index -156)
-    assert fine.bucket_of_slot(d, 3) == 2
+    assert cum[0] == 3 and cum[1] == 7  # le 2^-19 s: slots 0..8; le 2^-18.75 s: slots 9, 10
+    assert [fine.bucket_of_slot(d, s) for s in (0, 3, 8, 9, 10, 11)] == [0, 0, 0, 1, 1, 2]
+    for slot in range(d.slots):  # the classic bucket of a slot is where cumulative counts it
+        one = [0] * d.slots
+        one[slot] = 1
+        assert fine.cumulative(d, one).index(1) == fine.bucket_of_slot(d, slot), slot
+        assert h.CLASSIC["coarse"].cumulative(d, one).index(1) == h.CLASSIC["coarse"].bucket_of_slot(d, slot)
 
 
 def test_native_spans_and_deltas():

@@ -102,7 +102,7 @@ def test_many_short_jobs_exact_bounded_and_expired(tmp_path, simulator_lib):
 
 def test_fine_histogram_resolution_end_to_end(tmp_path, simulator_lib):
     """`run --histogram-resolution fine`: classic buckets at each quarter power
-    of two (110 per series), derived from the kernel's schema-3 slots."""
+    of two (106 per series), derived from the kernel's schema-3 slots."""
     from exporter.records import histogram
 
     lib = simulator_lib
@@ -115,7 +115,7 @@ def test_fine_histogram_resolution_end_to_end(tmp_path, simulator_lib):
     fine = histogram.CLASSIC["fine"]
     les = {float(s.labels["le"]) for f in families if f.name == metrics.COLLECTIVE_DURATION
            for s in f.samples if s.name.endswith("_bucket")}
-    assert len(les) == len(fine.bounds(histogram.DURATION)) + 1 == 110
+    assert len(les) == len(fine.bounds(histogram.DURATION)) + 1 == 106
     count = sum(s.value for f in families if f.name == metrics.COLLECTIVE_DURATION for s in f.samples
                 if s.name.endswith("_count") and s.labels["op"] == "ALL_REDUCE")
     assert count == len(calls(res.truth, op="ALL_REDUCE"))

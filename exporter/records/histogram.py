@@ -37,8 +37,8 @@ an OTLP exponential histogram carry that overflow in the bucket just above
 the top (they have no +Inf bucket); classic buckets in +Inf.
 
 Classic buckets (Prometheus text scrapes) are derived from the same slots at
-every `step`-th bound: coarse = each power of two seconds (2^k s are schema-3
-bounds), fine = each quarter octave (schema 2). `CLASSIC` names them
+every `step`-th bound: coarse = each power of two seconds from 2^-20 s (2^k s
+are schema-3 bounds), fine = each quarter octave (schema 2) from 2^-19 s. `CLASSIC` names them
 (`run --histogram-resolution coarse|fine`); the kernel never changes.
 """
 
@@ -213,10 +213,11 @@ class Classic:
 
     name: str
     step: int
+    first: int = ZERO_INDEX  # the lowest bound's index (a multiple of step above it)
 
     def bounds(self, layout: Layout) -> list[int]:
-        """The schema-3 indexes of the finite `le` bounds, from the zero threshold up."""
-        return list(range(ZERO_INDEX, layout.top_index + 1, self.step))
+        """The schema-3 indexes of the finite `le` bounds, from `first` up."""
+        return list(range(self.first, layout.top_index + 1, self.step))
 
     def le_seconds(self, layout: Layout) -> list[float]:
         return [2.0 ** (i / PER_OCTAVE) for i in self.bounds(layout)]
@@ -239,7 +240,8 @@ class Classic:
             return 0
         if slot >= layout.slots - 1:
             return len(self.bounds(layout))
-        return -(-(slot) // self.step)  # ceil: the first bound at or above the slot's
+        # the first bound at or above the slot's upper bound
+        return max(0, -(-(ZERO_INDEX + slot - self.first) // self.step))
 
 
     def quantile(self, layout: Layout, per_bucket, q: float) -> float:
@@ -258,7 +260,9 @@ class Classic:
         return les[-1]
 
 
-CLASSIC = {"coarse": Classic("coarse", PER_OCTAVE), "fine": Classic("fine", 2)}
+# fine starts at 2^-19 s: 106 buckets per series, as many as the linear
+# quarter-octave layout it replaces (its le values have 17 digits, not 4).
+CLASSIC = {"coarse": Classic("coarse", PER_OCTAVE), "fine": Classic("fine", 2, ZERO_INDEX + PER_OCTAVE)}
 DEFAULT_CLASSIC = "coarse"
 
 

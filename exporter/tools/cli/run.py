@@ -91,8 +91,8 @@ def add_parser(sub) -> None:
     r.add_argument("--histogram-resolution", choices=sorted(histogram.CLASSIC),
                    help="classic buckets of text scrapes, derived from the kernel's exponential "
                         "(schema 3) buckets: coarse (default: each power of two seconds, 2^-20 s "
-                        "(0.95 us) .. 128 s, 29 buckets) or fine (each quarter power of two, 111 "
-                        "buckets); protobuf scrapes get native histograms (docs/metrics.md)")
+                        "(0.95 us) .. 128 s, 29 buckets) or fine (each quarter power of two from "
+                        "2^-19 s, 106 buckets); protobuf scrapes get native histograms (docs/metrics.md)")
     r.add_argument("--protobuf-classic-buckets", action="store_true",
                    help="protobuf scrapes carry each histogram's classic buckets beside the native "
                         "ones (Prometheus keeps both only with scrape_classic_histograms, 2.45+, or "
