@@ -235,3 +235,27 @@ def test_quantile_edge_cases():
     lower, upper = h.DURATION.bounds_s(h.ZERO_INDEX + 3)
     assert h.quantile(counts, 1.0) == upper
     assert lower < h.quantile(counts, 0.5) < upper
+
+
+def test_scrape_size_budget():
+    """The scrape's byte budgets (bench/README.md), built by the real collector
+    (bench/scrape_bench.py). Text, default buckets: an 8-GPU node (8 ranks x 3
+    communicators x 3 ops) under 300 KB plain and 30 KB gzipped for the
+    duration family, one 4-rank job x 6 ops under 200 KB. Protobuf without
+    classic buckets: the node <= 60 KB, 1,000 series <= 400 KB. Sizes only:
+    the timings live in the bench."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import scrape_bench
+
+    node_series = scrape_bench.make_series(3, 8, 3, random.Random(1))
+    node = scrape_bench.measure(node_series, "text coarse", reps=1)
+    job = scrape_bench.measure(scrape_bench.make_series(1, 4, 6, random.Random(1)), "text coarse", reps=1)
+    assert node["series"] == 72
+    assert node["family_plain"] < 300e3 and node["family_gzip"] < 30e3, node
+    assert job["plain"] < 200e3, job
+    assert scrape_bench.measure(node_series, "protobuf", reps=1)["plain"] <= 60e3
+    k1 = scrape_bench.make_series(10, 10, 10, random.Random(1))
+    assert scrape_bench.measure(k1, "protobuf", reps=1)["plain"] <= 400e3
