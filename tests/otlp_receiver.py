@@ -102,3 +102,41 @@ class HttpReceiver(Received):
     def __exit__(self, *exc):
         self.server.shutdown()
         self.server.server_close()
+
+
+class MetricsReceiver:
+    """A real OTLP metrics receiver over gRPC: keeps every export request,
+    decoded with opentelemetry-proto."""
+
+    def __init__(self):
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+
+        self.requests = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Service(metrics_service_pb2_grpc.MetricsServiceServicer):
+            def Export(self, request, context):
+                with receiver.lock:
+                    receiver.requests.append(request)
+                return metrics_service_pb2.ExportMetricsServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Service(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def latest(self) -> tuple[dict, dict]:
+        """(resource attributes, {metric name: metric}) of the last request."""
+        with self.lock:
+            req = self.requests[-1]
+        (rm,) = req.resource_metrics
+        return ({a.key: any_value(a.value) for a in rm.resource.attributes},
+                {m.name: m for sm in rm.scope_metrics for m in sm.metrics})
+
+    def __enter__(self):
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.stop(grace=None)

@@ -50,7 +50,13 @@ def add_parser(sub) -> None:
                    help="send a span per slow call here (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
                         "or $OTEL_EXPORTER_OTLP_ENDPOINT; no spans without one)")
     r.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"],
-                   help="default: $OTEL_EXPORTER_OTLP_PROTOCOL or grpc")
+                   help="for spans and metrics (default: $OTEL_EXPORTER_OTLP_PROTOCOL or grpc)")
+    r.add_argument("--otlp-metrics-endpoint", metavar="URL",
+                   help="push every metric here over OTLP, histograms as exponential histograms with "
+                        "the kernel's buckets (default: $OTEL_EXPORTER_OTLP_METRICS_ENDPOINT; none "
+                        "without one; docs/metrics.md \"OTLP metrics\")")
+    r.add_argument("--otlp-metrics-interval", type=parse_duration, metavar="DURATION",
+                   help="how often (default: $OTEL_METRIC_EXPORT_INTERVAL ms, else 60s)")
     r.add_argument("--slow-threshold", action="append", metavar="[OP=]DURATION",
                    help="a call at least this long is slow (default 50ms for every op); "
                         "repeatable, e.g. --slow-threshold 20ms --slow-threshold ALL_REDUCE=200ms")
@@ -153,6 +159,9 @@ def main(args) -> int:
         if queries is not None:
             opened.callback(queries.close)
         pipeline.serve_metrics(registry, spans=spans, recorder=recorder)
+        pusher = start_otlp_metrics(args, registry, node)
+        if pusher is not None:  # closed before the agent: a last export while the maps are there
+            opened.callback(pusher.shutdown)
         shown = "localhost" if host in ("0.0.0.0", "::") else host
         print(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics",
               flush=True)
@@ -324,3 +333,23 @@ def serve_queries(ep, node) -> None:
     ep.node = node
     ep.start()
     print(f"read-only queries at {ep.url}/api/v1/query (bearer token)", flush=True)
+
+
+def start_otlp_metrics(args, registry, node: str):
+    """run --otlp-metrics-endpoint: the OtlpMetricsPusher, or None."""
+    endpoint = args.otlp_metrics_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+    if not endpoint:
+        return None
+    from exporter.sinks.otlp_metrics import OtlpMetricsPusher, default_interval_s, make_metric_exporter
+
+    protocol = (args.otlp_protocol or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+    interval = args.otlp_metrics_interval or default_interval_s()
+    if interval <= 0:
+        raise CliError(f"--otlp-metrics-interval {interval:g}s: a duration > 0, e.g. 30s")
+    try:
+        exporter = make_metric_exporter(protocol, endpoint)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(f"metrics -> {endpoint} (OTLP {protocol}, every {interval:g} s)", flush=True)
+    return OtlpMetricsPusher(registry, exporter, node, interval)
