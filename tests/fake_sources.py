@@ -81,12 +81,13 @@ class FakeNcclReader:
         self.comm_ids = {NCCL_HASH: COMM}
         # CLOCK_MONOTONIC -> wall clock at a fixed offset: the last-return gauge is reproducible
         self.clock = SimpleNamespace(to_realtime=lambda ns: ns + WALL_OFFSET_NS)
-        slots = histogram.SLOTS
+        slots = histogram.DURATION.slots
+        at = histogram.bucket_of  # the slot of a duration in ns
         self._series = [
             Series("ALL_REDUCE", COMM, 0, 2, calls=5, bytes=5 << 20, sum_ns=15_000_000,
-                   buckets=_buckets(slots, (12, 4), (14, 1)), last_ns=LAST_RETURN_NS),
-            Series("SEND", COMM, 0, 2, calls=2, bytes=4096, sum_ns=40_000, buckets=_buckets(slots, (5, 2))),
-            Series("COMM_INIT_RANK", 0, 0, 2, calls=1, bytes=0, sum_ns=2_000_000, buckets=_buckets(slots, (11, 1))),
+                   buckets=_buckets(slots, (at(3_000_000), 4), (at(8_000_000), 1)), last_ns=LAST_RETURN_NS),
+            Series("SEND", COMM, 0, 2, calls=2, bytes=4096, sum_ns=40_000, buckets=_buckets(slots, (at(20_000), 2))),
+            Series("COMM_INIT_RANK", 0, 0, 2, calls=1, bytes=0, sum_ns=2_000_000, buckets=_buckets(slots, (at(2_000_000), 1))),
         ]
 
     def series(self):
@@ -144,7 +145,7 @@ class FakeTcp(FakeProgram):
         link = TcpLink(family=2, saddr="198.18.0.6", daddr="198.18.0.7", port=40000, owner=PID,
                        retransmits=3, failures=1, resets_sent=1, resets_received=2)
         srtt = TcpSrtt(family=2, saddr="198.18.0.6", daddr="198.18.0.7", port=40000, owner=PID, count=4,
-                       sum_us=800, buckets=_buckets(contract.SRTT_FINITE + 1, (8, 4)))
+                       sum_us=800, buckets=_buckets(histogram.SRTT.slots, (histogram.SRTT.slot_of(200), 4)))
         lset = (link.saddr, link.daddr, str(link.port), rank_label(PID))
         return [(lset, link)], [(lset, srtt)]
 
@@ -152,7 +153,7 @@ class FakeTcp(FakeProgram):
 class FakeSched(FakeProgram):
     """A SchedTotals-like table (its histogram has its +Inf bucket only)."""
 
-    bounds = ()
+    layout = None
 
     def __init__(self):
         super().__init__("sched", {}, hot=False)
@@ -169,7 +170,7 @@ class FakePlugin(FakeProgram):
 
     def series(self):
         return [GpuSeries("ALL_REDUCE", NCCL_HASH, 0, 2, calls=5, bytes=5 << 20, sum_ns=12_000_000,
-                          buckets=_buckets(histogram.SLOTS, (12, 5)))]
+                          buckets=_buckets(histogram.DURATION.slots, (histogram.bucket_of(2_400_000), 5)))]
 
     def inflight(self):
         return [GpuInflight(pid=PID, id=1, op="ALL_REDUCE", nccl_hash=NCCL_HASH, rank=0, nranks=2, seq=5,
@@ -201,11 +202,12 @@ class FakeRecorder:
 
 class FakeAgent:
     """What tools/pipeline.py reads of an Agent: the SOURCES rows' attributes,
-    the process table and the lock."""
+    the process table, the lock and the config."""
 
     def __init__(self, **extra):
-        from exporter.tools.agent import SOURCES
+        from exporter.tools.agent import SOURCES, AgentConfig
 
+        self.config = AgentConfig(node="n1")
         self.lock = threading.Lock()
         self.listeners: list = []
         self.processes = FakeProcesses()
