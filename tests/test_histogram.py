@@ -114,7 +114,7 @@ class _TestRunOpts(ctypes.Structure):
                 ("retval", ctypes.c_uint32), ("repeat", ctypes.c_int), ("duration", ctypes.c_uint32)]
 
 
-def test_every_bound_plus_minus_one_in_the_kernel():
+def test_every_bound_plus_minus_one_in_the_kernel(bpf):
     """bpf/histogram.h compiled by BCC with the generated header, run in the kernel."""
     bcc = pytest.importorskip("bcc")
     from bcc.libbcc import lib

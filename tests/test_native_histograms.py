@@ -35,11 +35,8 @@ from tests.test_e2e_prometheus import PROMETHEUS, http_json, short_rules, stop, 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_PEER_MS = 4     # rank 1 computes this long before each collective: rank 0 waits for it
 CALLS = 4000         # ~20 s of calls: shorter than the 1 m window
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and network namespaces"),
-    pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="prometheus not installed (make deps)"),
-]
+needs_prometheus = pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
+                                      reason="prometheus not installed (make deps)")
 
 
 def test_generated_native_rules_and_dashboards_are_current():
@@ -62,7 +59,7 @@ def _p99(values: list[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def run():
+def run(bpf, netns, prometheus):  # markers, root and the heavy lock: conftest
     from exporter.simulator.build import build_library
     from exporter.simulator.cluster import Cluster, cleanup_stale, start_job
 
@@ -129,6 +126,8 @@ def _first_sample_s(run, selector: str) -> float:
     return float(points[0][0])
 
 
+@needs_prometheus
+@pytest.mark.slow
 def test_p99_within_one_bucket_of_the_truth(run, record_property):
     assert {c["rank"] for c in run["truth"]} == {0, 1}
     assert len({(c["rank"], c["comm"]) for c in run["truth"]}) == 2, "one communicator's AllReduce"
@@ -158,6 +157,8 @@ def test_p99_within_one_bucket_of_the_truth(run, record_property):
     print("p99 relative error (Prometheus 2.42, native):", {k: f"{v:+.2%}" for k, v in errors.items()})
 
 
+@needs_prometheus
+@pytest.mark.slow
 def test_native_rules_evaluate_and_record(run):
     bad = [r for r in run["rules"] if r[1] != "ok"]
     assert not bad, bad
@@ -168,6 +169,8 @@ def test_native_rules_evaluate_and_record(run):
     assert any(a["labels"]["alertname"] == "NcclAllReduceP99High" for a in run["alerts"]), run["alerts"]
 
 
+@needs_prometheus
+@pytest.mark.slow
 def test_native_dashboards_evaluate(run):
     failed = []
     for path in sorted((REPO / "dashboards/grafana/native").glob("*.json")):

@@ -4,7 +4,6 @@ decodes the OTLP protobuf; the agent end to end against a protobuf scrape."""
 
 from __future__ import annotations
 
-import os
 import time
 import urllib.request
 
@@ -84,16 +83,14 @@ def test_start_times_and_interval():
     assert default_interval_s({}) == 60
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for BPF and network namespaces")
-def test_agent_pushes_what_a_scrape_shows(tmp_path):
+def test_agent_pushes_what_a_scrape_shows(tmp_path, bpf, netns, simulator_lib):
     """The agent with --otlp-metrics-endpoint on a simulated job: the last
     export after the job ended holds exactly the scrape's counts and buckets,
     and after the series expire (--series-ttl) neither holds them."""
-    from exporter.simulator.build import build_library
     from exporter.simulator.cluster import Cluster, run_job
     from conftest import ExporterProcess
 
-    lib = build_library()
+    lib = simulator_lib
     with MetricsReceiver() as rx, ExporterProcess(
             nccl_libs=[lib], extra_args=["--otlp-metrics-endpoint", rx.endpoint, "--otlp-metrics-interval", "1s",
                                          "--series-ttl", "6s"]) as exporter, Cluster(2) as cluster:
