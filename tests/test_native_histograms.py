@@ -34,7 +34,7 @@ from tests.test_e2e_prometheus import PROMETHEUS, http_json, short_rules, stop, 
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_PEER_MS = 4     # rank 1 computes this long before each collective: rank 0 waits for it
-CALLS = 4000         # ~20 s of calls: shorter than the 1 m window
+CALLS = 6000         # ~26 s of calls: shorter than the 1 m window
 needs_prometheus = pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
                                       reason="prometheus not installed (make deps)")
 
@@ -93,14 +93,23 @@ def run(bpf, netns, prometheus):  # markers, root and the heavy lock: conftest
         with Cluster(2) as cluster:
             job = start_job(cluster, lib, "allreduce", iterations=CALLS, rendezvous_dir=work / "rdv",
                             truth_dir=work / "truth", compute_delay_ms={0: 0, 1: SLOW_PEER_MS})
-            time.sleep(14)  # the shortened rules' windows filled while the job runs
-            seen["rules"] = [(r["name"], r.get("health"), r.get("lastError", ""), r.get("state"))
-                             for g in http_json(f"{api}/rules")["data"]["groups"] for r in g["rules"]]
-            seen["recorded"] = {
-                name: http_json(f"{api}/query?" + urllib.parse.urlencode({"query": name}))["data"]["result"]
-                for name in ("nccl:collective_duration_seconds:p50_5m", "nccl:collective_duration_seconds:p99_5m",
-                             "nccl:collective_time_seconds_count:rate5m", "nccl:collective_calls:increase10m")}
-            seen["alerts"] = http_json(f"{api}/alerts")["data"]["alerts"]
+            # while the job runs: the shortened rules' windows fill, the rules record
+            # and the p99 alert goes pending (up to 40 s on a loaded machine)
+            deadline = time.monotonic() + 40
+            time.sleep(8)
+            while True:
+                seen["rules"] = [(r["name"], r.get("health"), r.get("lastError", ""), r.get("state"))
+                                 for g in http_json(f"{api}/rules")["data"]["groups"] for r in g["rules"]]
+                seen["recorded"] = {
+                    name: http_json(f"{api}/query?" + urllib.parse.urlencode({"query": name}))["data"]["result"]
+                    for name in ("nccl:collective_duration_seconds:p50_5m", "nccl:collective_duration_seconds:p99_5m",
+                                 "nccl:collective_time_seconds_count:rate5m", "nccl:collective_calls:increase10m")}
+                seen["alerts"] = http_json(f"{api}/alerts")["data"]["alerts"]
+                done = all(seen["recorded"].values()) and any(
+                    a["labels"]["alertname"] == "NcclAllReduceP99High" for a in seen["alerts"])
+                if done or time.monotonic() > deadline or any(rc is not None for rc in job.poll()):
+                    break
+                time.sleep(2)
             res = job.wait(timeout=120)
         assert res.ok, res.summary()
         time.sleep(4)  # the last calls scraped
