@@ -145,6 +145,16 @@ def test_openmetrics_when_asked(served):
     assert '# {trace_id="4bf92f3577b34da6a3ce929d0e0e4736"} 0.187' in text
 
 
+def test_name_filter_selects_families(served):
+    """`/metrics?name[]=...` gives just the named families (the collector
+    describes its families; without that the page was empty)."""
+    _, base = served
+    code, _, body = get(base + "/metrics?name[]=nccl_collective_bytes_total"
+                        "&name[]=nccl_collective_duration_seconds_count")
+    names = {s.name for s in parse_metrics(body.decode())}
+    assert code == 200 and names == {"nccl_collective_bytes_total", "nccl_collective_duration_seconds_count"}
+
+
 def test_head_has_headers_and_no_body(served):
     _, base = served
     code, headers, body = get(base + "/metrics", method="HEAD")

@@ -149,6 +149,13 @@ class NcclCollector:
         # which classic buckets text scrapes get (run --histogram-resolution)
         self.classic = classic or histogram.CLASSIC[histogram.DEFAULT_CLASSIC]
 
+    def describe(self):
+        """The declared families, without reading any source: the registry
+        learns the names from it, which `/metrics?name[]=...` filtering needs
+        (the registry does not collect to learn them: run's auto_describe=False)."""
+        for m in metrics.ALL:
+            yield Metric(m.name, m.help, m.kind)
+
     def collect(self):
         started = time.perf_counter()
         with self.lock:
