@@ -18,7 +18,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import CLI, REPO, free_port, require_real_nccl, require_root
+from conftest import CLI, REPO, free_port, require_real_nccl
 
 # A process that calls ncclAllReduce on a NULL communicator (ncclInvalidArgument at once,
 # no GPU) every millisecond until its stdin closes.
@@ -37,8 +37,7 @@ while not stop.is_set():
 
 
 @pytest.fixture()
-def caller():
-    require_root()
+def caller(bpf):  # bpf: the marker, root and the heavy lock (tests/conftest.py)
     lib = require_real_nccl()
     proc = subprocess.Popen([sys.executable, "-c", CALLER, lib], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
@@ -89,6 +88,16 @@ def test_run_sigterm_records_every_call_and_frees_its_port(caller, tmp_path):
                 pass
             assert time.monotonic() < deadline, "run did not get ready"
             time.sleep(0.1)
+        # stop once calls are being counted (up to 30 s): what is checked is
+        # that nothing counted is lost at the stop, not how soon counting starts
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                page = resp.read().decode()
+            if any(line.startswith("nccl_call_errors_total{") and float(line.rsplit(" ", 1)[1]) > 0
+                   for line in page.splitlines()):
+                break
+            time.sleep(0.2)
         time.sleep(1.5)
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
