@@ -52,6 +52,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from exporter import __version__
 from exporter.records import histogram
+from exporter.sinks.spans import make_otlp_exporter
 
 log = logging.getLogger("nccl_exporter")
 CUMULATIVE = AggregationTemporality.CUMULATIVE
@@ -161,22 +162,8 @@ def node_resource(node: str) -> Resource:
 
 
 def make_metric_exporter(protocol: str, endpoint: str | None, timeout_s: float = 10.0):
-    """OTLP metrics over gRPC or HTTP/protobuf; OTEL_EXPORTER_OTLP_METRICS_* apply when not given."""
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-
-        kwargs = {"timeout": timeout_s}
-        if endpoint:
-            kwargs["endpoint"] = endpoint
-            kwargs["insecure"] = endpoint.startswith("http://")
-        return OTLPMetricExporter(**kwargs)
-    if protocol in ("http/protobuf", "http"):
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-        if endpoint and not endpoint.rstrip("/").endswith("/v1/metrics"):
-            endpoint = endpoint.rstrip("/") + "/v1/metrics"
-        return OTLPMetricExporter(endpoint=endpoint, timeout=timeout_s) if endpoint else OTLPMetricExporter(timeout=timeout_s)
-    raise ValueError(f"unknown OTLP protocol {protocol!r}: use grpc or http/protobuf")
+    """OTLP metrics over gRPC or HTTP/protobuf (the span sink's exporter maker)."""
+    return make_otlp_exporter(protocol, endpoint, timeout_s, signal="metrics")
 
 
 class OtlpMetricsPusher:

@@ -94,22 +94,32 @@ class CountingExporter(SpanExporter):
         return self.inner.force_flush(timeout_millis)
 
 
-def make_otlp_exporter(protocol: str, endpoint: str | None, timeout_s: float = 5.0) -> SpanExporter:
-    """OTLP over gRPC (default) or HTTP/protobuf; OTEL_EXPORTER_OTLP_* apply when not given."""
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+# The OTLP exporter classes of each signal: (module suffix, class name, HTTP path).
+_OTLP_SIGNALS = {
+    "traces": ("trace_exporter", "OTLPSpanExporter", "/v1/traces"),
+    "metrics": ("metric_exporter", "OTLPMetricExporter", "/v1/metrics"),
+}
 
+
+def make_otlp_exporter(protocol: str, endpoint: str | None, timeout_s: float = 5.0,
+                       signal: str = "traces"):
+    """OTLP over gRPC (default) or HTTP/protobuf for `signal` (traces or metrics);
+    the OTEL_EXPORTER_OTLP_[<SIGNAL>_]* variables apply when not given."""
+    import importlib
+
+    module, cls, path = _OTLP_SIGNALS[signal]
+    if protocol == "grpc":
+        exporter = getattr(importlib.import_module(f"opentelemetry.exporter.otlp.proto.grpc.{module}"), cls)
         kwargs = {"timeout": timeout_s}
         if endpoint:
             kwargs["endpoint"] = endpoint
             kwargs["insecure"] = endpoint.startswith("http://")
-        return OTLPSpanExporter(**kwargs)
+        return exporter(**kwargs)
     if protocol in ("http/protobuf", "http"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        if endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):
-            endpoint = endpoint.rstrip("/") + "/v1/traces"
-        return OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s) if endpoint else OTLPSpanExporter(timeout=timeout_s)
+        exporter = getattr(importlib.import_module(f"opentelemetry.exporter.otlp.proto.http.{module}"), cls)
+        if endpoint and not endpoint.rstrip("/").endswith(path):
+            endpoint = endpoint.rstrip("/") + path
+        return exporter(endpoint=endpoint, timeout=timeout_s) if endpoint else exporter(timeout=timeout_s)
     raise ValueError(f"unknown OTLP protocol {protocol!r}: use grpc or http/protobuf")
 
 
