@@ -195,6 +195,13 @@ GPU_MAX_SERIES = 2048   # (op, NCCL commHash, rank, nranks) GPU histograms (bpf/
 GPU_MAX_INFLIGHT = 65536  # (pid, record id) collectives queued/running on the GPU (bpf/plugin.c)
 PLUGIN_MAX_PROCS = 4096  # processes that loaded the profiler plugin (bpf/plugin.c)
 GPU_EVENT_PAGES = 64  # gpu_events ring buffer (slow GPU operations, for spans): 256 KiB
+# What a network transfer's steps waited for (the profiler plugin's ProxyStep
+# states, NET transports only; docs/network.md), in NCCL's order per direction:
+# the `phase` label of nccl_network_*_seconds_total and nccl_peer_waits.phase.
+NETWORK_PHASES = {
+    "send": ("send_gpu_wait", "send_peer_wait", "send_wait"),
+    "recv": ("recv_wait", "recv_flush_wait", "recv_gpu_wait"),
+}
 # Why a GPU interval of the profiler plugin was left out of the histograms
 # (nccl_exporter_gpu_intervals_rejected_total{reason}), in the order of the
 # plugin's record flags NCCL_EXPORTER_F_REJECT_LONG / _EARLY / _REVERSED

@@ -164,6 +164,25 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE processes ADD COLUMN container_id TEXT",  # 'containerd://<64 hex>', from the cgroup path
         "ALTER TABLE processes ADD COLUMN libnccl_version TEXT",  # '2.32.3'; '' : unknown
     ],
+    # 6 -> 7: what each GPU operation's network transfers waited for, per peer
+    # and direction (the profiler plugin's ProxyOp/ProxyStep figures; docs/network.md)
+    [
+        """CREATE TABLE nccl_peer_waits (      -- one row per (operation, peer, direction, phase)
+            pid             INTEGER NOT NULL,  -- the operation: as gpu_intervals (pid, nccl_comm_hash, op, seq, kind)
+            nccl_comm_hash  TEXT    NOT NULL,
+            op              TEXT    NOT NULL,
+            seq             INTEGER NOT NULL,
+            kind            TEXT    NOT NULL,  -- coll | p2p
+            rank            INTEGER,
+            peer            INTEGER,           -- the peer rank; NULL: the peers beyond the top K, summed
+            direction       TEXT    NOT NULL,  -- send | recv
+            phase           TEXT    NOT NULL,  -- contract.NETWORK_PHASES: send_gpu_wait, ..., recv_gpu_wait
+            wall_ns         INTEGER NOT NULL,  -- time with at least one step in this phase
+            step_ns         INTEGER NOT NULL,  -- summed over steps (they overlap)
+            bytes           INTEGER NOT NULL,  -- transSize counted in this phase (send_wait, recv_flush_wait); else 0
+            node            TEXT
+        )""",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -202,9 +221,13 @@ def _insert(table: str, fields: tuple[str, ...]) -> str:
 GPU_FIELDS = ("pid", "nccl_comm_hash", "op", "seq", "kind", "rank", "peer", "enqueue_ns", "gpu_start_ns",
               "gpu_duration_ns", "node")
 
+PEER_WAIT_FIELDS = ("pid", "nccl_comm_hash", "op", "seq", "kind", "rank", "peer", "direction", "phase",
+                    "wall_ns", "step_ns", "bytes", "node")
+
 INSERT = {
     "processes": _insert("processes", PROCESS_FIELDS).replace("INSERT", "INSERT OR IGNORE", 1),
     "gpu": _insert("gpu_intervals", GPU_FIELDS),
+    "peer_waits": _insert("nccl_peer_waits", PEER_WAIT_FIELDS),
     "nccl": _insert("nccl_events", NCCL_FIELDS),
     "tcp": _insert("tcp_events", TCP_FIELDS),
     "sched": _insert("sched_events", SCHED_FIELDS),
