@@ -202,6 +202,7 @@ NETWORK_PHASES = {
     "send": ("send_gpu_wait", "send_peer_wait", "send_wait"),
     "recv": ("recv_wait", "recv_flush_wait", "recv_gpu_wait"),
 }
+
 # Why a GPU interval of the profiler plugin was left out of the histograms
 # (nccl_exporter_gpu_intervals_rejected_total{reason}), in the order of the
 # plugin's record flags NCCL_EXPORTER_F_REJECT_LONG / _EARLY / _REVERSED
