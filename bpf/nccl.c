@@ -259,9 +259,20 @@ static __always_inline int events_wanted(u32 op) {
 
 // Start tracking a call on this thread. Returns 0 when the call is nested in
 // another public NCCL call of the same thread: it only deepens the outer one.
+// Whether a call entering now is made from inside the thread's call in slot c
+// (NCCL calling its own public API: an inner ncclGetUniqueId, say). Such a call
+// enters with a lower stack pointer than the outer one did (the stack grows
+// down). One at or above it is a new outermost call: the slot's call ended
+// without its return probe firing (it entered while only the entry probe was
+// attached, or it was left by longjmp). Without this test every later call of
+// the thread would count as nested and none be seen again.
+static __always_inline bool nested_in(struct pt_regs *ctx, struct call *c) {
+    return c->op && PT_REGS_SP(ctx) < c->sp;
+}
+
 // A thread's slot is made at its first NCCL call and reused (op == 0: idle)
 // until the thread exits: no map insert or delete on the per-call path.
-static __always_inline struct call *begin(u32 op, u32 *tid_out) {
+static __always_inline struct call *begin(struct pt_regs *ctx, u32 op, u32 *tid_out) {
     u32 tid = (u32)bpf_get_current_pid_tgid();
     *tid_out = tid;
     struct call *c = call_slot(tid);
@@ -290,9 +301,14 @@ static __always_inline struct call *begin(u32 op, u32 *tid_out) {
         traced_processes.insert(&tgid, &unknown);
         set_thread_traced(tid, 1);
     } else if (c->op) {
-        c->depth++;
-        return 0;
+        if (nested_in(ctx, c)) {
+            c->depth++;
+            return 0;
+        }
+        count_up(CNT_RETURNS_MISSED);  // the slot's call ended unseen: this one replaces it
     }
+    c->depth = 0;
+    c->sp = PT_REGS_SP(ctx);  // at entry: the return address (stack arguments are read from here)
     c->start_ns = 0;  // set last by the caller, after the argument work
     c->comm = 0;
     c->comm_hash = 0;
@@ -365,7 +381,7 @@ static __always_inline int collective(struct pt_regs *ctx, u32 op, u64 count, s3
                                       s32 red_op, s32 root, s32 peer, u64 comm,
                                       u64 stream, u32 stream_arg) {
     u32 tid;
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     c->count = count;
@@ -375,7 +391,6 @@ static __always_inline int collective(struct pt_regs *ctx, u32 op, u64 count, s3
     c->peer = peer;
     c->stream = stream;
     c->stream_arg = stream_arg;
-    c->sp = PT_REGS_SP(ctx);
     resolve_comm(c, comm);
     c->start_ns = bpf_ktime_get_ns();  // last, so map work is not timed
     return 0;
@@ -429,14 +444,14 @@ static __always_inline int enter_get_unique_id(struct pt_regs *ctx, u32 op) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
     struct call *outer = call_slot(tid);
-    if (outer && outer->op) {
+    if (outer && nested_in(ctx, outer)) {
         // Inside ncclCommInitAll: remember where the id it makes will be.
         outer->depth++;
         if (outer->op == OP_COMM_INIT_ALL)
             outer->nested_out = PT_REGS_PARM1(ctx);
         return 0;
     }
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     c->out = PT_REGS_PARM1(ctx);
@@ -450,7 +465,7 @@ static __always_inline int enter_get_unique_id(struct pt_regs *ctx, u32 op) {
 // stack at sp+8 and takes no register, so `rank` arrives in rdx.
 static __always_inline int enter_init_rank(struct pt_regs *ctx, u32 op) {
     u32 tid;
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     c->out = PT_REGS_PARM1(ctx);
@@ -464,7 +479,7 @@ static __always_inline int enter_init_rank(struct pt_regs *ctx, u32 op) {
 // ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist)
 static __always_inline int enter_init_all(struct pt_regs *ctx, u32 op) {
     u32 tid;
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     c->out = PT_REGS_PARM1(ctx);
@@ -477,7 +492,7 @@ static __always_inline int enter_init_all(struct pt_regs *ctx, u32 op) {
 //                          int nId, ncclUniqueId* commIds, ncclConfig_t* config)
 static __always_inline int enter_init_scalable(struct pt_regs *ctx, u32 op) {
     u32 tid;
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     c->out = PT_REGS_PARM1(ctx);
@@ -516,7 +531,7 @@ static __always_inline struct comm_info *from_parent(struct call *c, u64 parent,
 // ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config)
 static __always_inline int enter_split(struct pt_regs *ctx, u32 op) {
     u32 tid;
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     c->color = PT_REGS_PARM2(ctx);
@@ -529,7 +544,7 @@ static __always_inline int enter_split(struct pt_regs *ctx, u32 op) {
 // ncclCommFinalize / ncclCommDestroy / ncclCommAbort(ncclComm_t comm)
 static __always_inline int enter_comm_only(struct pt_regs *ctx, u32 op) {
     u32 tid;
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     resolve_comm(c, PT_REGS_PARM1(ctx));
@@ -540,7 +555,7 @@ static __always_inline int enter_comm_only(struct pt_regs *ctx, u32 op) {
 // ncclCommCount / ncclCommUserRank(const ncclComm_t comm, int* out)
 static __always_inline int enter_comm_query(struct pt_regs *ctx, u32 op) {
     u32 tid;
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     resolve_comm(c, PT_REGS_PARM1(ctx));  // its event names the communicator asked about
@@ -552,7 +567,7 @@ static __always_inline int enter_comm_query(struct pt_regs *ctx, u32 op) {
 // ncclGroupStart / ncclGroupEnd (void)
 static __always_inline int enter_no_args(struct pt_regs *ctx, u32 op) {
     u32 tid;
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     c->start_ns = bpf_ktime_get_ns();
@@ -565,7 +580,7 @@ static __always_inline int enter_no_args(struct pt_regs *ctx, u32 op) {
 // below it (NCCL fills the gaps in order). Kept in root/peer until the return.
 static __always_inline int enter_shrink(struct pt_regs *ctx, u32 op) {
     u32 tid;
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     u64 list = PT_REGS_PARM2(ctx);
@@ -600,7 +615,7 @@ static __always_inline int enter_shrink(struct pt_regs *ctx, u32 op) {
 // NULL, the id and their rank.
 static __always_inline int enter_grow(struct pt_regs *ctx, u32 op) {
     u32 tid;
-    struct call *c = begin(op, &tid);
+    struct call *c = begin(ctx, op, &tid);
     if (!c)
         return 0;
     u64 parent = PT_REGS_PARM1(ctx);

@@ -114,9 +114,9 @@ def test_trace_started_mid_job_names_the_straggler(workload):
         with Cluster(4) as cluster:
             delays = {r: 2 for r in range(4)}
             delays[STRAGGLER] += 30
-            # About 35 ms an iteration: ~50 s, killed when the trace ends. The
-            # trace may first wait for an earlier agent's teardown (several
-            # seconds on a loaded machine): the job must outlast that wait.
+            # About 35 ms an iteration: ~50 s, killed when the trace ends (BCC's
+            # compile takes several seconds on a loaded machine: the job must
+            # outlast it).
             job = start_job(cluster, lib, workload, iterations=1500, rendezvous_dir=work / "rdv",
                             truth_dir=work / "truth", count=1024, compute_delay_ms=delays)
             try:

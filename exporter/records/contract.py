@@ -235,6 +235,9 @@ COUNTERS = {
     # retransmits/resets, whose socket owner was not known (bpf/tcp.c): each
     # opens an owner window (TcpSource.owner_duty)
     "OWNERS_WANTED": 14,
+    # calls whose return probe never fired (bpf/nccl.c begin()): each was
+    # replaced by the thread's next outermost call, unrecorded
+    "RETURNS_MISSED": 15,
 }
 COUNTER_SLOTS = 16
 

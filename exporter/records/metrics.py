@@ -195,6 +195,11 @@ EXPORTER_RETRANSMITS_MISSED = _m(
     "TCP retransmits on this node that the TCP program did not run for (a second, raw "
     "tracepoint program counts every one): missing from every link count and event. The "
     "kernel skips the program while another BPF program runs on that CPU.")
+EXPORTER_RETURNS_MISSED = _m(
+    "nccl_exporter_returns_missed_total", "counter", ("node",),
+    "NCCL calls whose return probe never fired, so they are in no count or event: the thread's "
+    "next call showed that the call had ended. Expected only for a call in progress while the "
+    "agent attached; growth afterwards means the kernel is dropping return probes.")
 
 ALL: tuple[Metric, ...] = tuple(_ALL)
 BY_NAME: dict[str, Metric] = {m.name: m for m in ALL}

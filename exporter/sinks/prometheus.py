@@ -327,6 +327,7 @@ class NcclCollector:
         yield family_of(metrics.EXPORTER_EVENTS_LOST,
                      {(node, source): counters[c] for c, source in contract.EVENTS_LOST_COUNTERS})
         yield family_of(metrics.EXPORTER_BPF_MISSES, misses)
+        yield family_of(metrics.EXPORTER_RETURNS_MISSED, {(node,): counters.get("RETURNS_MISSED", 0)})
         if self.tcp is not None:
             yield family_of(metrics.EXPORTER_RETRANSMITS_MISSED, {(node,): tcp_source.retransmits_missed(counters)})
         if self.spans is not None:

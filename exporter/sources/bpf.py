@@ -220,32 +220,23 @@ class Teardown:
     many threads close them. A forked child holds a reference to every BPF and
     perf-event descriptor of this process (and closes all others at once), so
     that this process's own closes are quick; when this process has closed its
-    references (`release()`, or its exit), the child closes them one by one —
-    the kernel detaches in those closes, which nobody waits for — and then
-    releases LOCK. The programs are
-    inert meanwhile: nothing reads their maps or ring buffers. Meant for
+    references (`release()`, or its exit), the child closes them one by one:
+    the kernel detaches in those closes, which nobody waits for. The programs
+    are inert meanwhile: nothing reads their maps or ring buffers. Meant for
     processes about to end (`trace`, `run`): the child outlives them by those
-    seconds, with no open socket or file but those descriptors."""
+    seconds, with no open socket or file but those descriptors. A new agent
+    need not wait for it: its probes are its own, and its uretprobes are
+    attached before its uprobes (sources/nccl/probes.py; bench/README.md,
+    "Stopping", tells what was wrongly blamed on this overlap)."""
 
     KINDS = ("anon_inode:[perf_event]", "anon_inode:bpf-map", "anon_inode:bpf-prog",
              "anon_inode:bpf_link", "anon_inode:bpf-link")
-    # Held (shared) by every child until its last descriptor is closed; an agent that
-    # starts takes it (exclusive) before it attaches anything (wait_for_teardowns): a
-    # uprobe registered at an address whose old uprobe is still being removed was seen
-    # never to fire (bench/README.md, "Stopping").
-    LOCK = "/run/lock/nccl-exporter-detach.lock"
 
     def __init__(self):
-        import fcntl
         import os
 
         self.pid = None
         self._w = None
-        try:
-            lock = os.open(self.LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            fcntl.flock(lock, fcntl.LOCK_SH)
-        except OSError:
-            return  # no lock, no hand-off: the caller detaches itself, as before
         keep = []
         for name in os.listdir("/proc/self/fd"):
             try:
@@ -254,7 +245,6 @@ class Teardown:
             except (OSError, ValueError):
                 continue
         if not keep:
-            os.close(lock)
             return
         r, w = os.pipe()
         pid = os.fork()
@@ -265,7 +255,7 @@ class Teardown:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 low = 0
-                for fd in sorted(set(keep) | {r, lock}):
+                for fd in sorted(set(keep) | {r}):
                     os.closerange(low, fd)
                     low = fd + 1
                 os.closerange(low, 1 << 20)
@@ -275,11 +265,9 @@ class Teardown:
                         os.close(fd)
                     except OSError:
                         pass
-                os.close(lock)  # only now may a new agent attach
             finally:
                 os._exit(0)
         os.close(r)
-        os.close(lock)  # the child's copy keeps the shared lock
         self.pid, self._w = pid, w
 
     def release(self) -> None:
@@ -294,27 +282,6 @@ class Teardown:
                 os.waitpid(self.pid, os.WNOHANG)  # reaped by init if still running
             except ChildProcessError:
                 pass
-
-
-def wait_for_teardowns(log=None) -> None:
-    """Wait until every Teardown child on this host has closed its last descriptor (their
-    shared lock), before this process attaches anything (Teardown.LOCK says why)."""
-    import fcntl
-    import os
-    import time
-
-    try:
-        lock = os.open(Teardown.LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return
-    try:
-        t0 = time.monotonic()
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if log is not None and time.monotonic() - t0 > 0.5:
-            log.info("waited %.1f s for a stopped agent's probes to be detached",
-                     time.monotonic() - t0)
-    finally:
-        os.close(lock)
 
 
 def set_tracepoint(bpf, tp: str, on: bool, fn_name: str | None = None) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from exporter.records import contract, histogram
 from exporter.records.events import format_comm
-from exporter.sources.bpf import ClockOffset, Program, RingWaiter, wait_for_teardowns
+from exporter.sources.bpf import ClockOffset, Program, RingWaiter
 from exporter.sources.loader import LoaderSource
 from exporter.sources.nccl import libfind
 from exporter.sources.nccl.probes import NcclProbes
@@ -134,7 +134,6 @@ class Agent:
         self._exec: set[int] = set()
         self._scanner = libfind.ProcessScanner()
         self.loaded: list[Source] = []  # the rows of SOURCES loaded, in order
-        wait_for_teardowns(log)  # a stopped agent's probes, still being detached (sources/bpf.py)
         try:
             for row in SOURCES:
                 self._load(row)

@@ -112,8 +112,11 @@ class NcclProbes(Program):
                 continue
             by_address[address] = function
             try:
-                self.bpf.attach_uprobe(name=path, addr=address, fn_name=entry_stub(op, layout))
+                # The return probe first: a call that enters once the entry probe
+                # is attached must find its return probe there too (a call with
+                # no return seen is recovered only at the thread's next call).
                 self.bpf.attach_uretprobe(name=path, addr=address, fn_name="on_return")
+                self.bpf.attach_uprobe(name=path, addr=address, fn_name=entry_stub(op, layout))
             except Exception as e:
                 report.failed[function] = str(e)
                 continue
