@@ -83,7 +83,7 @@ class Scrape:
 
 
 def job_comm(records) -> str:
-    (h,) = {hashing.comm_id_hash(bytes.fromhex(r["uid"]))
+    (h,) = {hashing.nccl_comm_hash(bytes.fromhex(r["uid"]))
             for r in lifecycle(records) if r["op"] == "COMM_INIT_RANK" and r["result"] == 0}
     return hashing.format_hash(h)
 

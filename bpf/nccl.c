@@ -49,6 +49,8 @@ struct series_stats {
     u64 sum_ns;
     u64 last_ns;    // CLOCK_MONOTONIC of the latest return counted here (`hang`,
                     // nccl_collective_last_return_timestamp_seconds)
+    u64 next_seq;   // NCCL's seqNumber + 1 of the latest call the plugin numbered (0:
+                    // none): an agent that attached mid-job counts from NCCL's numbers
     u64 buckets[HIST_SLOTS];
 };
 
@@ -57,28 +59,12 @@ struct error_key {
     s32 result;
 };
 
-struct comm_key {
-    u32 tgid;
-    u32 pad;
-    u64 comm;  // the ncclComm_t pointer value in that process
-};
-
-struct comm_info {
-    u64 comm_hash;
-    u64 nccl_hash;  // NCCL's commHash; 0: unknown (a split of a parent never seen made)
-    u64 splits;     // ncclCommSplit calls made on this comm (child id input)
-    u64 shrinks;    // ncclCommShrink / ncclCommGrow calls made on this comm (child id input)
-    s32 rank;
-    s32 nranks;
-};
-
-
 // The last ncclCommGetAsyncError result of a communicator (docs/metrics.md,
 // "NCCL 2.28–2.32 calls"). The
 // watchdog of PyTorch polls it many times a second: each poll only updates
 // this entry (no event); user space exports the result and the poll count.
 struct async_state {
-    u64 comm_hash;   // the communicator's identity at the last poll (0: unknown)
+    u64 comm_hash;   // the communicator's `comm` label at the last poll (0: unknown)
     u64 nccl_hash;
     s32 rank;
     s32 nranks;
@@ -137,16 +123,8 @@ BPF_ARRAY(series_threshold, u64, SERIES_SLOTS);
 // on the error path, ~65 ns cheaper than the hash), any other value in the hash.
 BPF_ARRAY(call_errors_fast, u64, OP_COUNT * ERROR_RESULTS);
 BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
-BPF_HASH(communicators, struct comm_key, struct comm_info, MAX_COMMS);
 // (process, communicator pointer) -> its async error state (ncclCommGetAsyncError).
 BPF_HASH(async_errors, struct comm_key, struct async_state, MAX_COMMS);
-// Traced processes: those that use NCCL. Value: the process's rank (launcher
-// RANK/SLURM_PROCID/..., else its world communicator rank; -1 unknown),
-// written by user space; a process is added here by its first NCCL call too.
-// It labels calls on a communicator the agent never saw created, and the
-// kernel-side probes (bpf/tcp.c, bpf/sched.c) look only at these processes.
-// Bumped whenever a communicator or a launcher rank is learnt or forgotten.
-BPF_ARRAY(comm_generation, u64, 1);
 // Per-op slow-call threshold in ns (0: off); index OP_COUNT: 1 = every call.
 BPF_ARRAY(event_config, u64, OP_COUNT + 1);
 // All zeros, never written: a new thread's slot (too big for the stack).
@@ -318,6 +296,7 @@ static __always_inline struct call *begin(struct pt_regs *ctx, u32 op, u32 *tid_
     c->out = 0;
     c->nested_out = 0;
     c->seq = 0;
+    c->nccl_seq = 0;
     c->aux = 0;
     c->stream_arg = 0;
     c->runq_wait_ns = 0;
@@ -333,13 +312,6 @@ static __always_inline struct call *begin(struct pt_regs *ctx, u32 op, u32 *tid_
     c->color = -1;
     c->op = op;
     return c;
-}
-
-static __always_inline void bump_generation(void) {
-    u32 zero = 0;
-    u64 *g = comm_generation.lookup(&zero);
-    if (g)
-        __sync_fetch_and_add(g, 1);
 }
 
 // Attach the communicator's identity to a call, from the thread's cache when
@@ -688,7 +660,7 @@ static __always_inline void async_update(struct call *c) {
     struct comm_key k = {.tgid = bpf_get_current_pid_tgid() >> 32, .comm = c->comm};
     struct async_state *st = async_errors.lookup(&k);
     if (!st) {
-        struct async_state fresh = {.comm_hash = c->comm_hash, .nccl_hash = c->nccl_hash,
+        struct async_state fresh = {.comm_hash = comm_label(c->comm_hash, c->nccl_hash), .nccl_hash = c->nccl_hash,
                                     .rank = c->rank, .nranks = c->nranks, .result = v,
                                     .polls = 1, .changed_ns = now, .last_ns = now};
         if (async_errors.insert(&k, &fresh) != 0) {
@@ -708,7 +680,7 @@ static __always_inline void async_update(struct call *c) {
         st->changed_ns = now;
     }
     st->last_ns = now;
-    st->comm_hash = c->comm_hash;  // learnt since (a split child's rank, ...)
+    st->comm_hash = comm_label(c->comm_hash, c->nccl_hash);  // learnt since (a split child's rank, ...)
     st->nccl_hash = c->nccl_hash;
     st->rank = c->rank;
     st->nranks = c->nranks;
@@ -823,7 +795,7 @@ static __always_inline void emit(struct call *c, u32 kind, u32 tid, u64 end, s32
     e->start_ns = c->start_ns;
     e->end_ns = end;
     e->comm = c->comm;
-    e->comm_hash = c->comm_hash;
+    e->comm_hash = comm_label(c->comm_hash, c->nccl_hash);  // the `comm` label
     e->nccl_hash = c->nccl_hash;
     e->count = c->count;
     e->bytes = c->count * datatype_size(c->datatype);
@@ -881,7 +853,7 @@ static __always_inline int same_key(struct series_key *a, struct series_key *b) 
 // When series_index is full the call is counted in its op's overflow series.
 static __always_inline s32 account(struct call *c, u64 duration) {
     u32 op = c->op & (OP_COUNT - 1);
-    struct series_key key = {.comm_hash = c->comm_hash, .rank = c->rank,
+    struct series_key key = {.comm_hash = comm_label(c->comm_hash, c->nccl_hash), .rank = c->rank,
                              .nranks = c->nranks, .op = op};
     if (c->rank < 0)
         key.pid = bpf_get_current_pid_tgid() >> 32;
@@ -919,6 +891,11 @@ static __always_inline s32 account(struct call *c, u64 duration) {
     // sequence of collectives on it. The fetch-and-add returns it, so two
     // threads on one series never share a number.
     c->seq = __sync_fetch_and_add(&s->calls, 1);
+    if (c->nccl_seq) {  // NCCL's own number (the plugin, bpf/plugin.c): equal on every
+        c->seq = c->nccl_seq - 1;  // rank whenever its agent attached
+        if (c->nccl_seq > s->next_seq)
+            s->next_seq = c->nccl_seq;
+    }
     __sync_fetch_and_add(&s->bytes, c->count * datatype_size(c->datatype));
     __sync_fetch_and_add(&s->sum_ns, duration);
     __sync_fetch_and_add(&s->buckets[b], 1);

@@ -221,11 +221,53 @@ static __always_inline void set_flight(struct gpu_flight_key *k, struct nx_recor
         drop(PD_INFLIGHT_FULL);
 }
 
+#define NX_KIND_COLL 1
+
+// The record of an operation being enqueued names its communicator as NCCL
+// knows it (commHash, rank, size), and for a collective its seqNumber; the
+// plugin makes it on the thread that is inside the NCCL call enqueuing it
+// (an eager call: NCCL's hostStreamPlanTask runs before the call returns),
+// whose ncclComm_t pointer that thread's call slot holds (bpf/nccl.c). A
+// communicator the agent did not see made (no entry, or a local id: the agent
+// attached mid-job) gets NCCL's identity from this call on, and the call is
+// numbered with NCCL's seqNumber (docs/communicators.md, "Communicators made
+// before the agent"). Calls inside ncclGroupStart/End are not matched (the
+// thread is in ncclGroupEnd, another op).
+static __always_inline void bind_call(struct nx_record *r) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct call *c = call_slot((u32)id);
+    if (!c || c->op != r->op || !c->op || !c->start_ns || !c->comm || !r->comm_hash || r->nranks <= 0)
+        return;
+    if (r->kind == NX_KIND_COLL)
+        c->nccl_seq = r->seq + 1;
+    if (c->nccl_hash)
+        return;  // named already (seen made, or bound by an earlier record)
+    struct comm_key k = {.tgid = id >> 32, .comm = c->comm};
+    struct comm_info *info = communicators.lookup(&k);
+    if (info && info->nccl_hash)
+        return;
+    struct comm_info n = {.comm_hash = r->comm_hash, .nccl_hash = r->comm_hash,
+                          .rank = r->rank, .nranks = r->nranks};
+    if (info) {  // keep what names its children (a local id's splits)
+        n.comm_hash = info->comm_hash ? info->comm_hash : r->comm_hash;
+        n.splits = info->splits;
+        n.shrinks = info->shrinks;
+    }
+    communicators.update(&k, &n);
+    bump_generation();  // every thread re-reads its cached identity
+    // this call too: it is accounted at its return
+    c->comm_hash = n.comm_hash;
+    c->nccl_hash = n.nccl_hash;
+    c->rank = n.rank;
+    c->nranks = n.nranks;
+}
+
 int on_coll_queued(struct pt_regs *ctx) {
     struct nx_record r = {};
     struct gpu_flight_key k = {};
     if (!read_record(ctx, &r, &k))
         return 0;
+    bind_call(&r);
     u64 enqueue = r.host_enqueue_mono_ns ? r.host_enqueue_mono_ns : r.host_event_mono_ns;
     set_flight(&k, &r, NX_STATE_QUEUED, enqueue, 0);
     return 0;

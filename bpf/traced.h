@@ -35,6 +35,8 @@ struct call {
     u64 out;         // ncclComm_t* / int* the call writes its result to
     u64 nested_out;  // ncclUniqueId* of an inner ncclGetUniqueId
     u64 seq;         // this rank's n-th call of this op on this comm (from 1)
+    u64 nccl_seq;    // NCCL's seqNumber of this collective + 1, from the profiler
+                     // plugin's record while the call runs (bpf/plugin.c); 0: none
     u64 aux;         // split: parent's split sequence number
     u64 sp;          // stack pointer at entry: stack arguments are read lazily
     // The communicator this thread used last, valid while comm_generation is
@@ -79,6 +81,45 @@ SHARED_TABLE("array", u32, u64, traced_threads, PID_WORDS);
 SHARED_TABLE("hash", u32, u64, proxy_wait, MAX_PROCESSES);
 // Drops and losses, one slot per CNT_* (exporter/records/contract.py).
 SHARED_TABLE("array", u32, u64, counters, CNT_SLOTS);
+
+// The communicators the agent knows, per process and ncclComm_t pointer:
+// filled by bpf/nccl.c when it sees one made, by user space for one first
+// seen mid-job (a local id, docs/communicators.md), and by bpf/plugin.c from
+// the profiler plugin's records (NCCL's own commHash, rank and size).
+struct comm_key {
+    u32 tgid;
+    u32 pad;
+    u64 comm;  // the ncclComm_t pointer value in that process
+};
+
+struct comm_info {
+    u64 comm_hash;  // the agent's id of the communicator: input of its children's ids
+    u64 nccl_hash;  // NCCL's commHash, the `comm` label; 0: unknown (a local id,
+                    // a grown communicator, a split of a parent never seen made)
+    u64 splits;     // ncclCommSplit calls made on this comm (child id input)
+    u64 shrinks;    // ncclCommShrink / ncclCommGrow calls made on this comm (child id input)
+    s32 rank;
+    s32 nranks;
+};
+
+SHARED_TABLE("hash", struct comm_key, struct comm_info, communicators, MAX_COMMS);
+// Bumped whenever a communicator or a launcher rank is learnt or forgotten:
+// threads cache their communicator's identity until it changes.
+SHARED_TABLE("array", u32, u64, comm_generation, 1);
+
+static __always_inline void bump_generation(void) {
+    u32 zero = 0;
+    u64 *g = comm_generation.lookup(&zero);
+    if (g)
+        __sync_fetch_and_add(g, 1);
+}
+
+// The `comm` label of a communicator (docs/communicators.md): NCCL's commHash
+// where known, which every agent computes alike from the unique id and the
+// plugin reports, else the agent's own id (a local id, a grown communicator).
+static __always_inline u64 comm_label(u64 comm_hash, u64 nccl_hash) {
+    return nccl_hash ? nccl_hash : comm_hash;
+}
 
 // The inflight_fast slot for a thread id's low bits, whoever holds it.
 static __always_inline struct call *fast_slot(u32 tid) {

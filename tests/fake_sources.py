@@ -29,8 +29,8 @@ from exporter.sources.tcp import MAP_CAPACITY as TCP_MAPS
 # only communicators and in-flight work of living processes).
 PID = 4242
 NOW_NS = 10_000_000_000_000  # the fixed CLOCK_MONOTONIC of a golden scrape
-COMM = 0xC0FFEE  # the agent's communicator id
-NCCL_HASH = 0x1234_5678_9ABC_DEF0  # NCCL's commHash of it
+NCCL_HASH = 0x1234_5678_9ABC_DEF0  # NCCL's commHash of the fake job's communicator
+COMM = NCCL_HASH  # its `comm` label (docs/communicators.md)
 
 
 def _buckets(n: int, *hits: tuple[int, int]) -> tuple[int, ...]:
@@ -78,7 +78,6 @@ class FakeNcclReader:
 
     def __init__(self):
         self.probes = FakeProbes()
-        self.comm_ids = {NCCL_HASH: COMM}
         # CLOCK_MONOTONIC -> wall clock at a fixed offset: the last-return gauge is reproducible
         self.clock = SimpleNamespace(to_realtime=lambda ns: ns + WALL_OFFSET_NS)
         slots = histogram.DURATION.slots
@@ -189,7 +188,7 @@ class FakePlugin(FakeProgram):
 class FakeSpans:
     """SpanSink's surface: exemplars and span counts."""
 
-    exemplars = {("ALL_REDUCE", "0000000000c0ffee", 0): ("4bf92f3577b34da6a3ce929d0e0e4736", 187_000_000, 1.7e9)}
+    exemplars = {("ALL_REDUCE", f"{COMM:016x}", 0): ("4bf92f3577b34da6a3ce929d0e0e4736", 187_000_000, 1.7e9)}
 
     def counts(self):
         return {"exported": 2, "dropped": 0}

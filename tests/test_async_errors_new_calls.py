@@ -173,15 +173,14 @@ def test_async_error_after_a_peer_dies_on_the_simulator(tmp_path, bpf, netns):
         # ncclCommShrink: a child equal on every survivor, ranks renumbered.
         from exporter.sources.nccl import hashing
         parent = states[pids[0]]
-        want_hash = hashing.shrink_comm_id_hash(parent.comm_hash, 0)
+        want_hash = hashing.shrink_nccl_comm_hash(parent.nccl_hash)  # the `comm` label
         for new_rank, r in enumerate(survivors):
             handle = int((rdv / f"child.{r}").read_text())
             child = [c for c in reader.communicators() if c.pid == pids[r] and c.handle == handle]
             assert len(child) == 1, reader.communicators()
             assert child[0].comm_hash == want_hash
             assert (child[0].rank, child[0].nranks) == (new_rank, nranks - 1)
-            if parent.nccl_hash:
-                assert child[0].nccl_hash == hashing.shrink_nccl_comm_hash(parent.nccl_hash)
+            assert child[0].nccl_hash == want_hash
             # The child polls healthy while the parent stays in error.
             assert states[pids[r]].result == "ncclRemoteError"
             kids = [a for a in reader.async_errors() if a.pid == pids[r] and a.handle == handle]

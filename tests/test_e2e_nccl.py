@@ -32,9 +32,10 @@ PROBE_SLACK_NS = 5_000_000
 pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
 
-def expected_comm_hashes(records, nccl: bool = False) -> dict[tuple[int, int], int]:
-    """(pid, comm handle) -> comm_id_hash (nccl: NCCL's own commHash), from the
-    lifecycle ground truth."""
+def expected_comm_hashes(records, nccl: bool = True) -> dict[tuple[int, int], int]:
+    """(pid, comm handle) -> the `comm` label, NCCL's own commHash (nccl=False:
+    the agent's own id, what names children internally), from the lifecycle
+    ground truth."""
     root = hashing.nccl_comm_hash if nccl else hashing.comm_id_hash
     out: dict[tuple[int, int], int] = {}
     for r in sorted(lifecycle(records), key=lambda r: r["start_mono_ns"]):
@@ -157,7 +158,7 @@ def test_communicator_identity_and_hang_then_kill(simulator_lib, tmp_path):
             records = load_truth(tmp_path / "truth")
             uid = bytes.fromhex(lifecycle(records, op="COMM_INIT_RANK")[0]["uid"])
             info = exporter.samples(families, metrics.COMMUNICATOR_INFO)
-            assert {s.labels["comm"] for s in info} == {hashing.format_hash(hashing.comm_id_hash(uid))}
+            assert {s.labels["comm"] for s in info} == {hashing.format_hash(hashing.nccl_comm_hash(uid))}
             assert {s.labels["nccl_comm_hash"] for s in info} == {
                 hashing.format_hash(hashing.nccl_comm_hash(uid))}
             assert sorted(s.labels["rank"] for s in info) == ["0", "1", "2", "3"]
@@ -236,7 +237,7 @@ def test_comm_init_all_counts_once_and_names_its_communicators(simulator_lib, tm
     # ncclCommInitAll calls ncclGetUniqueId inside the library: one call, not two.
     assert life == {"COMM_INIT_ALL": 1}
     (record,) = load_truth(truth)
-    want = hashing.format_hash(hashing.comm_id_hash(bytes.fromhex(record["uid"])))
+    want = hashing.format_hash(hashing.nccl_comm_hash(bytes.fromhex(record["uid"])))
     info = exporter.samples(families, metrics.COMMUNICATOR_INFO)
     assert sorted((s.labels["comm"], s.labels["rank"], s.labels["nranks"]) for s in info) == [
         (want, "0", "3"), (want, "1", "3"), (want, "2", "3")]

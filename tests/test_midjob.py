@@ -166,3 +166,93 @@ def test_trace_started_mid_job_names_the_straggler(workload):
             trace.kill()
             trace.wait()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _identity(text: str) -> tuple[dict, dict]:
+    """From a scrape: the label sets (family, op, comm, rank) of the job's
+    AllReduce series, host and GPU, and of its communicators (comm,
+    nccl_comm_hash, rank, nranks, pid); and each rank's last seq."""
+    from conftest import parse_metrics
+    from exporter.records import metrics
+
+    labels, seqs = set(), {}
+    for s in parse_metrics(text):
+        if s.name in (metrics.COLLECTIVE_DURATION + "_count", metrics.GPU_DURATION + "_count") and \
+                s.labels["op"] == "ALL_REDUCE":
+            labels.add((s.name, s.labels["comm"], s.labels["rank"]))
+        elif s.name == metrics.COMMUNICATOR_INFO:
+            labels.add((s.name, s.labels["comm"], s.labels["nccl_comm_hash"], s.labels["rank"],
+                        s.labels["nranks"], s.labels["pid"]))
+        elif s.name == metrics.COLLECTIVE_LAST_SEQ and s.labels["op"] == "ALL_REDUCE":
+            seqs[(s.labels["comm"], s.labels["rank"])] = s.value
+    return labels, seqs
+
+
+@pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: tests/conftest.py
+def test_agent_attached_mid_gpu_job_labels_like_one_there_from_the_start():
+    """The simulator's GPU-like mode with the profiler plugin: an agent
+    attached 5 s into a 4-rank job (`run --db`) labels every series with the
+    comm and rank an agent there from the start gives (NCCL's commHash, the
+    communicator's ranks: bpf/plugin.c binds the call's communicator from the
+    plugin's record) and counts seqs from NCCL's numbers; on its recording,
+    `explain` names the straggler and `stragglers` lists it first, on the
+    communicator itself (no call-sequence alignment needed)."""
+    from conftest import ExporterProcess
+    from exporter.simulator.build import build_library
+    from exporter.simulator.cluster import Cluster, cleanup_stale, start_job
+    from exporter.sources.nccl import hashing
+    from exporter.sources.plugin.build import build_plugin
+
+    work = Path(tempfile.mkdtemp(prefix="nccl-midjob-gpu-"))
+    cleanup_stale()
+    lib = build_library(work / "lib")
+    env = {"NCCL_SIM_GPU": "1", "NCCL_SIM_GPU_KERNEL_US": "500", "NCCL_PROFILER_PLUGIN": str(build_plugin())}
+    db = work / "late.db"
+    try:
+        with ExporterProcess(nccl_libs=[lib], node="n") as early, Cluster(4) as cluster:
+            delays = {r: 2 for r in range(4)}
+            delays[STRAGGLER] += 30
+            job = start_job(cluster, lib, "allreduce", iterations=1500, rendezvous_dir=work / "rdv",
+                            truth_dir=work / "truth", count=1024, compute_delay_ms=delays, extra_env=env)
+            try:
+                time.sleep(5)
+                assert all(rc is None for rc in job.poll()), job.result().summary()
+                with ExporterProcess(nccl_libs=[lib], node="n", extra_args=["--db", str(db)]) as late:
+                    deadline = time.monotonic() + 20
+                    while True:
+                        want, want_seq = _identity(early.text())
+                        got, got_seq = _identity(late.text())
+                        if got == want or time.monotonic() > deadline:
+                            break
+                        time.sleep(1)
+                    time.sleep(3)  # recording a few more seconds
+                from exporter.simulator.truth import load_truth
+                uid = bytes.fromhex(next(r for r in load_truth(work / "truth")
+                                         if r.get("op") == "COMM_INIT_RANK")["uid"])
+            finally:
+                job.kill()
+        world = hashing.format_hash(hashing.nccl_comm_hash(uid))
+        assert got == want, (sorted(got ^ want), sorted(want))
+        info = sorted((lbl[1], lbl[2], lbl[3], lbl[4]) for lbl in want if lbl[0].endswith("info"))
+        assert info == [(world, world, str(r), "4") for r in range(4)], info
+        assert {lbl[1] for lbl in want if lbl[0].endswith("_count")} == {world}
+        assert len([lbl for lbl in want if lbl[0].endswith("_count")]) == 8  # host and GPU, 4 ranks
+        # NCCL's seqNumber, not the count since the late agent attached
+        assert set(got_seq) == set(want_seq) and \
+            all(abs(got_seq[k] - want_seq[k]) <= 3 for k in want_seq), (got_seq, want_seq)
+
+        conn = sqlite3.connect(db)
+        comms = dict(conn.execute("SELECT comm_id_hash, COUNT(*) FROM nccl_events WHERE op = 'ALL_REDUCE' "
+                                  "GROUP BY comm_id_hash").fetchall())
+        conn.close()
+        assert comms.get(world, 0) >= 0.9 * sum(comms.values()), comms
+        r = run_cli("explain", str(db))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"straggler: rank {STRAGGLER} on "), r.stdout
+        r = run_cli("stragglers", str(db), "--format", "json")
+        assert r.returncode == 0, r.stderr
+        rows = json.loads(r.stdout)
+        assert rows[0]["rank"] == STRAGGLER and rows[0]["last_pct"] >= 80, rows[:4]
+        assert rows[0]["comm"] == world, rows[0]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -222,14 +222,15 @@ def test_inflight_ages_queued_running_and_abandoned(bins, sources):
     assert sum(s.calls for s in plugin.series()) == 1
 
 
-def test_comm_label_is_the_host_series_id_when_known():
-    from exporter.sinks.prometheus import gpu_comm_labels, gpu_families
+def test_gpu_comm_label_is_nccls_commhash_as_on_host_series():
+    """The GPU series' comm is NCCL's commHash, the label the host series of
+    the same communicator carry (docs/communicators.md): nothing to match,
+    and nothing changes when the job's communicators are gone."""
+    from exporter.sinks.prometheus import gpu_families
     from exporter.records.events import GpuInflight, GpuSeries, PluginProcess
 
-    comms = [Communicator(pid=1, handle=0x10, comm_hash=0x0123456789ABCDEF, nccl_hash=0x1111222233334444,
-                          rank=2, nranks=4),
-             Communicator(pid=1, handle=0x20, comm_hash=0xFEDC, nccl_hash=0, rank=0, nranks=2)]
-    assert gpu_comm_labels(comms) == {0x1111222233334444: "0123456789abcdef"}
+    comms = [Communicator(pid=1, handle=0x10, comm_hash=0x1111222233334444, nccl_hash=0x1111222233334444,
+                          rank=2, nranks=4)]
 
     class FakePlugin:
         def series(self):
@@ -244,31 +245,16 @@ def test_comm_label_is_the_host_series_id_when_known():
             return [PluginProcess(pid=os.getpid(), first_seen_ns=0, last_seen_ns=0, comms=1, dropped=0,
                                   iface_version=7)]
 
-    text = _exposition(gpu_families("n1", FakePlugin(), comms, {os.getpid()}))
-    assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="0123456789abcdef") == 1
-    assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="5555666677778888") == 1
-    assert sample_value(text, "nccl_gpu_inflight_oldest_seconds", comm="0123456789abcdef",
-                        state="running") >= 1.9
+    for live in (comms, []):  # the job's communicators, then none (the job ended, series live on)
+        text = _exposition(gpu_families("n1", FakePlugin(), live, {os.getpid()}))
+        assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="1111222233334444") == 1
+        assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="5555666677778888") == 1
+        assert sample_value(text, "nccl_gpu_inflight_oldest_seconds", comm="1111222233334444",
+                            state="running") >= 1.9
     assert sample_values(text, "nccl_profiler_plugin_active") == [1]
     # no plugin source at all: every traced process is 0
     text = _exposition(gpu_families("n1", None, comms, {os.getpid()}))
     assert sample_values(text, "nccl_profiler_plugin_active") == [0]
-
-    # The job ended (no communicator entries) while its GPU series live on
-    # (--series-ttl): the NCCL reader's memory (learnt from the init events)
-    # keeps the label from flipping to NCCL's hash.
-    from exporter.sources.nccl.maps import NcclReader
-
-    reader = NcclReader(types.SimpleNamespace(bpf=None))
-    reader.comm_ids.update({0x1111222233334444: 0x0123456789ABCDEF, 0x9999: 0x8888})
-    text = _exposition(gpu_families("n1", FakePlugin(), [], set(), known=reader.comm_ids))
-    assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="0123456789abcdef") == 1
-    assert sample_values(text, "nccl_collective_gpu_duration_seconds_count", comm="1111222233334444") == []
-    # the agent's prune keeps the ids of communicators with GPU series or a live entry
-    reader.keep_comm_ids({s.nccl_hash for s in FakePlugin().series()})
-    assert reader.comm_ids == {0x1111222233334444: 0x0123456789ABCDEF}
-    reader.keep_comm_ids(set())  # its series expired too
-    assert reader.comm_ids == {}
 
 
 def test_exporter_serves_gpu_metrics(bins, tmp_path, launch_exporter):

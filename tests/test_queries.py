@@ -223,14 +223,14 @@ def test_every_call_recorded_exactly_once(rec):
 
 
 def test_every_call_carries_both_communicator_hashes(rec):
-    """comm_id_hash and NCCL's own commHash of every recorded call, root and split
-    communicators alike, equal what the ground truth's unique ids give."""
+    """comm_id_hash (the `comm` label) and nccl_comm_hash of every recorded
+    call are NCCL's own commHash, root and split communicators alike, as the
+    ground truth's unique ids give."""
     from exporter.sources.nccl.hashing import format_hash
     from tests.test_e2e_nccl import expected_comm_hashes
 
-    ours = expected_comm_hashes(rec["truth"])
-    nccls = expected_comm_hashes(rec["truth"], nccl=True)
-    want = {(format_hash(ours[key]), format_hash(nccls[key])) for key in ours}
+    nccls = expected_comm_hashes(rec["truth"])
+    want = {(format_hash(h), format_hash(h)) for h in nccls.values()}
     got = set(rows(rec["dbs"]["all"], "SELECT DISTINCT comm_id_hash, nccl_comm_hash FROM nccl_events "
                                       "WHERE kind = 'call' AND pid IN (%s)" % ",".join(map(str, rec["pids"]))))
     assert got == want

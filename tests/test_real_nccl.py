@@ -191,7 +191,7 @@ def test_get_unique_id(traced):
     assert e.op == "GET_UNIQUE_ID"
     assert e.tid == traced.tid
     assert e.result == NCCL_SUCCESS
-    assert e.comm_hash == hashing.comm_id_hash(traced.uid_bytes)
+    assert e.comm_hash == hashing.nccl_comm_hash(traced.uid_bytes)  # the `comm` label
     assert e.nccl_hash == hashing.nccl_comm_hash(traced.uid_bytes)
     assert e.end_ns >= e.start_ns > 0
 
@@ -202,7 +202,7 @@ def test_comm_init_rank_decodes_id_on_stack_and_rank_in_rdx(traced):
     e = traced.only_event("ncclCommInitRank")
     assert e.op == "COMM_INIT_RANK"
     assert e.result == rc  # the uretprobe saw what the caller got
-    assert e.comm_hash == hashing.comm_id_hash(traced.uid_bytes) != 0
+    assert e.comm_hash == hashing.nccl_comm_hash(traced.uid_bytes) != 0
     assert e.nccl_hash == hashing.nccl_comm_hash(traced.uid_bytes) != 0
     assert (e.rank, e.nranks) == (1, 2)
     # A failed init makes no communicator.

@@ -74,6 +74,25 @@ def test_migrates_an_older_database(tmp_path):
     assert c.execute("SELECT COUNT(*), SUM(runq_wait_ns IS NULL) FROM nccl_events").fetchone() == (2, 1)
 
 
+def test_migration_8_names_communicators_by_nccls_commhash(tmp_path):
+    """Rows written when comm_id_hash was the agent's own id take NCCL's
+    commHash where the row knows it (the `comm` label, docs/communicators.md);
+    local ids and rows without NCCL's hash keep theirs."""
+    db = tmp_path / "v7.db"
+    c = sqlite3.connect(db, isolation_level=None)
+    schema.migrate(c, target=7)
+    rows = [("00000000000000ab", "1111222233334444"), ("local-7-1", "unknown"), ("00000000000000cd", None)]
+    for own, nccl in rows:
+        c.execute("INSERT INTO nccl_events (timestamp_ns, duration_ns, op, pid, tid, node, kind, comm_id_hash, "
+                  "nccl_comm_hash) VALUES (1, 2, 'ALL_REDUCE', 1, 1, 'n', 'call', ?, ?)", (own, nccl))
+        c.execute("INSERT INTO communicators (node, pid, comm_id_hash, nccl_comm_hash) VALUES ('n', 1, ?, ?)",
+                  (own, nccl))
+    schema.migrate(c)
+    want = ["0000000000000000cd"[2:], "1111222233334444", "local-7-1"]
+    assert sorted(r[0] for r in c.execute("SELECT comm_id_hash FROM nccl_events")) == want
+    assert sorted(r[0] for r in c.execute("SELECT comm_id_hash FROM communicators")) == want
+
+
 def test_refuses_a_newer_schema(tmp_path):
     db = tmp_path / "new.db"
     c = sqlite3.connect(db)

@@ -30,7 +30,7 @@ OVERFLOW = format_comm(contract.SERIES_OVERFLOW_COMM)
 
 
 def job_comms(records) -> set[str]:
-    return {hashing.format_hash(hashing.comm_id_hash(bytes.fromhex(r["uid"])))
+    return {hashing.format_hash(hashing.nccl_comm_hash(bytes.fromhex(r["uid"])))
             for r in lifecycle(records) if r["op"] == "COMM_INIT_RANK" and r["result"] == 0}
 
 

@@ -47,6 +47,13 @@ class Series:
     buckets: tuple[int, ...]
     slot: int = -1  # index in the kernel's series_stats array
     last_ns: int = 0  # CLOCK_MONOTONIC of the latest return counted (0: none)
+    next_seq: int = 0  # NCCL's seqNumber + 1 of the latest call the plugin numbered (0: none)
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the latest call: NCCL's when the plugin numbered calls (an
+        agent that attached mid-job counts from there), else the count - 1."""
+        return max(self.calls, self.next_seq) - 1
 
 
 @dataclass(frozen=True)

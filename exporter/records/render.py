@@ -165,19 +165,18 @@ def text(event) -> str:
     return " ".join(parts)
 
 
-def gpu_span_attributes(event, comm_id: int | None = None) -> dict:
+def gpu_span_attributes(event) -> dict:
     """OTLP span attributes of a GpuCall, under span_attributes' names where
-    the field is the same (nccl.comm_id_hash: the agent's communicator id when
-    it knows NCCL's commHash), and nccl.clock = "gpu"."""
+    the field is the same (nccl.comm_id_hash, the `comm` label, is NCCL's
+    commHash, as on host spans), and nccl.clock = "gpu"."""
     out = {
-        "nccl.op": event.op, "nccl.clock": "gpu", "nccl.nccl_comm_hash": _plain.comm(event.nccl_hash),
+        "nccl.op": event.op, "nccl.clock": "gpu", "nccl.comm_id_hash": _plain.comm(event.nccl_hash),
+        "nccl.nccl_comm_hash": _plain.comm(event.nccl_hash),
         "nccl.seq": event.seq, "nccl.rank": event.rank,
         "nccl.nranks": event.nranks, "nccl.bytes": event.bytes, "nccl.kind": event.kind,
         "nccl.gpu_duration_ns": event.duration_ns,
         "process.pid": event.pid, "thread.id": event.tid,
     }
-    if comm_id:
-        out["nccl.comm_id_hash"] = _plain.comm(comm_id)
     if event.peer >= 0:
         out["nccl.peer"] = event.peer
     if event.enqueue_ns:

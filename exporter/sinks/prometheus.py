@@ -195,7 +195,7 @@ class NcclCollector:
                 durations.add(key, s.buckets, s.sum_ns / 1e9)
                 nbytes[key] += s.bytes
                 if s.calls and s.comm_hash != contract.SERIES_OVERFLOW_COMM:
-                    last_seq[key] = max(last_seq.get(key, -1), s.calls - 1)
+                    last_seq[key] = max(last_seq.get(key, -1), s.last_seq)
                     if s.last_ns:
                         t = self.nccl.clock.to_realtime(s.last_ns) / 1e9
                         last_return[key] = max(last_return.get(key, 0.0), t)
@@ -279,8 +279,7 @@ class NcclCollector:
             pass
         self.processes.mark_collectives(comms, getattr(self, "_made_collectives", ()))
         yield from gpu_families(self.node, self.plugin, comms, traced | {c.pid for c in comms}, alive,
-                                getattr(self.nccl, "comm_ids", None), self.processes.identity,
-                                self.classic)
+                                self.processes.identity, self.classic)
 
     # --- the exporter itself -------------------------------------------------------------
 
@@ -385,17 +384,6 @@ def sched_families(node: str, sched, rank_of, classic=None) -> list:
     return [runq.family(), family_of(metrics.OFFCPU, offcpu)]
 
 
-def gpu_comm_ids(comms) -> dict[int, int]:
-    """NCCL commHash -> the agent's id of that communicator (bpf/nccl.c's
-    communicators map), where both are known."""
-    return {c.nccl_hash: c.comm_hash for c in comms if c.nccl_hash and c.comm_hash}
-
-
-def gpu_comm_labels(comms) -> dict[int, str]:
-    """NCCL commHash -> the comm label of the host series of that communicator."""
-    return {h: format_comm(c) for h, c in gpu_comm_ids(comms).items()}
-
-
 def plugin_labels(who: dict) -> tuple[str, ...]:
     """nccl_profiler_plugin_active's labels after node and pid, from a
     ProcessTable identity: the pod, the libnccl version, whether it made a
@@ -408,35 +396,28 @@ def pod_labels(who: dict) -> tuple[str, ...]:
     return tuple(who.get(k) or "" for k in metrics.POD)
 
 
-def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, known: dict | None = None,
-                 identity=None, classic=None) -> list:
+def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, identity=None,
+                 classic=None) -> list:
     """The profiler plugin's families: GPU duration histograms, the oldest GPU
-    in-flight ages and nccl_profiler_plugin_active. comm label: the host
-    series' id when the agent saw the communicator made, else NCCL's commHash
-    (16 hex digits). plugin None (not loaded): every traced process is 0.
-    `known`: commHash -> the agent's communicator id, remembered by the
-    NCCL reader from the init events (the job's processes may be gone while
-    its GPU series live on for --series-ttl); read, never changed here.
-    `identity`: pid -> the ProcessTable's dict (pod, libnccl_version,
-    collectives labels; None: all empty)."""
+    in-flight ages and nccl_profiler_plugin_active. comm label: NCCL's
+    commHash in 16 hex digits, the host series' label of the same
+    communicator (docs/communicators.md). plugin None (not loaded): every
+    traced process is 0. `identity`: pid -> the ProcessTable's dict (pod,
+    libnccl_version, collectives labels; None: all empty)."""
     is_alive = is_alive or alive_checker()
-    labels = {h: format_comm(c) for h, c in {**(known or {}), **gpu_comm_ids(comms)}.items()}
-
-    def comm_of(nccl_hash: int) -> str:
-        return labels.get(nccl_hash) or f"{nccl_hash:016x}"
 
     durations = Histograms(metrics.GPU_DURATION, histogram.DURATION, classic)
     oldest: dict[tuple, float] = {}
     with_plugin: set[int] = set()
     if plugin is not None:
         for s in plugin.series():
-            durations.add((node, s.op, comm_of(s.nccl_hash), rank_label(s.rank)),
+            durations.add((node, s.op, format_comm(s.nccl_hash), rank_label(s.rank)),
                           s.buckets, s.sum_ns / 1e9)
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         for f in plugin.inflight():
             if not is_alive(f.pid):
                 continue  # the agent's loop forgets it
-            key = (node, f.op, comm_of(f.nccl_hash), rank_label(f.rank), f.state)
+            key = (node, f.op, format_comm(f.nccl_hash), rank_label(f.rank), f.state)
             oldest[key] = max(oldest.get(key, 0.0), max(0, now - f.since_ns) / 1e9)
         with_plugin = {p.pid for p in plugin.processes() if is_alive(p.pid)}
     def key(pid: int) -> tuple:

@@ -148,11 +148,8 @@ class SpanSink:
     def __init__(self, node: str, exporter: SpanExporter, processes, settle_s: float = 0.3,
                  max_pending: int = 10_000, max_queue: int = 8192, slow=None,
                  prune_interval_s: float = 10.0, exemplar_keep_s: float = 600.0,
-                 proc: str = "/proc", comm_id_of=None, gpu_slow=None):
+                 proc: str = "/proc", gpu_slow=None):
         self.node = node
-        # NCCL commHash -> the agent's communicator id (NcclReader.comm_ids.get):
-        # GPU spans then share the trace of the host call; else NCCL's hash.
-        self.comm_id_of = comm_id_of or (lambda _h: None)
         self.gpu_slow = gpu_slow  # GpuCall -> bool when the kernel sends every GPU operation
         self.processes = processes
         # A callable event -> bool when the kernel sends every call (record-all,
@@ -292,9 +289,9 @@ class SpanSink:
         start = e.start_real_ns
         end = start + e.duration_ns
         tracer = self._provider(e.pid).get_tracer("nccl-exporter", __version__)
-        comm_id = self.comm_id_of(e.nccl_hash)
-        self.ids.local.trace_id = trace_id_for(comm_id or e.nccl_hash, e.op, e.seq)
-        attributes = render.gpu_span_attributes(e, comm_id)
+        # NCCL's commHash is the host spans' comm id too: the GPU span joins their trace.
+        self.ids.local.trace_id = trace_id_for(e.nccl_hash, e.op, e.seq)
+        attributes = render.gpu_span_attributes(e)
         span = tracer.start_span(f"nccl.{e.op}", kind=SpanKind.INTERNAL, start_time=start,
                                  attributes=attributes)
         if e.enqueue_real_ns:

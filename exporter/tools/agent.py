@@ -377,12 +377,8 @@ class Agent:
             freed = self.reader.expire_series(self.config.series_ttl)
             if freed and self.slow is not None:
                 self.slow.forget(freed)
-            gpu = set()
             if self.plugin is not None:
                 self.plugin.forget_dead_processes()
-                gpu = {s.nccl_hash for s in self.plugin.series()}
-            # the GPU series' comm labels outlive the job's communicators, not their own series
-            self.reader.keep_comm_ids(gpu | {c.nccl_hash for c in comms})
         self.processes.forget_dead()
 
     def run_until(self, stop: threading.Event, deadline: float | None = None) -> None:

@@ -14,6 +14,10 @@ from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS
 
 # --- schema ---------------------------------------------------------------------
 
+# A row whose nccl_comm_hash names NCCL's commHash (migration 7 -> 8).
+_KNOWN_NCCL_HASH = ("nccl_comm_hash IS NOT NULL AND nccl_comm_hash NOT IN ('', 'unknown') "
+                    "AND comm_id_hash IS NOT nccl_comm_hash")
+
 # MIGRATIONS[i]: the SQL steps from user_version i to i + 1. Append only:
 # a released step is never edited (databases in the field have run it).
 MIGRATIONS: list[list[str]] = [
@@ -182,6 +186,15 @@ MIGRATIONS: list[list[str]] = [
             bytes           INTEGER NOT NULL,  -- transSize counted in this phase (send_wait, recv_flush_wait); else 0
             node            TEXT
         )""",
+    ],
+    # 7 -> 8: comm_id_hash is the `comm` label, NCCL's commHash where known
+    # (docs/communicators.md): every agent names a communicator alike, whether
+    # it saw it made or learnt it from the profiler plugin. Rows written before
+    # held the agent's own id there; they take NCCL's, so one recording (or a
+    # merge of old and new ones) has one id per communicator.
+    [
+        f"""UPDATE nccl_events SET comm_id_hash = nccl_comm_hash WHERE {_KNOWN_NCCL_HASH}""",
+        f"""UPDATE OR IGNORE communicators SET comm_id_hash = nccl_comm_hash WHERE {_KNOWN_NCCL_HASH}""",
     ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -43,11 +43,6 @@ class NcclReader:
         self.clock = clock or ClockOffset()
         # series key -> (calls, monotonic time it was last active): expire_series
         self._activity: dict[tuple, tuple[int, float]] = {}
-        # NCCL's commHash -> the agent's communicator id, learnt from events
-        # (init, split, ...): the GPU series' comm label after the job's
-        # processes are gone. The agent's prune() keeps the communicators that
-        # still have GPU series or a live entry (keep_comm_ids).
-        self.comm_ids: dict[int, int] = {}
         # False without bpf/sched.c (`--sched totals`): calls' waits are not
         # measured, and events carry None (NULL in recordings), never 0.
         self.sched_waits = True
@@ -56,11 +51,6 @@ class NcclReader:
         self._pending: set[tuple[int, int]] = set()  # named, not yet in the kernel's map
         self.identity = None                    # pid -> launcher identity (the ProcessTable's)
         self._tgids: dict[int, int] = {}        # thread id -> process id
-
-    def keep_comm_ids(self, nccl_hashes: set[int]) -> None:
-        """Forget the commHash -> communicator id of every other communicator."""
-        for h in [h for h in self.comm_ids if h not in nccl_hashes]:
-            del self.comm_ids[h]
 
     def series(self) -> list[Series]:
         """Every series in the kernel: those of series_index, the lifecycle
@@ -84,6 +74,7 @@ class NcclReader:
                     buckets=tuple(v.buckets),
                     slot=slot.value,
                     last_ns=v.last_ns,
+                    next_seq=v.next_seq,
                 )
             )
         # Fixed slots past the capacity: a collective op's overflow series, a
@@ -163,11 +154,13 @@ class NcclReader:
         return out
 
     def communicators(self) -> list[Communicator]:
+        """The kernel's communicators; comm_hash is the `comm` label (NCCL's
+        commHash where known, bpf/traced.h comm_label)."""
         return [
             Communicator(
                 pid=k.tgid,
                 handle=k.comm,
-                comm_hash=v.comm_hash,
+                comm_hash=v.nccl_hash or v.comm_hash,
                 nccl_hash=v.nccl_hash,
                 rank=v.rank,
                 nranks=v.nranks,
@@ -240,6 +233,9 @@ class NcclReader:
         written = 0
         for (tgid, ptr) in sorted(self._pending):
             h, rank, nranks = self._local[(tgid, ptr)]
+            now = table.get(table.Key(tgid, 0, ptr))
+            if now is not None and now.nccl_hash:
+                continue  # the profiler plugin named it meanwhile (bpf/plugin.c bind_call)
             leaf = table.Leaf()
             leaf.comm_hash, leaf.rank, leaf.nranks = h, rank, nranks
             try:
@@ -321,8 +317,6 @@ class NcclReader:
 
     def decode_event(self, data) -> CallEvent:
         e = self.probes["events"].event(data)
-        if e.nccl_hash and e.comm_hash:
-            self.comm_ids[e.nccl_hash] = e.comm_hash
         comm_hash, rank, nranks = e.comm_hash, e.rank, e.nranks
         if not comm_hash and e.comm and e.kind == contract.EVENT_CALL:
             # A communicator made before the agent: its local id from this call on.

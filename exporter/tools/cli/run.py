@@ -278,8 +278,7 @@ def start_tracing(args, cfg, agent, node):
     policy = agent.slow
     sink = SpanSink(node, exporter, agent.processes,
                     slow=agent.slow.is_slow if agent.config.record_all else None,
-                    gpu_slow=(lambda e: e.duration_ns >= policy.threshold_ns(e.op)) if agent.config.record_all else None,
-                    comm_id_of=agent.reader.comm_ids.get)
+                    gpu_slow=(lambda e: e.duration_ns >= policy.threshold_ns(e.op)) if agent.config.record_all else None)
     print(f"spans of slow calls -> {endpoint} (OTLP {protocol})", flush=True)
     return sink
 
