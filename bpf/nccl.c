@@ -747,8 +747,12 @@ static __always_inline void lifecycle_return(struct call *c, s32 result) {
         u64 mixed = splitmix64(c->comm_hash ^ SPLIT_TAG);
         c->comm_hash = splitmix64(mixed ^ (((c->aux & 0xFFFFFFFFULL) << 32) |
                                            ((u64)(u32)c->color)));
-        // NCCL counts splits on the parent from 1 (aux counts from 0).
-        c->nccl_hash = c->nccl_hash ? nccl_split_hash(c->nccl_hash, c->aux + 1, c->color) : 0;
+        // NCCL counts splits on the parent from 1 (aux counts from 0). A parent
+        // the agent did not see made (named from the profiler plugin: its own
+        // id is NCCL's hash) may have been split before: the count is unknown,
+        // and so is the child's hash until the plugin names the child too.
+        int counted = c->nccl_hash && c->comm_hash != c->nccl_hash;
+        c->nccl_hash = counted ? nccl_split_hash(c->nccl_hash, c->aux + 1, c->color) : 0;
         c->comm = child;
         c->rank = -1;  // the child's rank and size depend on every rank's key:
         c->nranks = -1;  // learnt when the program asks (ncclCommUserRank/Count)

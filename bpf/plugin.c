@@ -14,7 +14,10 @@
 //   gpu_start      the entry becomes RUNNING since the GPU start
 //   abandoned      forgets the in-flight entry
 //   comm_init/fini the process has the plugin (plugin_procs: pid -> comms,
-//                  drops; every record hook makes sure the entry exists)
+//                  drops; every record hook makes sure the entry exists);
+//                  plugin_comms: its live communicators (NCCL's identity)
+//   comm_live      the plugin's periodic announcement of a live one:
+//                  plugin_comms (an agent that attached mid-job)
 // In-flight entries of processes that died without a hook are dropped by the
 // agent's loop (forget_dead); the exit tracepoint drops plugin_procs.
 //
@@ -131,6 +134,23 @@ struct plugin_proc {
     u32 pad;
 };
 
+// A live communicator of a process with the plugin, as the plugin announced
+// it (comm_init, and comm_live once a period: an agent that attached
+// mid-job learns communicators made before it, idle ones included).
+struct plugin_comm_key {
+    u32 tgid;
+    u32 pad;
+    u64 comm_hash;  // NCCL's commHash
+};
+
+struct plugin_comm {
+    s32 rank;
+    s32 nranks;
+    s32 nnodes;
+    u32 pad;
+    u64 last_ns;  // CLOCK_MONOTONIC of its last init/announce
+};
+
 // Why something was not counted: slots of plugin_drops.
 #define PD_SERIES_FULL 0
 #define PD_INFLIGHT_FULL 1
@@ -140,11 +160,13 @@ struct plugin_proc {
 #define PD_REJECT_LONG 5      // nccl_exporter_gpu_intervals_rejected_total{reason=...}
 #define PD_REJECT_EARLY 6
 #define PD_REJECT_REVERSED 7
-#define PD_SLOTS 8
+#define PD_COMMS_FULL 8
+#define PD_SLOTS 9
 
 BPF_HASH(gpu_series, struct gpu_key, struct gpu_hist, GPU_MAX_SERIES);
 BPF_HASH(gpu_inflight, struct gpu_flight_key, struct gpu_flight, GPU_MAX_INFLIGHT);
 BPF_HASH(plugin_procs, u32, struct plugin_proc, PLUGIN_MAX_PROCS);
+BPF_HASH(plugin_comms, struct plugin_comm_key, struct plugin_comm, MAX_COMMS);
 BPF_ARRAY(plugin_drops, u64, PD_SLOTS);
 BPF_ARRAY(gpu_zero, struct gpu_hist, 1);  // all zeros, never written
 
@@ -240,16 +262,20 @@ static __always_inline void bind_call(struct nx_record *r) {
         return;
     if (r->kind == NX_KIND_COLL)
         c->nccl_seq = r->seq + 1;
-    if (c->nccl_hash)
-        return;  // named already (seen made, or bound by an earlier record)
+    if (c->nccl_hash == r->comm_hash)
+        return;  // named already: the common case, one compare
     struct comm_key k = {.tgid = id >> 32, .comm = c->comm};
     struct comm_info *info = communicators.lookup(&k);
-    if (info && info->nccl_hash)
+    // Seen made (its own id beside NCCL's): the agent's derivation stands.
+    // Else (a local id, or a guess from the process's only announced
+    // communicator, exporter/sources/nccl/maps.py): NCCL's record wins.
+    if (info && info->nccl_hash && info->comm_hash != info->nccl_hash)
         return;
     struct comm_info n = {.comm_hash = r->comm_hash, .nccl_hash = r->comm_hash,
                           .rank = r->rank, .nranks = r->nranks};
-    if (info) {  // keep what names its children (a local id's splits)
-        n.comm_hash = info->comm_hash ? info->comm_hash : r->comm_hash;
+    // comm_hash == nccl_hash marks it as named by NCCL's record, not seen
+    // made: its split count since its init is unknown (bpf/nccl.c).
+    if (info) {
         n.splits = info->splits;
         n.shrinks = info->shrinks;
     }
@@ -379,6 +405,7 @@ int on_abandoned(struct pt_regs *ctx) {
     return 0;
 }
 
+// delta: 1 init, -1 finalize, 0 an announcement of a live one.
 static __always_inline int on_comm(struct pt_regs *ctx, int delta) {
     struct nx_comm c = {};
     if (bpf_probe_read_user(&c, sizeof(c), (void *)PT_REGS_PARM1(ctx)) ||
@@ -386,10 +413,22 @@ static __always_inline int on_comm(struct pt_regs *ctx, int delta) {
         drop(PD_BAD_RECORD);
         return 0;
     }
-    struct plugin_proc *p = proc_entry(bpf_get_current_pid_tgid() >> 32, c.iface_version);
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u64 now = bpf_ktime_get_ns();
+    struct plugin_comm_key ck = {.tgid = tgid, .comm_hash = c.comm_hash};
+    if (delta < 0) {
+        plugin_comms.delete(&ck);
+    } else {
+        struct plugin_comm pc = {.rank = c.rank, .nranks = c.nranks, .nnodes = c.nnodes, .last_ns = now};
+        if (plugin_comms.update(&ck, &pc))
+            drop(PD_COMMS_FULL);
+    }
+    struct plugin_proc *p = proc_entry(tgid, c.iface_version);
     if (!p)
         return 0;
-    p->last_seen_ns = bpf_ktime_get_ns();
+    if (delta == 0)
+        return 0;  // the count is of inits and finalizes seen
+    p->last_seen_ns = now;
     if (c.iface_version)
         p->iface_version = c.iface_version;
     __sync_fetch_and_add(&p->comms, delta);
@@ -400,6 +439,7 @@ static __always_inline int on_comm(struct pt_regs *ctx, int delta) {
 
 int on_comm_init(struct pt_regs *ctx) { return on_comm(ctx, 1); }
 int on_comm_fini(struct pt_regs *ctx) { return on_comm(ctx, -1); }
+int on_comm_live(struct pt_regs *ctx) { return on_comm(ctx, 0); }
 
 // A process that is gone no longer has the plugin. (Its in-flight entries
 // cannot be found without a map walk: the agent's loop drops them.)

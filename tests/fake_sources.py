@@ -18,7 +18,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 from exporter.records import contract, histogram
-from exporter.records.events import (Communicator, GpuInflight, GpuSeries, InflightCall, PluginProcess,
+from exporter.records.events import (Communicator, GpuInflight, GpuSeries, InflightCall, PluginComm, PluginProcess,
                                      SchedStats, Series, TcpLink, TcpSrtt)
 from exporter.sources.nccl.maps import AsyncState
 from exporter.sources.nccl.probes import MAP_CAPACITY as NCCL_MAPS
@@ -31,6 +31,7 @@ PID = 4242
 NOW_NS = 10_000_000_000_000  # the fixed CLOCK_MONOTONIC of a golden scrape
 NCCL_HASH = 0x1234_5678_9ABC_DEF0  # NCCL's commHash of the fake job's communicator
 COMM = NCCL_HASH  # its `comm` label (docs/communicators.md)
+IDLE_HASH = 0xFEED_0000_0000_0001  # a communicator only the profiler plugin announced
 
 
 def _buckets(n: int, *hits: tuple[int, int]) -> tuple[int, ...]:
@@ -177,6 +178,12 @@ class FakePlugin(FakeProgram):
 
     def processes(self):
         return [PluginProcess(pid=PID, first_seen_ns=1, last_seen_ns=2, comms=1, dropped=0, iface_version=7)]
+
+    def comms(self):
+        # the kernel's communicator (named by a call: shown once), and one no
+        # call has named (idle since before the agent): shown from the announcement
+        return [PluginComm(pid=PID, nccl_hash=NCCL_HASH, rank=0, nranks=2, nnodes=1, last_ns=NOW_NS),
+                PluginComm(pid=PID, nccl_hash=IDLE_HASH, rank=1, nranks=4, nnodes=2, last_ns=NOW_NS)]
 
     def drops(self):
         return {name: 0 for name in DROPS}

@@ -256,3 +256,49 @@ def test_agent_attached_mid_gpu_job_labels_like_one_there_from_the_start():
         assert rows[0]["comm"] == world, rows[0]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: tests/conftest.py
+def test_agent_attached_after_a_gpu_job_hung_knows_its_communicator():
+    """Rank 0 of a GPU-mode job with the plugin stops before its third
+    AllReduce; the others wait on the GPU: no NCCL call or plugin record
+    follows. An agent started then still lists the communicator of every
+    rank, with NCCL's commHash, rank and size, from the plugin's periodic
+    announcement (nccl_exporter_comm_live, docs/plugin.md)."""
+    from conftest import ExporterProcess, parse_metrics
+    from exporter.records import metrics
+    from exporter.simulator.build import build_library
+    from exporter.simulator.cluster import Cluster, cleanup_stale, start_job
+    from exporter.simulator.truth import load_truth
+    from exporter.sources.nccl import hashing
+    from exporter.sources.plugin.build import build_plugin
+
+    work = Path(tempfile.mkdtemp(prefix="nccl-midjob-hung-"))
+    cleanup_stale()
+    lib = build_library(work / "lib")
+    env = {"NCCL_SIM_GPU": "1", "NCCL_SIM_GPU_KERNEL_US": "500", "NCCL_PROFILER_PLUGIN": str(build_plugin())}
+    try:
+        with Cluster(4) as cluster:
+            job = start_job(cluster, lib, "hang", iterations=1, rendezvous_dir=work / "rdv",
+                            truth_dir=work / "truth", count=16, extra_args=["--hang-after", "2"],
+                            extra_env=env)
+            try:
+                time.sleep(3)
+                assert all(rc is None for rc in job.poll()), job.result().summary()
+                with ExporterProcess(nccl_libs=[lib], node="n") as late:
+                    deadline = time.monotonic() + 10
+                    while True:
+                        info = sorted((s.labels["comm"], s.labels["nccl_comm_hash"], s.labels["rank"],
+                                       s.labels["nranks"]) for s in parse_metrics(late.text())
+                                      if s.name == metrics.COMMUNICATOR_INFO)
+                        if len(info) >= 4 or time.monotonic() > deadline:
+                            break
+                        time.sleep(0.5)
+                uid = bytes.fromhex(next(r for r in load_truth(work / "truth")
+                                         if r.get("op") == "COMM_INIT_RANK")["uid"])
+            finally:
+                job.kill()
+        world = hashing.format_hash(hashing.nccl_comm_hash(uid))
+        assert info == [(world, world, str(r), "4") for r in range(4)], info
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -27,7 +27,7 @@ from exporter.sources.nccl.elf import exported_functions, vaddr_to_offset
 from exporter.sources.plugin.build import build_plugin
 from conftest import REPO
 VERSIONS = (4, 5, 6, 7)
-HOOKS = ("coll_queued", "gpu_start", "gpu_done", "abandoned", "comm_init", "comm_fini")  # nccl_exporter_*
+HOOKS = ("coll_queued", "gpu_start", "gpu_done", "abandoned", "comm_init", "comm_fini", "comm_live")  # nccl_exporter_*
 
 # our type name -> NCCL's type name
 TYPE_PAIRS = {f"nxp_descr_v{v}": f"ncclProfilerEventDescr_v{v}_t" for v in VERSIONS}

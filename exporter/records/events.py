@@ -59,9 +59,9 @@ class Series:
 @dataclass(frozen=True)
 class Communicator:
     pid: int
-    handle: int
-    comm_hash: int
-    nccl_hash: int
+    handle: int       # the ncclComm_t pointer in that process (0: announced by the plugin, no call seen)
+    comm_hash: int    # the `comm` label: NCCL's commHash where known (docs/communicators.md)
+    nccl_hash: int    # NCCL's commHash; 0: unknown
     rank: int
     nranks: int
 
@@ -211,7 +211,7 @@ class GpuSeries:
     (earliest KernelCh start .. latest KernelCh stop), as counted in the kernel."""
 
     op: str
-    nccl_hash: int  # NCCL's commHash (the plugin's key; not the agent's comm id)
+    nccl_hash: int  # NCCL's commHash: the `comm` label (docs/communicators.md)
     rank: int
     nranks: int
     calls: int
@@ -269,3 +269,16 @@ class PluginProcess:
     comms: int  # communicators initialised and not finalized
     dropped: int  # the plugin's pool drops (process-wide)
     iface_version: int
+
+
+@dataclass(frozen=True)
+class PluginComm:
+    """A live communicator of a process with the profiler plugin, as the
+    plugin announced it (at init, and once a period: docs/plugin.md)."""
+
+    pid: int
+    nccl_hash: int  # NCCL's commHash: the `comm` label
+    rank: int
+    nranks: int
+    nnodes: int
+    last_ns: int  # CLOCK_MONOTONIC of its last announcement

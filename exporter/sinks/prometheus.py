@@ -23,7 +23,7 @@ from prometheus_client.utils import floatToGoString
 
 from exporter import __version__
 from exporter.records import contract, histogram, metrics
-from exporter.records.events import format_comm
+from exporter.records.events import Communicator, format_comm
 from exporter.sources import sched as sched_source
 from exporter.sources.processes import alive_checker
 from exporter.sources import tcp as tcp_source
@@ -162,7 +162,8 @@ class NcclCollector:
             # Communicators of processes that are gone are not shown; the
             # agent's loop deletes their entries (a scrape only reads).
             alive = alive_checker()
-            comms = [c for c in self.nccl.communicators() if alive(c.pid)]
+            comms = with_announced([c for c in self.nccl.communicators() if alive(c.pid)],
+                                   self.plugin.comms() if self.plugin is not None else (), alive)
             families = [
                 *self._collectives(),
                 *self._errors(),
@@ -382,6 +383,17 @@ def sched_families(node: str, sched, rank_of, classic=None) -> list:
         runq.add(labels, s.buckets, s.sum_ns / 1e9)
         offcpu[labels] += s.offcpu_ns / 1e9
     return [runq.family(), family_of(metrics.OFFCPU, offcpu)]
+
+
+def with_announced(comms, announced, alive) -> list[Communicator]:
+    """The kernel's communicators and those the profiler plugin announced that
+    no call has named yet (an agent that attached mid-job: idle or hung ones,
+    docs/communicators.md), as Communicator records with handle 0."""
+    named = {(c.pid, c.comm_hash) for c in comms}
+    extra = [Communicator(pid=a.pid, handle=0, comm_hash=a.nccl_hash, nccl_hash=a.nccl_hash, rank=a.rank,
+                          nranks=a.nranks)
+             for a in announced if (a.pid, a.nccl_hash) not in named and alive(a.pid)]
+    return list(comms) + sorted(extra, key=lambda c: (c.pid, c.comm_hash))
 
 
 def plugin_labels(who: dict) -> tuple[str, ...]:

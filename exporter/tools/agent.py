@@ -142,6 +142,8 @@ class Agent:
             raise
         self.processes = ProcessTable(self.probes)
         self.reader.identity = self.processes.identity  # launcher rank of a mid-job communicator
+        if self.plugin is not None:  # ... or NCCL's identity, where the plugin announced only one
+            self.reader.announced = self.plugin.comms
         self._found: queue.Queue = queue.Queue()
         # Set once the kernel side is loaded and every library found at start
         # is attached: counting has started (`run` answers /-/ready with 200).

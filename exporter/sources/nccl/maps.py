@@ -50,6 +50,8 @@ class NcclReader:
         self._local: dict[tuple[int, int], tuple[int, int, int]] = {}  # (pid, ptr) -> hash, rank, nranks
         self._pending: set[tuple[int, int]] = set()  # named, not yet in the kernel's map
         self.identity = None                    # pid -> launcher identity (the ProcessTable's)
+        self.announced = None                   # () -> the profiler plugin's PluginComm list
+        self._announced: dict[int, list] = {}   # pid -> its announced communicators, this turn
         self._tgids: dict[int, int] = {}        # thread id -> process id
 
     def series(self) -> list[Series]:
@@ -201,7 +203,7 @@ class NcclReader:
             InflightCall(
                 tid=tid,
                 op=contract.op_name(v.op),
-                comm_hash=v.comm_hash,
+                comm_hash=v.nccl_hash or v.comm_hash,  # the `comm` label (bpf/traced.h comm_label)
                 rank=v.rank,
                 nranks=v.nranks,
                 start_ns=v.start_ns,
@@ -220,6 +222,10 @@ class NcclReader:
         call slots, which keep the communicator each thread used last
         (`cached_comm`; `cached_hash` 0: unknown), read once per loop turn.
         Returns how many were written. For the agent's loop."""
+        self._announced = {}
+        if self.announced is not None:
+            for a in self.announced():
+                self._announced.setdefault(a.pid, []).append(a)
         for tid, v in self._call_slots():
             ptr = v.cached_comm
             if not ptr or v.cached_hash or v.cached_gen == (1 << 64) - 1:
@@ -238,6 +244,8 @@ class NcclReader:
                 continue  # the profiler plugin named it meanwhile (bpf/plugin.c bind_call)
             leaf = table.Leaf()
             leaf.comm_hash, leaf.rank, leaf.nranks = h, rank, nranks
+            if h >> 40 != contract.LOCAL_COMM_TAG:
+                leaf.nccl_hash = h  # NCCL's, from the plugin (own id = NCCL's: a later record may correct it)
             try:
                 table[table.Key(tgid, 0, ptr)] = leaf
                 written += 1
@@ -251,12 +259,20 @@ class NcclReader:
 
     def _name(self, tgid: int, ptr: int) -> tuple[int, int, int] | None:
         """The local id (and rank, nranks) of an unknown communicator, given on first sight.
-        Where it is the process's only communicator (no other known or named
-        one), its rank and size are the launcher's (RANK/WORLD_SIZE,
+        Where the profiler plugin announced exactly one live communicator for
+        the process, that is it: NCCL's commHash, rank and size. Else, where it
+        is the process's only communicator (no other known or named one), its
+        rank and size are the launcher's (RANK/WORLD_SIZE,
         SLURM_PROCID/SLURM_NTASKS, ...); else unknown (-1)."""
         known = {k.comm for k in self.probes["communicators"].keys() if k.tgid == tgid}
         if ptr in known:
             return None
+        only = self._announced.get(tgid, [])
+        if len(only) == 1 and only[0].nranks > 0:
+            a = only[0]
+            self._local[(tgid, ptr)] = got = (a.nccl_hash, a.rank, a.nranks)
+            self._pending.add((tgid, ptr))
+            return got
         n = self._local_next.get(tgid, 0) + 1
         if n > 0xFFFF:
             return None
@@ -270,7 +286,7 @@ class NcclReader:
             # No longer the process's only communicator: which one is the world is
             # unknown, so the first loses the launcher's rank and size too.
             for key, (h, r, _nr) in list(self._local.items()):
-                if key[0] == tgid and r >= 0:
+                if key[0] == tgid and r >= 0 and h >> 40 == contract.LOCAL_COMM_TAG:
                     self._local[key] = (h, -1, -1)
                     self._pending.add(key)
         self._local[(tgid, ptr)] = got = (local_comm_hash(tgid, n), rank, nranks)

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from exporter.records import contract
-from exporter.records.events import GpuCall, GpuInflight, GpuSeries, PluginProcess
+from exporter.records.events import GpuCall, GpuInflight, GpuSeries, PluginComm, PluginProcess
 from exporter.sources.bpf import ClockOffset, Program, ProbeError, forget_dead
 from exporter.sources.nccl import elf
 
@@ -29,21 +29,26 @@ HOOKS = {
     "nccl_exporter_abandoned": "on_abandoned",
     "nccl_exporter_comm_init": "on_comm_init",
     "nccl_exporter_comm_fini": "on_comm_fini",
+    "nccl_exporter_comm_live": "on_comm_live",
 }
+# Hooks a plugin file built before them lacks: attached where present.
+OPTIONAL_HOOKS = {"nccl_exporter_comm_live"}
 STATES = {1: "queued", 2: "running"}
 KINDS = {1: "coll", 2: "p2p"}  # NCCL_EXPORTER_KIND_* (plugin/nccl_exporter_plugin.h)
 # Slots of plugin_drops (PD_* in bpf/plugin.c)
 DROPS = {"gpu_series_full": 0, "gpu_inflight_full": 1, "bad_record": 2, "plugin_procs_full": 3,
-         "no_gpu_time": 4, **{f"rejected_{reason}": 5 + i for i, reason in enumerate(contract.GPU_REJECT_REASONS)}}
+         "no_gpu_time": 4, **{f"rejected_{reason}": 5 + i for i, reason in enumerate(contract.GPU_REJECT_REASONS)},
+         "plugin_comms_full": 8}
 # Capacity of each map this program owns, for nccl_exporter_map_capacity.
 MAP_CAPACITY = {
     "gpu_series": contract.GPU_MAX_SERIES,
     "gpu_inflight": contract.GPU_MAX_INFLIGHT,
     "plugin_procs": contract.PLUGIN_MAX_PROCS,
+    "plugin_comms": contract.MAX_COMMS,
 }
 # (drop slot, map) as exported by nccl_exporter_map_full_total{map=...}
 MAP_FULL = (("gpu_series_full", "gpu_series"), ("gpu_inflight_full", "gpu_inflight"),
-            ("plugin_procs_full", "plugin_procs"))
+            ("plugin_procs_full", "plugin_procs"), ("plugin_comms_full", "plugin_comms"))
 NAME_PREFIX = "libnccl-profiler"
 
 
@@ -138,8 +143,15 @@ class PluginSource(Program):
         if ident in self.attached.values():
             return False
         done = []
+        exported = set()
+        try:
+            exported = elf.exported_functions(real)
+        except Exception:
+            pass
         try:
             for sym, fn in HOOKS.items():
+                if sym in OPTIONAL_HOOKS and sym not in exported:
+                    continue
                 self.bpf.attach_uprobe(name=real, sym=sym, fn_name=fn)
                 done.append(sym)
         except Exception as e:
@@ -200,6 +212,12 @@ class PluginSource(Program):
             for k, v in self["plugin_procs"].items()
         ]
 
+    def comms(self) -> list[PluginComm]:
+        """The live communicators the plugins announced (init, and once a period)."""
+        return [PluginComm(pid=k.tgid, nccl_hash=k.comm_hash, rank=v.rank, nranks=v.nranks, nnodes=v.nnodes,
+                           last_ns=v.last_ns)
+                for k, v in self["plugin_comms"].items()]
+
     def drops(self) -> dict[str, int]:
         table = self["plugin_drops"]
         return {name: table[table.Key(slot)].value for name, slot in DROPS.items()}
@@ -212,7 +230,8 @@ class PluginSource(Program):
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop in-flight entries and process entries of processes that are gone."""
-        return forget_dead(self["gpu_inflight"], proc) + forget_dead(self["plugin_procs"], proc)
+        return (forget_dead(self["gpu_inflight"], proc) + forget_dead(self["plugin_procs"], proc)
+                + forget_dead(self["plugin_comms"], proc))
 
 
 def plugin_paths() -> list[str]:
