@@ -96,6 +96,55 @@ def test_unalignable_recording_says_what_it_lacked(tmp_path):
     assert "record from the job's start" in r.stdout
 
 
+def test_a_process_with_one_announced_communicator_names_its_pointer_with_it():
+    """The agent's loop names a pointer it did not see made: with NCCL's
+    identity where the profiler plugin announced exactly one live
+    communicator for the process (written with its own id = NCCL's hash, so a
+    later plugin record may correct it, bpf/plugin.c), else a local id with
+    the launcher's rank; a second announced communicator makes it a guess no
+    more (local id)."""
+    from types import SimpleNamespace as NS
+
+    from exporter.records.events import PluginComm
+    from exporter.sources.nccl.maps import NcclReader
+
+    class Table(dict):
+        def Key(self, *a):
+            return a if len(a) > 1 else a[0]
+
+        def Leaf(self, v=0):
+            return NS(value=v, comm_hash=0, nccl_hash=0, rank=-1, nranks=-1)
+
+        def keys(self):
+            return [NS(tgid=k[0], comm=k[2]) for k in super().keys()]
+
+    comms, gen = Table(), Table({0: NS(value=0)})
+    slots = [(11, NS(cached_comm=0xA0, cached_hash=0, cached_gen=1)),
+             (22, NS(cached_comm=0xB0, cached_hash=0, cached_gen=1))]
+    tgids = {11: 100, 22: 200}
+
+    class Probes:
+        bpf = None
+
+        def __getitem__(self, name):
+            return {"communicators": comms, "comm_generation": gen}[name]
+
+    probes = Probes()
+    reader = NcclReader(probes)
+    reader._call_slots = lambda: slots
+    reader._tgid = lambda tid, proc: tgids[tid]
+    reader.identity = lambda pid: {"rank": 5, "world_size": 8}
+    world = 0x1111222233334444
+    reader.announced = lambda: [PluginComm(100, world, 3, 4, 1, 0),
+                                PluginComm(200, world, 1, 4, 1, 0), PluginComm(200, 0x99, 0, 2, 1, 0)]
+    assert reader.name_unknown_comms() == 2
+    one = comms[(100, 0, 0xA0)]
+    assert (one.comm_hash, one.nccl_hash, one.rank, one.nranks) == (world, world, 3, 4)
+    two = comms[(200, 0, 0xB0)]  # two announced: which is it? a local id, the launcher's rank
+    assert (two.comm_hash, two.nccl_hash, two.rank, two.nranks) == (local_comm_hash(200, 1), 0, 5, 8)
+    assert gen[0].value == 1  # threads re-read their cached identity
+
+
 @pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: tests/conftest.py
 @pytest.mark.parametrize("workload", ["allreduce", "train"])
 def test_trace_started_mid_job_names_the_straggler(workload):
