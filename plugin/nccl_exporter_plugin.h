@@ -111,6 +111,10 @@ void nccl_exporter_gpu_done(const struct nccl_exporter_record *r);
 void nccl_exporter_abandoned(const struct nccl_exporter_record *r);
 void nccl_exporter_comm_init(const struct nccl_exporter_comm *c);
 void nccl_exporter_comm_fini(const struct nccl_exporter_comm *c);
+/* Every live communicator, once per NCCL_EXPORTER_PROFILER_ANNOUNCE_MS
+ * (default 1 s), from the plugin's own thread: an agent that attached after
+ * the init learns it (docs/plugin.md, "Communicators made before the agent"). */
+void nccl_exporter_comm_live(const struct nccl_exporter_comm *c);
 #ifdef __cplusplus
 }
 #endif

@@ -28,6 +28,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -87,6 +88,7 @@ HOOK void nccl_exporter_gpu_done(const struct nccl_exporter_record *r) HOOK_BODY
 HOOK void nccl_exporter_abandoned(const struct nccl_exporter_record *r) HOOK_BODY
 HOOK void nccl_exporter_comm_init(const struct nccl_exporter_comm *r) HOOK_BODY
 HOOK void nccl_exporter_comm_fini(const struct nccl_exporter_comm *r) HOOK_BODY
+HOOK void nccl_exporter_comm_live(const struct nccl_exporter_comm *r) HOOK_BODY
 /* Direct (non-PLT) calls to the same addresses the uprobes attach to. */
 extern void hook_coll_queued(const struct nccl_exporter_record *r) __attribute__((visibility("hidden"), alias("nccl_exporter_coll_queued")));
 extern void hook_gpu_start(const struct nccl_exporter_record *r) __attribute__((visibility("hidden"), alias("nccl_exporter_gpu_start")));
@@ -94,6 +96,7 @@ extern void hook_gpu_done(const struct nccl_exporter_record *r) __attribute__((v
 extern void hook_abandoned(const struct nccl_exporter_record *r) __attribute__((visibility("hidden"), alias("nccl_exporter_abandoned")));
 extern void hook_comm_init(const struct nccl_exporter_comm *r) __attribute__((visibility("hidden"), alias("nccl_exporter_comm_init")));
 extern void hook_comm_fini(const struct nccl_exporter_comm *r) __attribute__((visibility("hidden"), alias("nccl_exporter_comm_fini")));
+extern void hook_comm_live(const struct nccl_exporter_comm *r) __attribute__((visibility("hidden"), alias("nccl_exporter_comm_live")));
 
 /* ------------------------------------------------------------------------ */
 /* Process-wide state                                                      */
@@ -977,6 +980,109 @@ static void global_init(nxp_logger_t logfn) {
   G.initialized = 1;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Announcing the live communicators (docs/plugin.md, "Communicators made   */
+/* before the agent"). An agent that attaches mid-job missed every          */
+/* comm_init: a small thread of ours calls nccl_exporter_comm_live for each */
+/* live communicator once a period (NCCL_EXPORTER_PROFILER_ANNOUNCE_MS,     */
+/* default 1000; 0: never), so the agent knows them within a period, idle   */
+/* or hung ones included. Off NCCL's threads; costs one wake-up a period    */
+/* and, with an agent attached, one uprobe hit per communicator. The thread */
+/* starts with the first communicator and is joined when the last is        */
+/* finalized (NCCL dlcloses us after that).                                 */
+
+#define ANNOUNCE_MAX 256 /* communicators announced per process (more: the first 256) */
+
+static struct {
+  pthread_mutex_t lock;
+  pthread_cond_t wake;
+  struct ctx *live[ANNOUNCE_MAX];
+  int n;
+  uint64_t period_ms;       /* read at the first communicator; 0: off */
+  int configured;
+  int running;
+  uint64_t gen;             /* a thread runs while gen is the one it started with */
+  pthread_t thread;
+} A = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static struct nccl_exporter_comm comm_record(const struct ctx *c) {
+  struct nccl_exporter_comm ci = {.version = NCCL_EXPORTER_RECORD_VERSION, .size = sizeof ci,
+                                  .comm_hash = c->comm_hash, .rank = c->rank, .nranks = c->nranks,
+                                  .nnodes = c->nnodes, .iface_version = (uint32_t)c->iface,
+                                  .dropped = atomic_load(&G.dropped)};
+  memcpy(ci.name, c->name, sizeof ci.name);
+  return ci;
+}
+
+static void *announcer(void *arg) {
+  uint64_t mine = (uint64_t)(uintptr_t)arg;
+  pthread_mutex_lock(&A.lock);
+  while (A.gen == mine) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    uint64_t ns = (uint64_t)t.tv_nsec + A.period_ms * 1000000ull;
+    t.tv_sec += (time_t)(ns / 1000000000ull);
+    t.tv_nsec = (long)(ns % 1000000000ull);
+    pthread_cond_timedwait(&A.wake, &A.lock, &t);
+    if (A.gen != mine) break;
+    for (int i = 0; i < A.n; i++) {
+      struct nccl_exporter_comm ci = comm_record(A.live[i]);
+      hook_comm_live(&ci);
+    }
+  }
+  pthread_mutex_unlock(&A.lock);
+  return NULL;
+}
+
+/* A fork's child has no announcer thread: it must not join one. */
+static void announce_forked(void) {
+  pthread_mutex_init(&A.lock, NULL);
+  A.running = 0;
+  A.n = 0;
+}
+
+static void announce_add(struct ctx *c) {
+  pthread_mutex_lock(&A.lock);
+  if (!A.configured) {
+    A.configured = 1;
+    A.period_ms = env_u64("NCCL_EXPORTER_PROFILER_ANNOUNCE_MS", 1000, 0, 3600000);
+    pthread_atfork(NULL, NULL, announce_forked);
+  }
+  if (A.n < ANNOUNCE_MAX) A.live[A.n++] = c;
+  if (!A.running && A.period_ms) {
+    /* the job's signals stay with the job's threads */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    uint64_t gen = ++A.gen;
+    if (pthread_create(&A.thread, NULL, announcer, (void *)(uintptr_t)gen) == 0) {
+      A.running = 1;
+      pthread_setname_np(A.thread, "nccl-exp-announce");
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+  }
+  pthread_mutex_unlock(&A.lock);
+}
+
+static void announce_remove(struct ctx *c) {
+  pthread_mutex_lock(&A.lock);
+  for (int i = 0; i < A.n; i++)
+    if (A.live[i] == c) {
+      A.live[i] = A.live[--A.n];
+      break;
+    }
+  if (A.n > 0 || !A.running) {
+    pthread_mutex_unlock(&A.lock);
+    return;
+  }
+  pthread_t t = A.thread;
+  A.running = 0;
+  A.gen++; /* that thread stops */
+  pthread_cond_broadcast(&A.wake);
+  pthread_mutex_unlock(&A.lock);
+  pthread_join(t, NULL);
+}
+
 static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mask, const char *name, int nnodes,
                                 int nranks, int rank, nxp_logger_t logfn) {
   if (context) *context = NULL;
@@ -1020,10 +1126,7 @@ static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mas
   if (first)
     logmsg(NXP_LOG_INFO, "nccl-exporter profiler: v%d, mask 0x%x, pool %u, log %s, chain %s", ver, *mask, G.nslots,
            G.log_fd >= 0 ? "on" : "off", G.chain ? "on" : "off");
-  struct nccl_exporter_comm ci = {.version = NCCL_EXPORTER_RECORD_VERSION, .size = sizeof ci, .comm_hash = hash,
-                                  .rank = rank, .nranks = nranks, .nnodes = nnodes, .iface_version = (uint32_t)ver,
-                                  .dropped = atomic_load(&G.dropped)};
-  memcpy(ci.name, c->name, sizeof ci.name);
+  struct nccl_exporter_comm ci = comm_record(c);
   hook_comm_init(&ci);
   if (G.log_fd >= 0) {
     char line[256];
@@ -1032,6 +1135,7 @@ static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mas
     if (n > 0 && write(G.log_fd, line, (size_t)n) < 0) { /* best effort */ }
   }
   *context = c;
+  announce_add(c);
   return NXP_SUCCESS;
 }
 
@@ -1054,11 +1158,8 @@ static nxp_result_t common_finalize(void *context) {
       atomic_store(&w->used, 0);
     }
   }
-  struct nccl_exporter_comm ci = {.version = NCCL_EXPORTER_RECORD_VERSION, .size = sizeof ci, .comm_hash = c->comm_hash,
-                                  .rank = c->rank, .nranks = c->nranks, .nnodes = c->nnodes,
-                                  .iface_version = (uint32_t)c->iface, .pending = pending,
-                                  .dropped = atomic_load(&G.dropped)};
-  memcpy(ci.name, c->name, sizeof ci.name);
+  struct nccl_exporter_comm ci = comm_record(c);
+  ci.pending = pending;
   hook_comm_fini(&ci);
   if (G.log_fd >= 0) {
     char line[320];
@@ -1069,6 +1170,7 @@ static nxp_result_t common_finalize(void *context) {
                      atomic_load(&G.dropped), atomic_load(&G.stale), atomic_load(&G.rejected), (int)getpid());
     if (n > 0 && write(G.log_fd, line, (size_t)n) < 0) { /* best effort */ }
   }
+  announce_remove(c); /* before it is freed: the announcer reads it */
   pthread_mutex_lock(&G.lock);
   G.ncomms--;
   pthread_mutex_unlock(&G.lock);
