@@ -1057,7 +1057,7 @@ static void announce_add(struct ctx *c) {
     uint64_t gen = ++A.gen;
     if (pthread_create(&A.thread, NULL, announcer, (void *)(uintptr_t)gen) == 0) {
       A.running = 1;
-      pthread_setname_np(A.thread, "nccl-exp-announce");
+      pthread_setname_np(A.thread, "nccl-announce"); /* 15 characters at most */
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
   }

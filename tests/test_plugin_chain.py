@@ -309,3 +309,54 @@ def test_kernel_phase_never_asked_and_a_chained_request_warned_once(bins, tmp_pa
         [{"event": "warn", "what": "chained_kernel_phase", "chain_mask": "0x8108", "pid": res["recs"][0]["pid"]}]
     assert res["masks"][-1] & 0x8000 and res["masks"][-1] & 0x46 == 0x46
     assert res["stats"]["completed"] == "10"
+
+
+ANNOUNCER_PROBE = r"""
+import ctypes, os, sys, time
+lib = ctypes.CDLL(sys.argv[1])
+INIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64, ctypes.POINTER(ctypes.c_int),
+                        ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+FINI = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+class V7(ctypes.Structure):  # ncclProfiler_v7: name, init, startEvent, stopEvent, recordEventState, finalize
+    _fields_ = [("name", ctypes.c_char_p), ("init", INIT), ("start", ctypes.c_void_p), ("stop", ctypes.c_void_p),
+                ("record", ctypes.c_void_p), ("finalize", FINI)]
+p = V7.in_dll(lib, "ncclProfiler_v7")
+def announcers():
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{t}/comm") as f:
+            n += f.read().startswith("nccl-announce")
+    return n
+mask = ctypes.c_int(0)
+a, b = ctypes.c_void_p(), ctypes.c_void_p()
+out = [announcers()]
+p.init(ctypes.byref(a), 0x1111, ctypes.byref(mask), None, 1, 4, 0, None)
+p.init(ctypes.byref(b), 0x2222, ctypes.byref(mask), None, 1, 2, 1, None)
+time.sleep(0.05)
+out.append(announcers())
+p.finalize(a)
+out.append(announcers())
+p.finalize(b)          # the last one: the thread is joined
+out.append(announcers())
+p.init(ctypes.byref(a), 0x3333, ctypes.byref(mask), None, 1, 4, 0, None)  # and starts again
+time.sleep(0.05)
+out.append(announcers())
+p.finalize(a)
+out.append(announcers())
+print(*out)
+"""
+
+
+@pytest.mark.parametrize("period_ms, want", [("20", "0 1 1 0 1 0"), ("0", "0 0 0 0 0 0")])
+def test_announcer_thread_lives_with_the_communicators(bins, period_ms, want):
+    """The thread that announces the live communicators (docs/plugin.md,
+    "Communicators made before the agent") runs while there is one, one per
+    process, is joined at the last finalize (NCCL unloads the plugin after
+    it) and starts again with a new communicator; ANNOUNCE_MS=0: none."""
+    import sys
+
+    env = {**os.environ, "NCCL_EXPORTER_PROFILER_ANNOUNCE_MS": period_ms}
+    r = subprocess.run([sys.executable, "-c", ANNOUNCER_PROBE, str(bins["plugin"])], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[-2] == want, r.stdout + r.stderr
