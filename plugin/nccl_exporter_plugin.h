@@ -87,6 +87,60 @@ struct nccl_exporter_record {
   char op_name[16];            /* 128 NCCL's func string, NUL-terminated, truncated */
 };                             /* 144 bytes */
 
+/* ---- the network part of a done record (proxy accounting) --------------
+ *
+ * With proxy accounting on (NCCL_EXPORTER_PROFILER_PROXY, docs/plugin.md
+ * "Network time per peer") a done record carries, right after the 144 bytes
+ * above, what the operation's network transfers waited for: the plugin sums
+ * NCCL's ProxyStep states per (peer, direction) and keeps the
+ * NCCL_EXPORTER_NET_TOP_K peers that waited most (wall time, both directions)
+ * by rank; the rest are summed into peer = -1 ("other").  `size` covers it
+ * (144 + sizeof(struct nccl_exporter_net)); a record of size 144 has none.
+ * The part has its own version; version 1 of the base record is unchanged,
+ * so an agent that knows only the base reads the first 144 bytes as before.
+ *
+ * Phases, per direction, in NCCL's order (contract.NETWORK_PHASES):
+ *   send: 0 send_gpu_wait, 1 send_peer_wait, 2 send_wait
+ *   recv: 0 recv_wait, 1 recv_flush_wait, 2 recv_gpu_wait
+ * wall_ns: time with at least one step of that (peer, direction) in the phase
+ * (over every channel); step_ns: the same summed over steps.  bytes: the sum of
+ * transSize (given at send_wait / recv_flush_wait).  For "other", each figure
+ * is the sum over the peers folded into it. */
+#define NCCL_EXPORTER_NET_VERSION 1
+#define NCCL_EXPORTER_NET_TOP_K 4
+#define NCCL_EXPORTER_NET_ENTRIES (2 * NCCL_EXPORTER_NET_TOP_K + 2)
+#define NCCL_EXPORTER_NET_PHASES 3
+#define NCCL_EXPORTER_NET_SEND 0
+#define NCCL_EXPORTER_NET_RECV 1
+/* net flags */
+#define NCCL_EXPORTER_NET_F_TABLE_FULL 0x1 /* more (peer, direction) pairs than the plugin tracks per op: summed as other */
+#define NCCL_EXPORTER_NET_F_STEP_REUSED 0x2 /* a step started while the step 8 before it was still open (closed then) */
+
+struct nccl_exporter_peer_wait {
+  int32_t peer;                /*  0 communicator rank; -1 = other */
+  uint32_t direction;          /*  4 NCCL_EXPORTER_NET_SEND / _RECV */
+  uint64_t bytes;              /*  8 */
+  uint64_t wall_ns[NCCL_EXPORTER_NET_PHASES]; /* 16 */
+  uint64_t step_ns[NCCL_EXPORTER_NET_PHASES]; /* 40 */
+};                             /* 64 bytes */
+
+struct nccl_exporter_net {
+  uint32_t version;            /*  0 NCCL_EXPORTER_NET_VERSION */
+  uint32_t top_k;              /*  4 NCCL_EXPORTER_NET_TOP_K */
+  uint32_t nentries;           /*  8 entries used in e[] */
+  uint32_t npeers;             /* 12 distinct peers with figures (before the top-K cut) */
+  uint32_t flags;              /* 16 NCCL_EXPORTER_NET_F_* */
+  uint32_t proxy_ops;          /* 20 ProxyOps of this operation */
+  uint64_t foreign_ops;        /* 24 process-wide: ProxyOps of another pid (PXN) ignored so far */
+  struct nccl_exporter_peer_wait e[NCCL_EXPORTER_NET_ENTRIES]; /* 32 */
+};                             /* 672 bytes */
+
+/* What nccl_exporter_gpu_done gets with proxy accounting on. */
+struct nccl_exporter_done {
+  struct nccl_exporter_record r; /*   0 r.size = sizeof(struct nccl_exporter_done) */
+  struct nccl_exporter_net net;  /* 144 */
+};                               /* 816 bytes */
+
 /* Comm identity, delivered at init and finalize. */
 struct nccl_exporter_comm {
   uint32_t version;            /*  0 NCCL_EXPORTER_RECORD_VERSION */

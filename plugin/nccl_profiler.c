@@ -49,6 +49,9 @@
  * for it gets it, with one WARN line (merge_masks). */
 #define OUR_MASK (NXP_EV_COLL | NXP_EV_P2P | NXP_EV_KERNEL_CH)
 _Static_assert((OUR_MASK & NXP_EV_KERNEL_PHASE) == 0, "never ask for KernelPhase events");
+/* ...and with proxy accounting on (NCCL_EXPORTER_PROFILER_PROXY, the default;
+ * docs/plugin.md "Network time per peer"), the network steps too. */
+#define PROXY_MASK (NXP_EV_PROXY_OP | NXP_EV_PROXY_STEP)
 
 _Static_assert(sizeof(struct nccl_exporter_record) == 144, "record layout");
 _Static_assert(offsetof(struct nccl_exporter_record, comm_hash) == 16, "record layout");
@@ -57,6 +60,10 @@ _Static_assert(offsetof(struct nccl_exporter_record, rank) == 104, "record layou
 _Static_assert(offsetof(struct nccl_exporter_record, kind) == 120, "record layout");
 _Static_assert(offsetof(struct nccl_exporter_record, op_name) == 128, "record layout");
 _Static_assert(sizeof(struct nccl_exporter_comm) == 80, "comm layout");
+_Static_assert(sizeof(struct nccl_exporter_peer_wait) == 64, "peer wait layout");
+_Static_assert(offsetof(struct nccl_exporter_net, e) == 32 && sizeof(struct nccl_exporter_net) == 672, "net layout");
+_Static_assert(offsetof(struct nccl_exporter_done, net) == 144 && sizeof(struct nccl_exporter_done) == 816,
+               "done record layout");
 _Static_assert(sizeof(nxp_descr_v4) == 104 && sizeof(nxp_descr_v5) == 112 &&
                sizeof(nxp_descr_v6) == 112 && sizeof(nxp_descr_v7) == 136, "descriptor sizes");
 
@@ -137,6 +144,12 @@ struct slot {
   _Atomic uint64_t first_start_host;
   _Atomic uint64_t first_start_timer; /* pTimer of the first KernelCh start delivered */
   uint64_t created;         /* mono ns */
+  /* proxy accounting: the done record waits for the ProxyOps too */
+  _Atomic int32_t proxy_open;   /* ProxyOps started and not stopped */
+  _Atomic uint32_t kch_done;    /* every expected KernelCh stopped */
+  _Atomic uint32_t net_used;    /* G.nets[this slot] holds this operation's figures */
+  uint32_t done_reject;         /* judge()'s verdict at the last KernelCh stop */
+  uint64_t done_now;            /* and when */
   struct nccl_exporter_record rec; /* the static part, filled at start */
 };
 enum { SLOT_FREE = 0, SLOT_LIVE = 1, SLOT_CLOSING = 2 };
@@ -169,6 +182,14 @@ static struct {
   _Atomic int phase_warned; /* the chained plugin's KernelPhase WARN was logged */
   int log_fd;
   int ncomms;
+  int our_mask;             /* OUR_MASK, | PROXY_MASK with proxy accounting on */
+  int proxy_on;
+  int pid;                  /* ours: a ProxyOp of another pid (PXN) is not ours */
+  struct net_tab *nets;     /* [nslots]: per operation, by slot index (proxy on) */
+  struct pop *pops;         /* ProxyOp pool (proxy on) */
+  uint32_t npops;
+  _Atomic uint32_t pcursor;
+  _Atomic uint64_t proxy_ops, proxy_foreign, proxy_orphan, proxy_late, proxy_dropped;
   /* chain */
   void *chain_dl;
   int chain_ver;            /* 4..7, 0 = none */
@@ -320,19 +341,22 @@ static int64_t clk_offset(struct clk *c) {
 /* Handles                                                                 */
 
 #define H_OURS (1ull << 63)
+#define H_PROXY (1ull << 62) /* a ProxyOp (sub 0) or ProxyStep (sub 1 + step % 64) handle: G.pops */
+#define H_GEN 0x3fffffffu
 static inline void *h_make(uint32_t idx, uint32_t gen, uint32_t sub) {
-  return (void *)(uintptr_t)(H_OURS | ((uint64_t)(gen & 0x7fffffffu) << 32) | ((uint64_t)idx << 9) | sub);
+  return (void *)(uintptr_t)(H_OURS | ((uint64_t)(gen & H_GEN) << 32) | ((uint64_t)idx << 9) | sub);
 }
+static inline int h_is_proxy(void *h) { return ((uintptr_t)h & (H_OURS | H_PROXY)) == (H_OURS | H_PROXY); }
 static inline int h_is_ours(void *h) { return ((uintptr_t)h & H_OURS) != 0; }
 
 /* The live slot a handle refers to, or NULL (stale/foreign). */
 static inline struct slot *h_slot(void *h, uint32_t *sub) {
   uint64_t v = (uintptr_t)h;
-  if (!(v & H_OURS)) return NULL;
+  if (!(v & H_OURS) || (v & H_PROXY)) return NULL;
   uint32_t idx = (uint32_t)((v >> 9) & 0x7fffffu);
   if (idx >= G.nslots) return NULL;
   struct slot *s = &G.slots[idx];
-  if ((atomic_load_explicit(&s->gen, memory_order_acquire) & 0x7fffffffu) != (uint32_t)((v >> 32) & 0x7fffffffu) ||
+  if ((atomic_load_explicit(&s->gen, memory_order_acquire) & H_GEN) != (uint32_t)((v >> 32) & H_GEN) ||
       atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) {
     uint64_t st = atomic_fetch_add_explicit(&G.stale, 1, memory_order_relaxed) + 1;
     /* A few stale handles are normal (age-out under pressure); a flood means
@@ -382,6 +406,31 @@ static const char *state_name(uint8_t st) {
   }
 }
 
+static const char *const PHASE_NAMES[2][NCCL_EXPORTER_NET_PHASES] = {
+  {"send_gpu_wait", "send_peer_wait", "send_wait"},      /* contract.NETWORK_PHASES */
+  {"recv_wait", "recv_flush_wait", "recv_gpu_wait"},
+};
+
+/* Logging mode: one line per (peer, direction) of a done record's network part. */
+static void log_net(const struct nccl_exporter_record *r, const struct nccl_exporter_net *net) {
+  for (uint32_t i = 0; i < net->nentries && i < NCCL_EXPORTER_NET_ENTRIES; i++) {
+    const struct nccl_exporter_peer_wait *w = &net->e[i];
+    const char *const *ph = PHASE_NAMES[w->direction ? 1 : 0];
+    char line[640], peer[16] = "other";
+    if (w->peer >= 0) snprintf(peer, sizeof peer, "%d", w->peer);
+    int n = snprintf(line, sizeof line,
+                     "nccl-exporter-profiler event=peer_wait op=%s comm=0x%016" PRIx64 " rank=%d seq=%" PRIu64
+                     " id=%" PRIu64 " peer=%s direction=%s bytes=%" PRIu64
+                     " %s_wall_ns=%" PRIu64 " %s_wall_ns=%" PRIu64 " %s_wall_ns=%" PRIu64
+                     " %s_step_ns=%" PRIu64 " %s_step_ns=%" PRIu64 " %s_step_ns=%" PRIu64 " pid=%d\n",
+                     r->op_name[0] ? r->op_name : "?", r->comm_hash, r->rank, r->seq, r->id,
+                     peer, w->direction ? "recv" : "send", w->bytes,
+                     ph[0], w->wall_ns[0], ph[1], w->wall_ns[1], ph[2], w->wall_ns[2],
+                     ph[0], w->step_ns[0], ph[1], w->step_ns[1], ph[2], w->step_ns[2], (int)getpid());
+    if (n > 0 && write(G.log_fd, line, (size_t)(n < (int)sizeof line ? n : (int)sizeof line - 1)) < 0) { /* best effort */ }
+  }
+}
+
 static void log_record(const struct nccl_exporter_record *r) {
   if (G.log_fd < 0) return;
   char line[768];
@@ -405,10 +454,15 @@ static void log_record(const struct nccl_exporter_record *r) {
   }
 }
 
-/* Emit done/abandoned exactly once. */
+static void net_fill(struct slot *s, struct nccl_exporter_net *out);
+
+/* Emit done/abandoned exactly once.  With proxy accounting on, a done record
+ * carries the network part (struct nccl_exporter_done). */
 static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t now) {
   if (atomic_exchange_explicit(&s->finished, 1, memory_order_acq_rel)) return;
-  struct nccl_exporter_record r;
+  struct nccl_exporter_done d;
+  struct nccl_exporter_record *rp = &d.r;
+#define r (*rp)
   snapshot(s, &r, state, now);
   r.flags |= extra_flags;
   if (state == NCCL_EXPORTER_STATE_DONE) {
@@ -417,6 +471,10 @@ static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t
         (now - fsh) + 20000 < r.gpu_stop_timer - r.gpu_start_timer)
       r.flags |= NCCL_EXPORTER_F_START_LATE;
     atomic_fetch_add_explicit(&G.completed, 1, memory_order_relaxed);
+    if (G.proxy_on) {
+      net_fill(s, &d.net);
+      r.size = sizeof d;
+    }
     hook_gpu_done(&r);
   } else {
     r.flags &= ~NCCL_EXPORTER_F_OFFSET_COARSE;
@@ -424,6 +482,8 @@ static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t
     hook_abandoned(&r);
   }
   log_record(&r);
+  if (G.log_fd >= 0 && r.size == sizeof d) log_net(&r, &d.net);
+#undef r
 }
 
 /* Return a slot to the pool (exactly one caller wins the LIVE->CLOSING CAS). */
@@ -487,6 +547,8 @@ struct ev {               /* the fields we use, read from any version */
   /* kernelCh */
   unsigned channel;
   uint64_t ptimer;
+  /* proxyOp / proxyStep */
+  int pid, peer, is_send, step;
 };
 
 static void *ours_start_op(struct ctx *c, const struct ev *e) {
@@ -500,7 +562,7 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   struct slot *s = slot_alloc(now, &idx);
   if (!s) return NULL;
   uint32_t gen = atomic_fetch_add_explicit(&s->gen, 1, memory_order_relaxed) + 1;
-  if ((gen & 0x7fffffffu) == 0) gen = atomic_fetch_add_explicit(&s->gen, 1, memory_order_relaxed) + 1;
+  if ((gen & H_GEN) == 0) gen = atomic_fetch_add_explicit(&s->gen, 1, memory_order_relaxed) + 1;
   s->ctx = c;
   s->theirs = NULL;
   s->created = now;
@@ -513,6 +575,9 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   atomic_store_explicit(&s->max_stop, 0, memory_order_relaxed);
   atomic_store_explicit(&s->first_start_host, 0, memory_order_relaxed);
   atomic_store_explicit(&s->first_start_timer, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->proxy_open, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->kch_done, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->net_used, 0, memory_order_relaxed);
 
   struct nccl_exporter_record *r = &s->rec;
   memset(r, 0, sizeof *r);
@@ -584,7 +649,7 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
     hook_gpu_start(&r);
   }
   uint32_t idx = (uint32_t)(((uintptr_t)e->parent >> 9) & 0x7fffffu);
-  return h_make(idx, (uint32_t)((uintptr_t)e->parent >> 32), 1 + (e->channel & 0xff));
+  return h_make(idx, (uint32_t)((uintptr_t)e->parent >> 32) & H_GEN, 1 + (e->channel & 0xff));
 }
 
 /* Is the finished operation's GPU interval plausible against the host's own
@@ -651,16 +716,316 @@ static void ours_kch_stop_state(void *h, uint64_t ptimer) {
     } else {
       atomic_fetch_add_explicit(&G.rejected, 1, memory_order_relaxed);
     }
-    finish(s, NCCL_EXPORTER_STATE_DONE, reject, now);
+    /* Done now, unless ProxyOps are still open: they can end after the last
+     * kernel channel; the last one to stop sends it (proxy_close). */
+    s->done_reject = reject;
+    s->done_now = now;
+    atomic_store(&s->kch_done, 1);
+    if (atomic_load(&s->proxy_open) == 0) finish(s, NCCL_EXPORTER_STATE_DONE, reject, now);
   }
 }
 
+static void proxy_stop(void *h);
+
 static void ours_stop(void *h) {
+  if (h_is_proxy(h)) {
+    proxy_stop(h);
+    return;
+  }
   uint32_t sub;
   struct slot *s = h_slot(h, &sub);
   if (!s) return;
   (void)sub;
   unref(s);
+}
+
+
+/* ------------------------------------------------------------------------ */
+/* Network time per peer: ProxyOp and ProxyStep events                     */
+/*                                                                          */
+/* NCCL's proxy progress thread sends, per operation, one ProxyOp per       */
+/* channel x network peer x direction (parent: our Coll/P2p handle) and     */
+/* under it nSteps ProxySteps, at most NCCL_STEPS = 8 open at once, each    */
+/* going through its direction's states (docs/network.md).  We keep, per    */
+/* operation (the slot's net_tab) and per (peer, direction), for each phase */
+/* how many steps are in it now, so that wall time (>= 1 step in the phase, */
+/* over all channels) and step time (summed over steps) accumulate at every */
+/* transition.  Per step: no allocation, no lock, no syscall; one           */
+/* clock_gettime (vDSO) per state and one at the stop.                      */
+/*                                                                          */
+/* Single writer: every ProxyOp/ProxyStep callback of a communicator comes  */
+/* from its proxy progress thread (NCCL src/proxy.cc), so one operation's    */
+/* net_tab and one ProxyOp's steps have one writer and need no atomics; the */
+/* done record reads the table only after the last ProxyOp stopped          */
+/* (proxy_open, a seq_cst counter, orders it).                              */
+
+#define NET_TAB 8     /* (peer, direction) pairs kept by name per operation */
+#define PH_NONE 0xff
+#define POP_STEPS 8   /* NCCL_STEPS: open steps per ProxyOp, indexed step % 8 */
+
+struct net_ent {
+  int32_t peer;       /* -1: the pairs beyond NET_TAB, summed */
+  uint32_t dir;       /* NCCL_EXPORTER_NET_SEND / _RECV */
+  uint32_t nin[NCCL_EXPORTER_NET_PHASES];   /* steps in each phase now */
+  uint64_t since[NCCL_EXPORTER_NET_PHASES]; /* when nin[p] went 0 -> 1 */
+  uint64_t wall[NCCL_EXPORTER_NET_PHASES], step[NCCL_EXPORTER_NET_PHASES], bytes;
+};
+struct net_tab {
+  uint32_t n, flags, nops;
+  struct net_ent e[NET_TAB];
+  struct net_ent over[2];   /* per direction: pairs beyond NET_TAB */
+};
+struct pstep {
+  int32_t step;       /* NCCL's step number, -1: free */
+  uint8_t phase;      /* PH_NONE or 0..2 */
+  uint64_t t;         /* entered the phase */
+};
+struct pop {
+  _Atomic uint32_t state;   /* SLOT_FREE / SLOT_LIVE */
+  _Atomic uint32_t gen;
+  struct slot *s;
+  struct net_ent *ent;
+  struct net_tab *tab;
+  uint32_t is_send;
+  struct pstep st[POP_STEPS];
+};
+
+/* A ProxyOp can no longer change the operation: maybe it was the last. */
+static void proxy_close(struct slot *s) {
+  if (atomic_fetch_sub(&s->proxy_open, 1) == 1 && atomic_load(&s->kch_done))
+    finish(s, NCCL_EXPORTER_STATE_DONE, s->done_reject, s->done_now);
+}
+
+static struct net_ent *net_entry(struct net_tab *t, int peer, uint32_t dir) {
+  for (uint32_t i = 0; i < t->n; i++)
+    if (t->e[i].peer == peer && t->e[i].dir == dir) return &t->e[i];
+  if (t->n < NET_TAB) {
+    struct net_ent *e = &t->e[t->n++];
+    e->peer = peer;
+    e->dir = dir;
+    return e;
+  }
+  t->flags |= NCCL_EXPORTER_NET_F_TABLE_FULL;
+  return &t->over[dir];
+}
+
+static inline struct pop *pop_of(void *h, uint32_t *sub) {
+  uint64_t v = (uintptr_t)h;
+  uint32_t idx = (uint32_t)((v >> 9) & 0x7fffffu);
+  if (idx >= G.npops) return NULL;
+  struct pop *p = &G.pops[idx];
+  if ((atomic_load_explicit(&p->gen, memory_order_acquire) & H_GEN) != (uint32_t)((v >> 32) & H_GEN) ||
+      atomic_load_explicit(&p->state, memory_order_acquire) != SLOT_LIVE)
+    return NULL;
+  *sub = (uint32_t)(v & 0x1ff);
+  return p;
+}
+
+static inline void ph_leave(struct net_ent *e, struct pstep *st, uint64_t now) {
+  uint8_t p = st->phase;
+  if (p == PH_NONE) return;
+  e->step[p] += now - st->t;
+  if (--e->nin[p] == 0) e->wall[p] += now - e->since[p];
+  st->phase = PH_NONE;
+}
+
+static inline void ph_enter(struct net_ent *e, struct pstep *st, uint8_t p, uint64_t now) {
+  if (e->nin[p]++ == 0) e->since[p] = now;
+  st->phase = p;
+  st->t = now;
+}
+
+static void *proxy_start_op(const struct ev *e) {
+  if (e->pid != G.pid) { /* PXN: another process's op; its parentObj is not ours: never look at it */
+    atomic_fetch_add_explicit(&G.proxy_foreign, 1, memory_order_relaxed);
+    return NULL;
+  }
+  uint32_t sub;
+  struct slot *s = h_slot(e->parent, &sub);
+  int32_t refs = s && sub == 0 ? atomic_load(&s->refs) : 0;
+  do { /* a reference only while the operation is still held by someone */
+    if (refs <= 0) {
+      atomic_fetch_add_explicit(&G.proxy_orphan, 1, memory_order_relaxed);
+      return NULL;
+    }
+  } while (!atomic_compare_exchange_weak(&s->refs, &refs, refs + 1));
+  if ((atomic_load(&s->gen) & H_GEN) != (uint32_t)(((uintptr_t)e->parent >> 32) & H_GEN)) {
+    unref(s); /* the slot was reused under us: not our operation */
+    atomic_fetch_add_explicit(&G.proxy_orphan, 1, memory_order_relaxed);
+    return NULL;
+  }
+  atomic_fetch_add(&s->proxy_open, 1);
+  if (atomic_load(&s->kch_done) && atomic_load(&s->finished)) { /* its done record is out already */
+    atomic_fetch_add_explicit(&G.proxy_late, 1, memory_order_relaxed);
+    proxy_close(s);
+    unref(s);
+    return NULL;
+  }
+  struct pop *p = NULL;
+  uint32_t pi = 0;
+  for (uint32_t tries = 0; tries < G.npops; tries++) {
+    uint32_t i = atomic_fetch_add_explicit(&G.pcursor, 1, memory_order_relaxed) % G.npops;
+    uint32_t f = SLOT_FREE;
+    if (atomic_load_explicit(&G.pops[i].state, memory_order_relaxed) == SLOT_FREE &&
+        atomic_compare_exchange_strong(&G.pops[i].state, &f, SLOT_CLOSING)) {
+      p = &G.pops[i];
+      pi = i;
+      break;
+    }
+  }
+  if (!p) {
+    atomic_fetch_add_explicit(&G.proxy_dropped, 1, memory_order_relaxed);
+    proxy_close(s);
+    unref(s);
+    return NULL;
+  }
+  struct net_tab *t = &G.nets[s - G.slots];
+  if (!atomic_load_explicit(&s->net_used, memory_order_relaxed)) {
+    memset(t, 0, sizeof *t);
+    t->over[0].peer = t->over[1].peer = -1;
+    t->over[NCCL_EXPORTER_NET_RECV].dir = NCCL_EXPORTER_NET_RECV;
+    atomic_store_explicit(&s->net_used, 1, memory_order_release);
+  }
+  t->nops++;
+  p->s = s;
+  p->tab = t;
+  p->is_send = e->is_send ? 1 : 0;
+  p->ent = net_entry(t, e->peer, p->is_send ? NCCL_EXPORTER_NET_SEND : NCCL_EXPORTER_NET_RECV);
+  for (int k = 0; k < POP_STEPS; k++) { p->st[k].step = -1; p->st[k].phase = PH_NONE; }
+  uint32_t gen = (atomic_fetch_add(&p->gen, 1) + 1) & H_GEN;
+  if (!gen) gen = (atomic_fetch_add(&p->gen, 1) + 1) & H_GEN;
+  atomic_store_explicit(&p->state, SLOT_LIVE, memory_order_release);
+  atomic_fetch_add_explicit(&G.proxy_ops, 1, memory_order_relaxed);
+  return (void *)(uintptr_t)(H_OURS | H_PROXY | ((uint64_t)gen << 32) | ((uint64_t)pi << 9));
+}
+
+static void *proxy_start_step(const struct ev *e) {
+  uint32_t sub;
+  struct pop *p = h_is_proxy(e->parent) ? pop_of(e->parent, &sub) : NULL;
+  if (!p || sub != 0 || e->step < 0) return NULL;
+  struct pstep *st = &p->st[e->step % POP_STEPS];
+  if (UNLIKELY(st->step >= 0)) { /* the step 8 before it never stopped */
+    ph_leave(p->ent, st, mono_ns());
+    p->tab->flags |= NCCL_EXPORTER_NET_F_STEP_REUSED;
+  }
+  st->step = e->step;
+  st->phase = PH_NONE;
+  return (void *)(uintptr_t)(((uintptr_t)e->parent & ~(uintptr_t)0x1ff) | (1 + (uint32_t)(e->step % 64)));
+}
+
+/* The open step a ProxyStep handle refers to (NULL: stale). */
+static inline struct pstep *proxy_step(void *h, struct pop **pp) {
+  uint32_t sub;
+  struct pop *p = pop_of(h, &sub);
+  if (!p || sub == 0) return NULL;
+  struct pstep *st = &p->st[(sub - 1) % POP_STEPS];
+  if (st->step < 0 || (uint32_t)(st->step % 64) != sub - 1) return NULL;
+  *pp = p;
+  return st;
+}
+
+static void proxy_record(void *h, int state, const nxp_state_args *a) {
+  struct pop *p;
+  struct pstep *st = proxy_step(h, &p);
+  if (!st) return;
+  int ph;
+  if (p->is_send)
+    ph = state == NXP_STATE_SEND_GPU_WAIT ? 0 : state == NXP_STATE_SEND_PEER_WAIT ? 1 : state == NXP_STATE_SEND_WAIT ? 2 : -1;
+  else
+    ph = state == NXP_STATE_RECV_WAIT ? 0 : state == NXP_STATE_RECV_FLUSH_WAIT ? 1 : state == NXP_STATE_RECV_GPU_WAIT ? 2 : -1;
+  if (ph < 0) return;
+  uint64_t now = mono_ns();
+  ph_leave(p->ent, st, now);
+  ph_enter(p->ent, st, (uint8_t)ph, now);
+  if (ph == (p->is_send ? 2 : 1) && a) p->ent->bytes += a->proxyStep.transSize;
+}
+
+static void proxy_stop(void *h) {
+  uint32_t sub;
+  struct pop *p = pop_of(h, &sub);
+  if (!p) return;
+  if (sub) { /* ProxyStep */
+    struct pop *q;
+    struct pstep *st = proxy_step(h, &q);
+    if (!st) return;
+    ph_leave(p->ent, st, mono_ns());
+    st->step = -1;
+    return;
+  }
+  uint64_t now = 0;
+  for (int k = 0; k < POP_STEPS; k++) /* steps NCCL never stopped end with their op */
+    if (p->st[k].step >= 0) {
+      if (!now) now = mono_ns();
+      ph_leave(p->ent, &p->st[k], now);
+      p->st[k].step = -1;
+    }
+  struct slot *s = p->s;
+  atomic_fetch_add(&p->gen, 1); /* its handles go stale */
+  atomic_store_explicit(&p->state, SLOT_FREE, memory_order_release);
+  proxy_close(s);
+  unref(s);
+}
+
+/* The done record's network part: the top K peers by wall wait (both
+ * directions), by rank; the rest summed into peer -1 per direction. */
+static void net_fill(struct slot *s, struct nccl_exporter_net *out) {
+  memset(out, 0, sizeof *out);
+  out->version = NCCL_EXPORTER_NET_VERSION;
+  out->top_k = NCCL_EXPORTER_NET_TOP_K;
+  out->foreign_ops = atomic_load_explicit(&G.proxy_foreign, memory_order_relaxed);
+  if (!atomic_load_explicit(&s->net_used, memory_order_acquire)) return;
+  const struct net_tab *t = &G.nets[s - G.slots];
+  out->flags = t->flags;
+  out->proxy_ops = t->nops;
+  int peers[NET_TAB];
+  uint64_t wait[NET_TAB];
+  int np = 0;
+  for (uint32_t i = 0; i < t->n; i++) {
+    const struct net_ent *e = &t->e[i];
+    uint64_t w = e->wall[0] + e->wall[1] + e->wall[2];
+    int j = 0;
+    while (j < np && peers[j] != e->peer) j++;
+    if (j == np) { peers[np] = e->peer; wait[np++] = 0; }
+    wait[j] += w;
+  }
+  out->npeers = (uint32_t)np;
+  int keep[NET_TAB] = {0};
+  for (int k = 0; k < NCCL_EXPORTER_NET_TOP_K && k < np; k++) { /* selection: np <= 8 */
+    int best = -1;
+    for (int j = 0; j < np; j++)
+      if (!keep[j] && (best < 0 || wait[j] > wait[best] || (wait[j] == wait[best] && peers[j] < peers[best])))
+        best = j;
+    keep[best] = 1;
+  }
+  struct nccl_exporter_peer_wait other[2];
+  memset(other, 0, sizeof other);
+  int have_other[2] = {0, 0};
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < t->n + 2; i++) {
+    const struct net_ent *e = i < t->n ? &t->e[i] : &t->over[i - t->n];
+    if (i >= t->n && !(e->bytes || e->wall[0] || e->wall[1] || e->wall[2] || e->step[0] || e->step[1] || e->step[2]))
+      continue; /* an unused overflow entry */
+    int j = 0;
+    while (i < t->n && peers[j] != e->peer) j++;
+    struct nccl_exporter_peer_wait *w;
+    if (i < t->n && keep[j]) {
+      w = &out->e[n++];
+      w->peer = e->peer;
+    } else {
+      w = &other[e->dir];
+      w->peer = -1;
+      have_other[e->dir] = 1;
+    }
+    w->direction = e->dir;
+    w->bytes += e->bytes;
+    for (int p = 0; p < NCCL_EXPORTER_NET_PHASES; p++) {
+      w->wall_ns[p] += e->wall[p];
+      w->step_ns[p] += e->step[p];
+    }
+  }
+  for (int d = 0; d < 2; d++)
+    if (have_other[d]) out->e[n++] = other[d];
+  out->nentries = n;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -739,8 +1104,8 @@ static void merge_masks(void) {
   if (G.nccl_mask) {
     int cur = __atomic_load_n(G.nccl_mask, __ATOMIC_RELAXED);
     /* bits only the chained plugin had asked for and dropped since go away */
-    int ours = atomic_load(&G.disabled) ? 0 : OUR_MASK;
-    int next = (cur & ~(seen & ~OUR_MASK)) | ours | cm;
+    int ours = atomic_load(&G.disabled) ? 0 : G.our_mask;
+    int next = (cur & ~(seen & ~G.our_mask)) | ours | cm;
     __atomic_store_n(G.nccl_mask, next, __ATOMIC_RELAXED);
   }
 }
@@ -840,7 +1205,9 @@ static nxp_result_t common_start(int ver, void *context, void **eHandle, const v
   struct ev e2 = *e;
 
   if (LIKELY(!G.chain)) {
-    if (e->type == NXP_EV_KERNEL_CH) *eHandle = ours_start_kch(c, e);
+    if (e->type == NXP_EV_PROXY_STEP) *eHandle = proxy_start_step(e);
+    else if (e->type == NXP_EV_KERNEL_CH) *eHandle = ours_start_kch(c, e);
+    else if (e->type == NXP_EV_PROXY_OP) *eHandle = proxy_start_op(e);
     else if (e->type == NXP_EV_COLL || e->type == NXP_EV_P2P) *eHandle = ours_start_op(c, e);
     return NXP_SUCCESS;
   }
@@ -853,6 +1220,8 @@ static nxp_result_t common_start(int ver, void *context, void **eHandle, const v
   e2.parent = parent_ours;
   if (e->type == NXP_EV_KERNEL_CH) ours = parent_ours ? ours_start_kch(c, &e2) : NULL;
   else if (e->type == NXP_EV_COLL || e->type == NXP_EV_P2P) ours = ours_start_op(c, &e2);
+  else if (G.proxy_on && e->type == NXP_EV_PROXY_OP) ours = proxy_start_op(&e2); /* pid checked first */
+  else if (G.proxy_on && e->type == NXP_EV_PROXY_STEP) ours = parent_ours ? proxy_start_step(&e2) : NULL;
 
   void *theirs = NULL;
   if (c->chain_ok && (atomic_load_explicit(&G.chain_types, memory_order_relaxed) & (int)e->type)) {
@@ -887,7 +1256,8 @@ static nxp_result_t common_record(int ver, void *h, int state, nxp_state_args *a
   if (!h) return NXP_SUCCESS;
   void *ours = h, *theirs = NULL;
   if (UNLIKELY(G.chain != NULL)) split(h, &ours, &theirs);
-  if (ours && state == NXP_STATE_KERNEL_CH_STOP && a) ours_kch_stop_state(ours, a->kernelCh.pTimer);
+  if (ours && h_is_proxy(ours)) proxy_record(ours, state, a);
+  else if (ours && state == NXP_STATE_KERNEL_CH_STOP && a) ours_kch_stop_state(ours, a->kernelCh.pTimer);
   if (theirs && state_exists(G.chain_ver, state)) {
     nxp_state_args copy;
     memset(&copy, 0, sizeof copy);
@@ -970,6 +1340,24 @@ static void global_init(nxp_logger_t logfn) {
     disable("cannot allocate the record pool");
   }
   atomic_store(&G.next_id, 1);
+  G.pid = (int)getpid();
+  G.our_mask = OUR_MASK;
+  G.proxy_on = G.slots && env_u64("NCCL_EXPORTER_PROFILER_PROXY", 1, 0, 1);
+  if (G.proxy_on) {
+    G.npops = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_PROXY_POOL", 8192, 16, MAX_POOL);
+    G.nets = calloc(G.nslots, sizeof *G.nets);
+    G.pops = calloc(G.npops, sizeof *G.pops);
+    if (!G.nets || !G.pops) {
+      free(G.nets);
+      free(G.pops);
+      G.nets = NULL;
+      G.pops = NULL;
+      G.npops = 0;
+      G.proxy_on = 0;
+      logmsg(NXP_LOG_WARN, "nccl-exporter profiler: cannot allocate the proxy pools; no network figures");
+    }
+  }
+  if (G.proxy_on) G.our_mask |= PROXY_MASK;
   open_log();
   load_chain();
   if (G.chain) {
@@ -1117,15 +1505,15 @@ static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mas
     if (!c->chain_ok) logmsg(NXP_LOG_WARN, "nccl-exporter profiler: chained plugin init failed (%d); not forwarding for comm 0x%" PRIx64, r, hash);
   }
   /* OR ours (and the chained plugin's) into NCCL's process-wide mask. */
-  if (!atomic_load(&G.disabled)) __atomic_fetch_or(mask, OUR_MASK, __ATOMIC_RELAXED);
+  if (!atomic_load(&G.disabled)) __atomic_fetch_or(mask, G.our_mask, __ATOMIC_RELAXED);
   if (G.chain) merge_masks();
   G.ncomms++;
   int first = G.ncomms == 1;
   pthread_mutex_unlock(&G.lock);
 
   if (first)
-    logmsg(NXP_LOG_INFO, "nccl-exporter profiler: v%d, mask 0x%x, pool %u, log %s, chain %s", ver, *mask, G.nslots,
-           G.log_fd >= 0 ? "on" : "off", G.chain ? "on" : "off");
+    logmsg(NXP_LOG_INFO, "nccl-exporter profiler: v%d, mask 0x%x, pool %u, proxy %s (pool %u), log %s, chain %s", ver,
+           *mask, G.nslots, G.proxy_on ? "on" : "off", G.npops, G.log_fd >= 0 ? "on" : "off", G.chain ? "on" : "off");
   struct nccl_exporter_comm ci = comm_record(c);
   hook_comm_init(&ci);
   if (G.log_fd >= 0) {
@@ -1205,7 +1593,7 @@ INIT_V(7)
     struct ev e;                                                                                                    \
     e.type = (TYPEEXPR);                                                                                            \
     e.parent = d->parentObj;                                                                                        \
-    if (LIKELY(!G.chain) && !(e.type & OUR_MASK)) { *h = NULL; return NXP_SUCCESS; }                               \
+    if (LIKELY(!G.chain) && !(e.type & (uint64_t)G.our_mask)) { *h = NULL; return NXP_SUCCESS; }                   \
     if (e.type == NXP_EV_COLL) {                                                                                    \
       e.seq = d->coll.seqNumber; e.func = d->coll.func; e.datatype = d->coll.datatype;                              \
       e.count = d->coll.count; e.root_or_peer = d->coll.root; e.nchannels = d->coll.nChannels;                     \
@@ -1214,6 +1602,10 @@ INIT_V(7)
       e.root_or_peer = d->p2p.peer; e.nchannels = d->p2p.nChannels;                                                 \
     } else if (e.type == NXP_EV_KERNEL_CH) {                                                                        \
       e.channel = d->kernelCh.channelId; e.ptimer = d->kernelCh.pTimer;                                             \
+    } else if (e.type == NXP_EV_PROXY_STEP) {                                                                       \
+      e.step = d->proxyStep.step;                                                                                   \
+    } else if (e.type == NXP_EV_PROXY_OP) {                                                                         \
+      e.pid = d->proxyOp.pid; e.peer = d->proxyOp.peer; e.is_send = d->proxyOp.isSend;                             \
     }                                                                                                               \
     return common_start(N, ctx, h, d, &e);                                                                          \
   }
@@ -1245,11 +1637,35 @@ EXPORT void nccl_exporter_profiler_stats(uint64_t out[6]) {
   out[5] = (uint64_t)atomic_load(&G.disabled);
 }
 
+/* For tests and `nccl-exporter check`: the pools and the proxy accounting's
+ * counters.  out[0] record slots in use, [1] ProxyOp slots in use,
+ * [2] ProxyOps accounted, [3] ProxyOps of another pid (PXN) ignored,
+ * [4] ProxyOps whose operation was gone, [5] ProxyOps after their done record,
+ * [6] ProxyOps dropped for lack of a pool slot, [7] proxy accounting on. */
+EXPORT void nccl_exporter_profiler_pools(uint64_t out[8]) {
+  uint64_t live = 0, plive = 0;
+  for (uint32_t i = 0; i < G.nslots; i++) live += atomic_load(&G.slots[i].state) != SLOT_FREE;
+  for (uint32_t i = 0; i < G.npops; i++) plive += atomic_load(&G.pops[i].state) != SLOT_FREE;
+  out[0] = live;
+  out[1] = plive;
+  out[2] = atomic_load(&G.proxy_ops);
+  out[3] = atomic_load(&G.proxy_foreign);
+  out[4] = atomic_load(&G.proxy_orphan);
+  out[5] = atomic_load(&G.proxy_late);
+  out[6] = atomic_load(&G.proxy_dropped);
+  out[7] = (uint64_t)G.proxy_on;
+}
+
 /* dlclose by NCCL after the last communicator: give the memory back. */
 __attribute__((destructor)) static void nxp_unload(void) {
   if (G.ncomms > 0) return; /* process exit with live comms: leave everything */
   free(G.slots);
   free(G.wraps);
+  free(G.nets);
+  free(G.pops);
+  G.nets = NULL;
+  G.pops = NULL;
+  G.npops = 0;
   G.slots = NULL;
   G.wraps = NULL;
   G.nslots = G.nwraps = 0;

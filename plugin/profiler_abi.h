@@ -57,6 +57,15 @@ enum {
 /* recordEventState states (one enum shared by all versions). */
 enum {
   NXP_STATE_PROXY_STEP_FIRST = 8,
+  /* ProxyStep states (one network step; docs/network.md): a state marks the
+   * start of a wait, the next state or stopEvent ends it.  transSize comes
+   * with SEND_WAIT and RECV_FLUSH_WAIT. */
+  NXP_STATE_SEND_GPU_WAIT = 8,
+  NXP_STATE_SEND_WAIT = 9,
+  NXP_STATE_RECV_WAIT = 10,
+  NXP_STATE_RECV_FLUSH_WAIT = 11,
+  NXP_STATE_RECV_GPU_WAIT = 12,
+  NXP_STATE_SEND_PEER_WAIT = 20,       /* "_v4": NCCL 2.27+ */
   NXP_STATE_NET_PLUGIN_UPDATE = 21,
   NXP_STATE_KERNEL_CH_STOP = 22, /* args->kernelCh.pTimer = GPU stop timer */
   NXP_STATE_GROUP_START_API_STOP = 23, /* v5+ */

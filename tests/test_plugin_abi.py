@@ -193,6 +193,12 @@ ENUMS = {
     "NXP_EV_CE_SYNC": "ncclProfileCeSync", "NXP_EV_CE_BATCH": "ncclProfileCeBatch",
     "NXP_EV_KERNEL_PHASE": "ncclProfileKernelPhase",
     "NXP_STATE_PROXY_STEP_FIRST": "ncclProfilerProxyStepSendGPUWait",
+    "NXP_STATE_SEND_GPU_WAIT": "ncclProfilerProxyStepSendGPUWait",
+    "NXP_STATE_SEND_WAIT": "ncclProfilerProxyStepSendWait",
+    "NXP_STATE_RECV_WAIT": "ncclProfilerProxyStepRecvWait",
+    "NXP_STATE_RECV_FLUSH_WAIT": "ncclProfilerProxyStepRecvFlushWait",
+    "NXP_STATE_RECV_GPU_WAIT": "ncclProfilerProxyStepRecvGPUWait",
+    "NXP_STATE_SEND_PEER_WAIT": "ncclProfilerProxyStepSendPeerWait_v4",
     "NXP_STATE_NET_PLUGIN_UPDATE": "ncclProfilerNetPluginUpdate",
     "NXP_STATE_KERNEL_CH_STOP": "ncclProfilerKernelChStop",
     "NXP_STATE_GROUP_START_API_STOP": "ncclProfilerGroupStartApiStop",
@@ -234,7 +240,7 @@ def test_exports(layouts):
     # nothing else leaks into the dynamic symbol table
     ours = {s for s in syms if not s.startswith("_")}
     assert ours == {f"ncclProfiler_v{v}" for v in VERSIONS} | \
-        {f"nccl_exporter_{h}" for h in (*HOOKS, "profiler_stats")}
+        {f"nccl_exporter_{h}" for h in (*HOOKS, "profiler_stats", "profiler_pools")}
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the nop5 hook entry is x86-64's")

@@ -19,7 +19,7 @@
  * drifting by DRIVER_DRIFT_PPM.
  *
  * Usage: driver PLUGIN.so|none VERSION SCENARIO [N]
- *   scenarios: ops, pending, nranks1, pool, bench
+ *   scenarios: ops, pending, nranks1, pool, bench, net, netbench (N NCH STEPS)
  * Prints "truth ..." lines (what the plugin should report) and "sent ..."
  * counts to stdout.
  */
@@ -342,6 +342,121 @@ static void bench(int n, int nch) {
   comm_fini(&c);
 }
 
+/* ---- net: ProxyOp/ProxyStep as NCCL's proxy thread sends them -----------
+ * N ring collectives of rank 1 of 4 (send to 2, receive from 0), NCH channels:
+ * per channel one send and one recv ProxyOp (pid = ours), STEPS steps each.
+ * The steps of all channels move through their states together, each phase
+ * lasting D[phase] ns (spun), so per (peer, direction) the plugin's wall time
+ * of a phase is STEPS * D and its step time NCH * STEPS * D; bytes are
+ * NCH * STEPS * CHUNK.  Every other operation's ProxyOps stop after its last
+ * KernelCh (NCCL: they may).  Each operation also gets a PXN-like ProxyOp of
+ * another pid whose parentObj is an address that must never be read.
+ * Prints "net expect ..." and pool counts before and after. */
+#define NET_CHUNK 131072
+static const uint64_t NET_D[2][3] = {{3000, 1000, 20000}, {25000, 2000, 4000}}; /* send, recv phases (ns) */
+static const int NET_STATES[2][3] = {{NXP_STATE_SEND_GPU_WAIT, NXP_STATE_SEND_PEER_WAIT, NXP_STATE_SEND_WAIT},
+                                     {NXP_STATE_RECV_WAIT, NXP_STATE_RECV_FLUSH_WAIT, NXP_STATE_RECV_GPU_WAIT}};
+
+static void proxy_record_args(void *h, int st, size_t trans) {
+  if (!P || !h) return;
+  nxp_state_args a;
+  memset(&a, VER <= 5 ? 0xA5 : 0, sizeof a);
+  a.proxyStep.transSize = trans;
+  P->recordEventState(h, st, &a);
+}
+
+static void *proxy_op(void *ctx, void *parent, int pid, int ch, int peer, int steps, int is_send) {
+  descr_u d;
+  descr_init(&d, NXP_EV_PROXY_OP, parent, 1);
+#define FILL_POP(X) X.proxyOp.pid = pid; X.proxyOp.channelId = (uint8_t)ch; X.proxyOp.peer = peer; \
+  X.proxyOp.nSteps = steps; X.proxyOp.chunkSize = NET_CHUNK; X.proxyOp.isSend = is_send;
+  if (VER == 4) { FILL_POP(d.v4) } else { FILL_POP(d.v7) }
+  return start(ctx, &d);
+}
+static void *proxy_step(void *ctx, void *parent, int step) {
+  if (!parent) return NULL; /* NCCL: no step events under a NULL ProxyOp handle */
+  descr_u d;
+  descr_init(&d, NXP_EV_PROXY_STEP, parent, 1);
+  if (VER == 4) d.v4.proxyStep.step = step; else d.v7.proxyStep.step = step;
+  return start(ctx, &d);
+}
+
+static void pools(void *dl, const char *when) {
+  void (*f)(uint64_t *) = dl ? (void (*)(uint64_t *))dlsym(dl, "nccl_exporter_profiler_pools") : NULL;
+  if (!f) return;
+  uint64_t o[8];
+  f(o);
+  printf("pools %s slots=%" PRIu64 " proxy_slots=%" PRIu64 " proxy_ops=%" PRIu64 " foreign=%" PRIu64 " orphan=%" PRIu64
+         " late=%" PRIu64 " dropped=%" PRIu64 " proxy_on=%" PRIu64 "\n", when, o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]);
+}
+
+static void net(void *dl, int n, int nch, int steps, int spin) {
+  struct comm c;
+  comm_init(&c, 0xfeed, 1, 4);
+  /* a plugin that does not ask for them (noop.c) gets the proxy events too:
+   * the bench's reference for the same callbacks */
+  if (getenv("DRIVER_PROXY_MASK")) MASK |= NXP_EV_PROXY_OP | NXP_EV_PROXY_STEP;
+  pools(dl, "before");
+  int pid = (int)getpid();
+  descr_u d;
+  uint64_t t0 = mono();
+  long long events = 0;
+  for (int i = 0; i < n; i++) {
+    descr_init(&d, NXP_EV_GROUP, NULL, 0);
+    void *grp = start(c.ctx, &d);
+    descr_init(&d, NXP_EV_COLL, grp, 1);
+    uint64_t s = c.seq[0]++;
+    int func = 0;
+    size_t count = 262144;
+    if (VER == 4) { FILL_COLL(d.v4) } else { FILL_COLL(d.v5) d.v5.coll.parentGroup = grp; }
+    void *op = start(c.ctx, &d);
+    stop(op);
+    stop(grp);
+    void *pxn = proxy_op(c.ctx, (void *)0x10, pid + 1, 0, 3, steps, 1); /* PXN: not ours */
+    stop(pxn);
+    void *kh[64], *po[64][2];
+    uint64_t tm = gpu_timer(mono());
+    for (int ch = 0; ch < nch; ch++) {
+      descr_init(&d, NXP_EV_KERNEL_CH, op, 0);
+      if (VER == 4) { d.v4.kernelCh.channelId = (uint8_t)ch; d.v4.kernelCh.pTimer = tm; }
+      else { d.v7.kernelCh.channelId = (uint8_t)ch; d.v7.kernelCh.pTimer = tm; }
+      kh[ch] = start(c.ctx, &d);
+      po[ch][0] = proxy_op(c.ctx, op, pid, ch, 2, steps, 1);
+      po[ch][1] = proxy_op(c.ctx, op, pid, ch, 0, steps, 0);
+    }
+    for (int st = 0; st < steps; st++) {
+      for (int dir = 0; dir < 2; dir++) {
+        void *sh[64];
+        for (int ch = 0; ch < nch; ch++) sh[ch] = proxy_step(c.ctx, po[ch][dir], st);
+        for (int ph = 0; ph < 3; ph++) {
+          uint64_t t = mono();
+          int carries = (dir == 0 && ph == 2) || (dir == 1 && ph == 1); /* transSize with SendWait / RecvFlushWait */
+          for (int ch = 0; ch < nch; ch++) proxy_record_args(sh[ch], NET_STATES[dir][ph], carries ? NET_CHUNK : 0);
+          if (spin) spin_until(t + NET_D[dir][ph]);
+        }
+        for (int ch = 0; ch < nch; ch++) stop(sh[ch]);
+        events += 5 * nch;
+      }
+    }
+    int late = i % 2;
+    if (!late) for (int ch = 0; ch < nch; ch++) { stop(po[ch][0]); stop(po[ch][1]); }
+    for (int ch = 0; ch < nch; ch++) { record(kh[ch], NXP_STATE_KERNEL_CH_STOP, tm + 1000, 0); stop(kh[ch]); }
+    if (late) for (int ch = 0; ch < nch; ch++) { stop(po[ch][0]); stop(po[ch][1]); }
+  }
+  uint64_t t1 = mono();
+  printf("netbench ns_per_step_event=%.1f events=%lld n=%d nch=%d steps=%d\n",
+         (double)(t1 - t0) / (double)(events ? events : 1), events, n, nch, steps);
+  for (int dir = 0; dir < 2; dir++)
+    printf("net expect peer=%d direction=%s bytes=%lld wall_ns=%llu,%llu,%llu step_ns=%llu,%llu,%llu\n",
+           dir ? 0 : 2, dir ? "recv" : "send", (long long)nch * steps * NET_CHUNK,
+           (unsigned long long)(steps * NET_D[dir][0]), (unsigned long long)(steps * NET_D[dir][1]),
+           (unsigned long long)(steps * NET_D[dir][2]), (unsigned long long)(nch * steps * NET_D[dir][0]),
+           (unsigned long long)(nch * steps * NET_D[dir][1]), (unsigned long long)(nch * steps * NET_D[dir][2]));
+  pools(dl, "after");
+  print_stats(dl);
+  comm_fini(&c);
+}
+
 int main(int argc, char **argv) {
   if (argc < 4) { fprintf(stderr, "usage: driver PLUGIN|none VERSION SCENARIO [N]\n"); return 2; }
   VER = atoi(argv[2]);
@@ -357,6 +472,10 @@ int main(int argc, char **argv) {
     snprintf(sym, sizeof sym, "ncclProfiler_v%d", VER);
     P = dlsym(dl, sym);
     if (!P) { fprintf(stderr, "no %s\n", sym); return 2; }
+  }
+  if (!strcmp(scen, "net") || !strcmp(scen, "netbench")) { /* N NCH STEPS */
+    net(dl, n, argc > 5 ? atoi(argv[5]) : 8, argc > 6 ? atoi(argv[6]) : 4, !strcmp(scen, "net"));
+    return 0;
   }
   if (!strcmp(scen, "bench")) {
     bench(n, argc > 5 ? atoi(argv[5]) : 4);
