@@ -13,6 +13,11 @@
 //   coll_queued    in-flight entry (pid, id) state QUEUED since enqueue
 //   gpu_start      the entry becomes RUNNING since the GPU start
 //   abandoned      forgets the in-flight entry
+//                  the record's network part (proxy accounting, version
+//                  NX_NET_VERSION after the 144 bytes): per (peer,
+//                  direction) wall/step time per phase and bytes summed into
+//                  net_series; the process's PXN count into net_foreign; a
+//                  slow op's gpu_event carries the entries (spans, recordings)
 //   comm_init/fini the process has the plugin (plugin_procs: pid -> comms,
 //                  drops; every record hook makes sure the entry exists);
 //                  plugin_comms: its live communicators (NCCL's identity)
@@ -93,6 +98,45 @@ struct nx_comm {
 };                      // 80
 _Static_assert(sizeof(struct nx_comm) == NX_COMM_SIZE, "nccl_exporter_comm v1 is 80 bytes");
 
+// The network part of a done record (struct nccl_exporter_net, version 1),
+// right after the 144 bytes when r.size >= NX_RECORD_SIZE + NX_NET_SIZE.
+#define NX_NET_VERSION 1
+#define NX_NET_ENTRIES 10     // NCCL_EXPORTER_NET_ENTRIES (2 * top K + 2)
+#define NX_NET_SIZE 672
+struct nx_peer_wait {
+    s32 peer;          //  0 communicator rank; -1 = other
+    u32 direction;     //  4 0 send, 1 recv
+    u64 bytes;         //  8
+    u64 wall_ns[3];    // 16 per phase, contract.NETWORK_PHASES order
+    u64 step_ns[3];    // 40
+};                     // 64
+struct nx_net {
+    u32 version;       //  0 must be 1
+    u32 top_k;         //  4
+    u32 nentries;      //  8
+    u32 npeers;        // 12
+    u32 flags;         // 16
+    u32 proxy_ops;     // 20
+    u64 foreign_ops;   // 24 process-wide PXN ProxyOps ignored
+    struct nx_peer_wait e[NX_NET_ENTRIES];  // 32
+};                     // 672
+_Static_assert(sizeof(struct nx_net) == NX_NET_SIZE, "nccl_exporter_net v1 is 672 bytes");
+
+// Network figures per (communicator, rank, peer, direction): counters.
+struct net_key {
+    u64 comm_hash;
+    s32 rank;
+    s32 peer;          // -1: other (the plugin's, or this map's overflow)
+    u32 direction;
+    u32 pad;
+};
+struct net_val {
+    u64 ops;           // done records that carried this pair
+    u64 bytes;
+    u64 wall_ns[3];
+    u64 step_ns[3];
+};
+
 struct gpu_key {
     u64 comm_hash;  // NCCL's commHash
     s32 rank;
@@ -161,7 +205,8 @@ struct plugin_comm {
 #define PD_REJECT_EARLY 6
 #define PD_REJECT_REVERSED 7
 #define PD_COMMS_FULL 8
-#define PD_SLOTS 9
+#define PD_NET_FULL 9         // net_series full even for the "other" entry
+#define PD_SLOTS 10
 
 BPF_HASH(gpu_series, struct gpu_key, struct gpu_hist, GPU_MAX_SERIES);
 BPF_HASH(gpu_inflight, struct gpu_flight_key, struct gpu_flight, GPU_MAX_INFLIGHT);
@@ -169,6 +214,9 @@ BPF_HASH(plugin_procs, u32, struct plugin_proc, PLUGIN_MAX_PROCS);
 BPF_HASH(plugin_comms, struct plugin_comm_key, struct plugin_comm, MAX_COMMS);
 BPF_ARRAY(plugin_drops, u64, PD_SLOTS);
 BPF_ARRAY(gpu_zero, struct gpu_hist, 1);  // all zeros, never written
+BPF_HASH(net_series, struct net_key, struct net_val, NET_MAX_SERIES);
+BPF_HASH(net_foreign, u32, u64, PLUGIN_MAX_PROCS);  // tgid -> PXN ProxyOps its plugin ignored
+BPF_PERCPU_ARRAY(net_scratch, struct nx_net, 1);    // one record's network part (too big for the stack)
 
 // One slow GPU operation for user space (spans bounded by GPU time): sent by
 // on_gpu_done when its GPU time is at least gpu_config[op] ns (0, the
@@ -187,7 +235,8 @@ struct gpu_event {
     s32 peer;
     u32 op;          // exporter op code
     u32 kind;        // the record's kind (coll / p2p, plugin/nccl_exporter_plugin.h)
-    u32 pad;
+    u32 nnet;        // entries in net[] (0: no network figures)
+    struct nx_peer_wait net[NX_NET_ENTRIES];
 };
 BPF_ARRAY(gpu_config, u64, OP_COUNT);
 BPF_RINGBUF_OUTPUT(gpu_events, GPU_EVENT_PAGES);
@@ -320,12 +369,66 @@ int on_gpu_start(struct pt_regs *ctx) {
     return 0;
 }
 
+// Fold a done record's network part into net_series; the part, or NULL.
+static __always_inline struct nx_net *net_account(struct pt_regs *ctx, struct nx_record *r, u32 tgid) {
+    if (r->size < NX_RECORD_SIZE + NX_NET_SIZE)
+        return NULL;
+    u32 zero = 0;
+    struct nx_net *n = net_scratch.lookup(&zero);
+    if (!n || bpf_probe_read_user(n, sizeof(*n), (void *)(PT_REGS_PARM1(ctx) + NX_RECORD_SIZE)) ||
+        n->version != NX_NET_VERSION) {
+        drop(PD_BAD_RECORD);
+        return NULL;
+    }
+    u64 *f = net_foreign.lookup(&tgid);
+    if (f) {
+        if (n->foreign_ops > *f)
+            *f = n->foreign_ops;
+    } else if (n->foreign_ops) {
+        u64 v = n->foreign_ops;
+        net_foreign.update(&tgid, &v);
+    }
+    u32 cnt = n->nentries;
+#pragma unroll
+    for (int i = 0; i < NX_NET_ENTRIES; i++) {
+        if (i >= cnt)
+            break;
+        struct nx_peer_wait *w = &n->e[i];
+        struct net_key k = {.comm_hash = r->comm_hash, .rank = r->rank, .peer = w->peer < 0 ? -1 : w->peer,
+                            .direction = w->direction ? 1 : 0};
+        struct net_val *v = net_series.lookup(&k);
+        if (!v) {
+            struct net_val z = {};
+            if (net_series.insert(&k, &z)) {
+                k.peer = -1;  // full: summed as other
+                net_series.insert(&k, &z);
+            }
+            v = net_series.lookup(&k);
+            if (!v) {
+                drop(PD_NET_FULL);
+                continue;
+            }
+        }
+        __sync_fetch_and_add(&v->ops, 1);
+        __sync_fetch_and_add(&v->bytes, w->bytes);
+        __sync_fetch_and_add(&v->wall_ns[0], w->wall_ns[0]);
+        __sync_fetch_and_add(&v->wall_ns[1], w->wall_ns[1]);
+        __sync_fetch_and_add(&v->wall_ns[2], w->wall_ns[2]);
+        __sync_fetch_and_add(&v->step_ns[0], w->step_ns[0]);
+        __sync_fetch_and_add(&v->step_ns[1], w->step_ns[1]);
+        __sync_fetch_and_add(&v->step_ns[2], w->step_ns[2]);
+    }
+    return n;
+}
+
 int on_gpu_done(struct pt_regs *ctx) {
     struct nx_record r = {};
     struct gpu_flight_key fk = {};
     if (!read_record(ctx, &r, &fk))
         return 0;
     gpu_inflight.delete(&fk);
+    // what the network waited for counts whatever the GPU interval's verdict
+    struct nx_net *net = net_account(ctx, &r, fk.tgid);
     // An interval the plugin judged implausible is counted by reason, not
     // histogrammed; a stop before the start is one whichever plugin sent it.
     if (r.flags & NX_F_REJECT_LONG) {
@@ -391,7 +494,13 @@ int on_gpu_done(struct pt_regs *ctx) {
     e->peer = r.peer;
     e->op = r.op;
     e->kind = r.kind;
-    e->pad = 0;
+    e->nnet = 0;
+    if (net) {
+        e->nnet = net->nentries < NX_NET_ENTRIES ? net->nentries : NX_NET_ENTRIES;
+        bpf_probe_read_kernel(e->net, sizeof(e->net), net->e);
+    } else {
+        __builtin_memset(e->net, 0, sizeof(e->net));
+    }
     gpu_events.ringbuf_submit(e, 0);
     return 0;
 }
@@ -449,5 +558,6 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     if ((u32)id != tgid)
         return 0;  // a thread, not the process
     plugin_procs.delete(&tgid);
+    net_foreign.delete(&tgid);
     return 0;
 }

@@ -18,8 +18,8 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 from exporter.records import contract, histogram
-from exporter.records.events import (Communicator, GpuInflight, GpuSeries, InflightCall, PluginComm, PluginProcess,
-                                     SchedStats, Series, TcpLink, TcpSrtt)
+from exporter.records.events import (Communicator, GpuInflight, GpuSeries, InflightCall, NetworkSeries,
+                                     PluginComm, PluginProcess, SchedStats, Series, TcpLink, TcpSrtt)
 from exporter.sources.nccl.maps import AsyncState
 from exporter.sources.nccl.probes import MAP_CAPACITY as NCCL_MAPS
 from exporter.sources.plugin.source import DROPS, MAP_CAPACITY as PLUGIN_MAPS
@@ -184,6 +184,23 @@ class FakePlugin(FakeProgram):
         # call has named (idle since before the agent): shown from the announcement
         return [PluginComm(pid=PID, nccl_hash=NCCL_HASH, rank=0, nranks=2, nnodes=1, last_ns=NOW_NS),
                 PluginComm(pid=PID, nccl_hash=IDLE_HASH, rank=1, nranks=4, nnodes=2, last_ns=NOW_NS)]
+
+    def network(self):
+        """Rank 0 of a 8-rank AllToAll-like job: 6 peers with figures, 4 named
+        (the most waited: 5, then 1, 2, 3), the rest (6, 7) and the plugin's
+        own "other" in peer="other"."""
+        out = []
+        for peer, wait_ms in ((5, 40), (1, 9), (2, 8), (3, 7), (6, 2), (7, 1), (-1, 1)):
+            ms = 1_000_000
+            out.append(NetworkSeries(NCCL_HASH, 0, peer, "recv", ops=5, bytes=5 << 20,
+                                     wall_ns=(wait_ms * ms, 1 * ms, 2 * ms),
+                                     step_ns=(4 * wait_ms * ms, 4 * ms, 8 * ms)))
+            out.append(NetworkSeries(NCCL_HASH, 0, peer, "send", ops=5, bytes=5 << 20,
+                                     wall_ns=(1 * ms, 0, 3 * ms), step_ns=(2 * ms, 0, 6 * ms)))
+        return out
+
+    def foreign_proxy_ops(self):
+        return {PID: 3}
 
     def drops(self):
         return {name: 0 for name in DROPS}

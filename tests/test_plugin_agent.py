@@ -245,6 +245,12 @@ def test_gpu_comm_label_is_nccls_commhash_as_on_host_series():
             return [PluginProcess(pid=os.getpid(), first_seen_ns=0, last_seen_ns=0, comms=1, dropped=0,
                                   iface_version=7)]
 
+        def network(self):
+            return []
+
+        def foreign_proxy_ops(self):
+            return {}
+
     for live in (comms, []):  # the job's communicators, then none (the job ended, series live on)
         text = _exposition(gpu_families("n1", FakePlugin(), live, {os.getpid()}))
         assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="1111222233334444") == 1
@@ -297,3 +303,84 @@ def test_exporter_serves_gpu_metrics(bins, tmp_path, launch_exporter):
         text = ex.scrape()
         assert sample_values(text, "nccl_gpu_inflight_oldest_seconds") == []
         assert sample_value(text, "nccl_exporter_map_entries", map="gpu_inflight") == 0
+
+
+def run_net(bins, n: int, nch: int, steps: int, log, env: dict | None = None) -> tuple[list[dict], dict, list[str]]:
+    """The driver's `net` scenario (ProxyOp/ProxyStep as NCCL's proxy thread
+    sends them, plus a PXN-like op per operation): its expectations, its pool
+    lines and the plugin's logging-mode lines."""
+    p = subprocess.run([str(bins["driver"]), str(bins["plugin"]), "7", "net", str(n), str(nch), str(steps)],
+                       capture_output=True, text=True, timeout=120,
+                       env={**driver_env(), "NCCL_EXPORTER_PROFILER_LOG": str(log), **(env or {})})
+    assert p.returncode == 0, p.stderr[-2000:]
+    expect = [parse_kv(l[len("net "):]) for l in p.stdout.splitlines() if l.startswith("net expect ")]
+    pools = {l.split()[1]: parse_kv(l[len("pools"):]) for l in p.stdout.splitlines() if l.startswith("pools ")}
+    return expect, pools, [l for l in log.read_text().splitlines() if "event=peer_wait" in l]
+
+
+def test_network_figures_per_peer_from_proxy_steps(bins, sources, tmp_path):
+    """ProxyOp/ProxyStep events (8 channels, 4 steps each, both directions)
+    become, per (peer, direction), bytes and per-phase wall/step time that
+    the agent sums: equal to the plugin's own per-operation figures (logging
+    mode) and to what the driver spun (wall = steps x phase time over all
+    channels; step time = channels x that), within the clock reads of the
+    callbacks. The PXN-like op of another pid is ignored and counted."""
+    from exporter.records import contract
+    from exporter.sinks.prometheus import gpu_families
+
+    _probes, plugin = sources
+    n, nch, steps = 10, 8, 4
+    expect, pools, lines = run_net(bins, n, nch, steps, tmp_path / "net.log")
+    assert pools["before"]["proxy_slots"] == pools["after"]["proxy_slots"] == "0"
+    assert pools["after"]["foreign"] == str(n) and pools["after"]["orphan"] == "0"
+    assert pools["after"]["late"] == "0" and pools["after"]["proxy_ops"] == str(2 * nch * n)
+    logged = defaultdict(lambda: defaultdict(int))
+    for l in lines:
+        kv = parse_kv(l)
+        for k, v in kv.items():
+            if k == "bytes" or k.endswith(("_wall_ns", "_step_ns")):
+                logged[(int(kv["peer"]), kv["direction"])][k] += int(v)
+    assert len(lines) == 2 * n  # one line per (peer, direction) per operation
+    got = {(s.peer, s.direction): s for s in plugin.network()}
+    assert set(got) == {(2, "send"), (0, "recv")}
+    for e in expect:
+        key = (int(e["peer"]), e["direction"])
+        s = got[key]
+        phases = contract.NETWORK_PHASES[e["direction"]]
+        assert s.ops == n and s.bytes == n * int(e["bytes"]) == logged[key]["bytes"]
+        for i, ph in enumerate(phases):
+            assert s.wall_ns[i] == logged[key][f"{ph}_wall_ns"]  # the agent sums what the plugin sent
+            assert s.step_ns[i] == logged[key][f"{ph}_step_ns"]
+            want_wall = n * int(e["wall_ns"].split(",")[i])
+            want_step = n * int(e["step_ns"].split(",")[i])
+            # spun phase times; each transition adds the callbacks' own time (< 50 us per step here)
+            assert want_wall <= s.wall_ns[i] <= want_wall + n * steps * 50_000, (key, ph)
+            assert want_step <= s.step_ns[i] <= want_step + n * steps * nch * 50_000, (key, ph)
+    assert plugin.drops()["bad_record"] == 0
+    text = _exposition(gpu_families("n1", plugin, [], set(), named_peers={}))
+    assert sample_value(text, "nccl_network_bytes_total", comm="000000000000feed", rank="1", peer="2",
+                        direction="send") == n * nch * steps * 131072
+    assert sample_value(text, "nccl_network_wait_seconds_total", comm="000000000000feed", rank="1", peer="0",
+                        direction="recv", phase="recv_wait") == got[(0, "recv")].wall_ns[0] / 1e9
+    assert sample_value(text, "nccl_network_step_wait_seconds_total", comm="000000000000feed", rank="1",
+                        peer="2", direction="send", phase="send_wait") == got[(2, "send")].step_ns[2] / 1e9
+    # the driver exited: its PXN count left with it; while it ran the map had it
+    assert plugin.foreign_proxy_ops() == {} or set(plugin.foreign_proxy_ops().values()) == {n}
+
+
+def test_proxy_accounting_pools_return_after_100k_operations(bins):
+    """100,000 operations of 8 channels (16 ProxyOps and 128 steps each, every
+    other one's ProxyOps ending after its last KernelCh) leave the record
+    and ProxyOp pools as they started, with nothing dropped or late. No agent
+    needed: the plugin's own counters (nccl_exporter_profiler_pools)."""
+    p = subprocess.run([str(bins["driver"]), str(bins["plugin"]), "7", "netbench", "100000", "8", "4"],
+                       capture_output=True, text=True, timeout=300, env=driver_env())
+    assert p.returncode == 0, p.stderr[-2000:]
+    pools = {l.split()[1]: parse_kv(l[len("pools"):]) for l in p.stdout.splitlines() if l.startswith("pools ")}
+    assert pools["before"]["slots"] == pools["after"]["slots"] == "0"
+    assert pools["before"]["proxy_slots"] == pools["after"]["proxy_slots"] == "0"
+    after = pools["after"]
+    assert after["proxy_ops"] == str(100000 * 16) and after["foreign"] == "100000"
+    assert after["dropped"] == after["late"] == after["orphan"] == "0"
+    stats = parse_kv(next(l for l in p.stdout.splitlines() if l.startswith("stats ")))
+    assert stats["completed"] == "100000" and stats["abandoned"] == "0" and stats["dropped"] == "0"

@@ -194,7 +194,9 @@ SCHED_EVENT_PAGES = 256  # sched_events ring buffer (run-queue waits, recordings
 GPU_MAX_SERIES = 2048   # (op, NCCL commHash, rank, nranks) GPU histograms (bpf/plugin.c)
 GPU_MAX_INFLIGHT = 65536  # (pid, record id) collectives queued/running on the GPU (bpf/plugin.c)
 PLUGIN_MAX_PROCS = 4096  # processes that loaded the profiler plugin (bpf/plugin.c)
-GPU_EVENT_PAGES = 64  # gpu_events ring buffer (slow GPU operations, for spans): 256 KiB
+GPU_EVENT_PAGES = 128  # gpu_events ring buffer (slow GPU operations, for spans, with their network part): 512 KiB
+NET_MAX_SERIES = 16384  # (NCCL commHash, rank, peer, direction) network figures (bpf/plugin.c net_series)
+NET_TOP_K = 4  # peers the profiler plugin names per operation, the rest are "other" (NCCL_EXPORTER_NET_TOP_K)
 # What a network transfer's steps waited for (the profiler plugin's ProxyStep
 # states, NET transports only; docs/network.md), in NCCL's order per direction:
 # the `phase` label of nccl_network_*_seconds_total and nccl_peer_waits.phase.

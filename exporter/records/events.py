@@ -237,6 +237,33 @@ class GpuInflight:
 
 
 @dataclass(frozen=True)
+class PeerWait:
+    """What one operation's network transfers with one peer in one direction
+    waited for (the profiler plugin's ProxyStep figures; docs/network.md)."""
+
+    peer: int  # the peer's rank in the communicator; -1: the other peers, summed
+    direction: str  # send | recv
+    bytes: int  # transSize summed (given at send_wait / recv_flush_wait)
+    wall_ns: tuple[int, int, int]  # per phase of contract.NETWORK_PHASES[direction]: >= 1 step in it
+    step_ns: tuple[int, int, int]  # the same summed over steps
+
+
+@dataclass(frozen=True)
+class NetworkSeries:
+    """Network figures of one (communicator, rank, peer, direction), summed
+    over its operations in the kernel (bpf/plugin.c net_series)."""
+
+    nccl_hash: int
+    rank: int
+    peer: int  # -1: other
+    direction: str  # send | recv
+    ops: int  # operations that carried this pair
+    bytes: int
+    wall_ns: tuple[int, int, int]  # per phase of contract.NETWORK_PHASES[direction]
+    step_ns: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
 class GpuCall:
     """One slow collective or point-to-point operation as the GPU ran it (the
     profiler plugin's record, sent by bpf/plugin.c when its GPU time reached
@@ -257,6 +284,7 @@ class GpuCall:
     duration_ns: int  # GPU time
     enqueue_real_ns: int  # the same instants in CLOCK_REALTIME
     start_real_ns: int
+    peer_waits: tuple[PeerWait, ...] = ()  # with proxy accounting: per (peer, direction), top K + other
 
 
 @dataclass(frozen=True)

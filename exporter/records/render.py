@@ -181,7 +181,29 @@ def gpu_span_attributes(event) -> dict:
         out["nccl.peer"] = event.peer
     if event.enqueue_ns:
         out["nccl.enqueue_to_gpu_start_ns"] = event.start_ns - event.enqueue_ns
+    top = top_network_wait(event.peer_waits)
+    if top is not None:
+        peer, direction, phase, wall_ns, share = top
+        out.update({"nccl.network.peer": "other" if peer < 0 else peer, "nccl.network.direction": direction,
+                    "nccl.network.phase": phase, "nccl.network.wait_ns": wall_ns,
+                    "nccl.network.wait_share": round(share, 4)})
     return out
+
+
+def top_network_wait(peer_waits) -> tuple | None:
+    """The (peer, direction, phase) whose wall wait was longest in one
+    operation's network figures, as (peer, direction, phase, wall_ns, share):
+    share = its wall wait / the wall wait summed over every peer, direction and
+    phase of the operation. None without figures (or all zero)."""
+    best, total = None, 0
+    for w in peer_waits:
+        for phase, ns in zip(contract.NETWORK_PHASES[w.direction], w.wall_ns):
+            total += ns
+            if ns and (best is None or ns > best[3]):
+                best = (w.peer, w.direction, phase, ns)
+    if best is None or not total:
+        return None
+    return (*best, best[3] / total)
 
 
 def span_attributes(event: CallEvent) -> dict:

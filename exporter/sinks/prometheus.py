@@ -145,6 +145,7 @@ class NcclCollector:
         self.sched = sched
         self.spans = spans
         self.plugin = plugin  # exporter.sources.plugin.source.PluginSource, None when not loaded
+        self.named_peers: dict = {}  # network_families' sticky peer names per (commHash, rank)
         self.recorder = recorder  # run --db's Recorder: its drops, by reason
         # which classic buckets text scrapes get (run --histogram-resolution)
         self.classic = classic or histogram.CLASSIC[histogram.DEFAULT_CLASSIC]
@@ -280,7 +281,7 @@ class NcclCollector:
             pass
         self.processes.mark_collectives(comms, getattr(self, "_made_collectives", ()))
         yield from gpu_families(self.node, self.plugin, comms, traced | {c.pid for c in comms}, alive,
-                                self.processes.identity, self.classic)
+                                self.processes.identity, self.classic, self.named_peers)
 
     # --- the exporter itself -------------------------------------------------------------
 
@@ -409,7 +410,7 @@ def pod_labels(who: dict) -> tuple[str, ...]:
 
 
 def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, identity=None,
-                 classic=None) -> list:
+                 classic=None, named_peers: dict | None = None) -> list:
     """The profiler plugin's families: GPU duration histograms, the oldest GPU
     in-flight ages and nccl_profiler_plugin_active. comm label: NCCL's
     commHash in 16 hex digits, the host series' label of the same
@@ -440,7 +441,49 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, identity=
         if pid not in with_plugin and is_alive(pid):
             active[key(pid)] = 0
     return [durations.family(), family_of(metrics.GPU_INFLIGHT_OLDEST, oldest),
-            family_of(metrics.PROFILER_PLUGIN_ACTIVE, active)]
+            family_of(metrics.PROFILER_PLUGIN_ACTIVE, active),
+            *network_families(node, plugin, format_comm, is_alive, named_peers)]
+
+
+def network_families(node: str, plugin, comm_of, is_alive, named_peers: dict | None = None) -> list:
+    """nccl_network_{wait,step_wait}_seconds_total, nccl_network_bytes_total and
+    nccl_network_foreign_proxy_ops_total from the plugin's network series.
+
+    Cardinality: per (comm, rank) at most contract.NET_TOP_K peers by name,
+    the rest "other". `named_peers` ((NCCL commHash, rank) -> the peers named
+    so far; the collector keeps it across scrapes) makes the choice sticky: a
+    peer once named stays named, new ones are named while there is room (the
+    most waited first), so no counter moves between series."""
+    named = named_peers if named_peers is not None else {}
+    wait: dict[tuple, float] = defaultdict(float)
+    steps: dict[tuple, float] = defaultdict(float)
+    nbytes: dict[tuple, float] = defaultdict(float)
+    foreign: dict[tuple, float] = {}
+    if plugin is not None:
+        series = plugin.network()
+        by_owner: dict[tuple, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        for s in series:
+            if s.peer >= 0:
+                by_owner[(s.nccl_hash, s.rank)][s.peer] += sum(s.wall_ns)
+        for owner in [o for o in named if o not in by_owner]:
+            del named[owner]  # expired with its communicator
+        for owner, peers in by_owner.items():
+            have = named.setdefault(owner, set())
+            for peer in sorted(peers, key=lambda p: (-peers[p], p)):
+                if len(have) >= contract.NET_TOP_K:
+                    break
+                have.add(peer)
+        for s in series:
+            have = named.get((s.nccl_hash, s.rank), ())
+            peer = str(s.peer) if s.peer in have else "other"
+            base = (node, comm_of(s.nccl_hash), rank_label(s.rank), peer, s.direction)
+            nbytes[base] += s.bytes
+            for phase, w, st in zip(contract.NETWORK_PHASES[s.direction], s.wall_ns, s.step_ns):
+                wait[(*base, phase)] += w / 1e9
+                steps[(*base, phase)] += st / 1e9
+        foreign = {(node, str(pid)): n for pid, n in plugin.foreign_proxy_ops().items() if is_alive(pid)}
+    return [family_of(metrics.NETWORK_WAIT, wait), family_of(metrics.NETWORK_STEP_WAIT, steps),
+            family_of(metrics.NETWORK_BYTES, nbytes), family_of(metrics.NETWORK_FOREIGN_OPS, foreign)]
 
 
 def _opt(v) -> str:

@@ -381,6 +381,9 @@ class Agent:
                 self.slow.forget(freed)
             if self.plugin is not None:
                 self.plugin.forget_dead_processes()
+                # network series expire with their communicator (docs/network.md)
+                self.plugin.expire_network({c.nccl_hash for c in comms if c.nccl_hash},
+                                           self.config.series_ttl)
         self.processes.forget_dead()
 
     def run_until(self, stop: threading.Event, deadline: float | None = None) -> None:

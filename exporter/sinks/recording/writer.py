@@ -23,6 +23,7 @@ import threading
 import time
 
 from exporter import __version__
+from exporter.records import contract
 from exporter.records.events import CallEvent, GpuCall
 from exporter.records.render import Renderer, table_of
 from exporter.sinks.recording.schema import (DEFERRED_INDEXES, FOLD_GPU_INTERVALS, INSERT, SCHEMA_VERSION,
@@ -284,7 +285,7 @@ class Recorder:
 
     def _write(self, batch: list) -> None:
         rows = self._rows
-        nccl, tcp, sched, gpu = [], [], [], []
+        nccl, tcp, sched, gpu, waits = [], [], [], [], []
         procs = []
         seen = self._seen_pids
         for event in batch:
@@ -292,6 +293,8 @@ class Recorder:
                 gpu.append((event.pid, rows.comm(event.nccl_hash), event.op, event.seq, event.kind, event.rank,
                             event.peer if event.peer >= 0 else None, event.enqueue_real_ns or None,
                             event.start_real_ns, event.duration_ns, self.node))
+                if event.peer_waits:
+                    waits += peer_wait_rows(event, gpu[-1][1], self.node)
                 continue
             if type(event) is CallEvent:
                 what, pid = "nccl", event.pid
@@ -325,6 +328,8 @@ class Recorder:
                 c.executemany(INSERT["sched"], sched)
             if gpu:
                 c.executemany(INSERT["gpu"], gpu)
+            if waits:
+                c.executemany(INSERT["peer_waits"], waits)
             if procs:
                 c.executemany(INSERT["processes"], procs)
             if comms:
@@ -447,3 +452,18 @@ class Recorder:
         return (f"{self.recorded['nccl']} NCCL calls, {self.recorded['tcp']} TCP events, "
                 f"{self.recorded['sched']} scheduler events recorded to {self.path}; "
                 f"lost {self.total_lost} (kernel ring buffer {kernel}, recorder queue full {self.dropped})")
+
+
+def peer_wait_rows(event: GpuCall, comm: str, node: str) -> list[tuple]:
+    """nccl_peer_waits rows (schema.PEER_WAIT_FIELDS) of one GPU operation's
+    network figures: one per (peer, direction, phase); peer NULL for "other";
+    bytes on the phase NCCL gave transSize with (send_wait, recv_flush_wait)."""
+    out = []
+    for w in event.peer_waits:
+        phases = contract.NETWORK_PHASES[w.direction]
+        carries = phases[2] if w.direction == "send" else phases[1]
+        for phase, wall, step in zip(phases, w.wall_ns, w.step_ns):
+            out.append((event.pid, comm, event.op, event.seq, event.kind, event.rank,
+                        w.peer if w.peer >= 0 else None, w.direction, phase, wall, step,
+                        w.bytes if phase == carries else 0, node))
+    return out

@@ -14,10 +14,11 @@ the agent's loop.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from exporter.records import contract
-from exporter.records.events import GpuCall, GpuInflight, GpuSeries, PluginComm, PluginProcess
+from exporter.records.events import GpuCall, GpuInflight, GpuSeries, NetworkSeries, PeerWait, PluginComm, PluginProcess
 from exporter.sources.bpf import ClockOffset, Program, ProbeError, forget_dead
 from exporter.sources.nccl import elf
 
@@ -38,17 +39,20 @@ KINDS = {1: "coll", 2: "p2p"}  # NCCL_EXPORTER_KIND_* (plugin/nccl_exporter_plug
 # Slots of plugin_drops (PD_* in bpf/plugin.c)
 DROPS = {"gpu_series_full": 0, "gpu_inflight_full": 1, "bad_record": 2, "plugin_procs_full": 3,
          "no_gpu_time": 4, **{f"rejected_{reason}": 5 + i for i, reason in enumerate(contract.GPU_REJECT_REASONS)},
-         "plugin_comms_full": 8}
+         "plugin_comms_full": 8, "net_series_full": 9}
+DIRECTIONS = ("send", "recv")  # NCCL_EXPORTER_NET_SEND / _RECV
 # Capacity of each map this program owns, for nccl_exporter_map_capacity.
 MAP_CAPACITY = {
     "gpu_series": contract.GPU_MAX_SERIES,
     "gpu_inflight": contract.GPU_MAX_INFLIGHT,
     "plugin_procs": contract.PLUGIN_MAX_PROCS,
     "plugin_comms": contract.MAX_COMMS,
+    "net_series": contract.NET_MAX_SERIES,
 }
 # (drop slot, map) as exported by nccl_exporter_map_full_total{map=...}
 MAP_FULL = (("gpu_series_full", "gpu_series"), ("gpu_inflight_full", "gpu_inflight"),
-            ("plugin_procs_full", "plugin_procs"), ("plugin_comms_full", "plugin_comms"))
+            ("plugin_procs_full", "plugin_procs"), ("plugin_comms_full", "plugin_comms"),
+            ("net_series_full", "net_series"))
 NAME_PREFIX = "libnccl-profiler"
 
 
@@ -105,7 +109,10 @@ class PluginSource(Program):
             f"-DGPU_MAX_INFLIGHT={contract.GPU_MAX_INFLIGHT}",
             f"-DPLUGIN_MAX_PROCS={contract.PLUGIN_MAX_PROCS}",
             f"-DGPU_EVENT_PAGES={contract.GPU_EVENT_PAGES}",
+            f"-DNET_MAX_SERIES={contract.NET_MAX_SERIES}",
         ))
+        self.net_seen: dict[int, float] = {}  # NCCL commHash -> monotonic s it was last live (expire_network)
+        self.net_ops: dict[int, int] = {}  # NCCL commHash -> operations counted, at the last expire_network
         self.attached: dict[str, tuple[int, int]] = {}  # path -> (st_dev, st_ino)
         self.paths: list[str] = []
 
@@ -123,7 +130,11 @@ class PluginSource(Program):
                        bytes=e.bytes, enqueue_ns=e.enqueue_ns, start_ns=e.start_ns,
                        duration_ns=e.stop_ns - e.start_ns,
                        enqueue_real_ns=self.clock.to_realtime(e.enqueue_ns) if e.enqueue_ns else 0,
-                       start_real_ns=self.clock.to_realtime(e.start_ns))
+                       start_real_ns=self.clock.to_realtime(e.start_ns),
+                       peer_waits=tuple(
+                           PeerWait(peer=w.peer, direction=DIRECTIONS[w.direction & 1], bytes=w.bytes,
+                                    wall_ns=tuple(w.wall_ns), step_ns=tuple(w.step_ns))
+                           for w in e.net[:min(e.nnet, len(e.net))]))
 
     def on_event(self, callback) -> None:
         """Call `callback(GpuCall)` for each slow GPU operation, from the ring buffer poll."""
@@ -218,6 +229,48 @@ class PluginSource(Program):
                            last_ns=v.last_ns)
                 for k, v in self["plugin_comms"].items()]
 
+    def network(self) -> list[NetworkSeries]:
+        """Per (communicator, rank, peer, direction): what the network waited for."""
+        return [
+            NetworkSeries(nccl_hash=k.comm_hash, rank=k.rank, peer=k.peer, direction=DIRECTIONS[k.direction & 1],
+                          ops=v.ops, bytes=v.bytes, wall_ns=tuple(v.wall_ns), step_ns=tuple(v.step_ns))
+            for k, v in self["net_series"].items()
+        ]
+
+    def foreign_proxy_ops(self) -> dict[int, int]:
+        """pid -> ProxyOps of another process (PXN) its plugin ignored."""
+        return {k.value: v.value for k, v in self["net_foreign"].items()}
+
+    def expire_network(self, live_hashes, ttl: float, now: float | None = None) -> int:
+        """Delete the network series of communicators not live (NCCL commHash
+        not in `live_hashes`) for `ttl` seconds; returns how many. For the
+        agent's loop: the series expire with their communicator."""
+        now = time.monotonic() if now is None else now
+        for h in live_hashes:
+            self.net_seen[h] = now
+        table = self["net_series"]
+        items = list(table.items())
+        ops: dict[int, int] = {}
+        for k, v in items:  # a communicator still counting is live too (the agent may not have seen it made)
+            ops[k.comm_hash] = ops.get(k.comm_hash, 0) + v.ops
+        for h, n in ops.items():
+            if self.net_ops.get(h) != n:
+                self.net_seen[h] = now
+        self.net_ops = ops
+        gone = 0
+        for k, _v in items:
+            seen = self.net_seen.setdefault(k.comm_hash, now)
+            if now - seen >= ttl:
+                try:
+                    del table[k]
+                    gone += 1
+                except KeyError:
+                    pass
+        live = {k.comm_hash for k in table.keys()}
+        for h in [h for h in self.net_seen if h not in live and now - self.net_seen[h] >= ttl]:
+            del self.net_seen[h]
+        return gone
+
     def drops(self) -> dict[str, int]:
         table = self["plugin_drops"]
         return {name: table[table.Key(slot)].value for name, slot in DROPS.items()}
@@ -231,7 +284,7 @@ class PluginSource(Program):
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop in-flight entries and process entries of processes that are gone."""
         return (forget_dead(self["gpu_inflight"], proc) + forget_dead(self["plugin_procs"], proc)
-                + forget_dead(self["plugin_comms"], proc))
+                + forget_dead(self["plugin_comms"], proc) + forget_dead(self["net_foreign"], proc))
 
 
 def plugin_paths() -> list[str]:

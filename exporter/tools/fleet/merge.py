@@ -44,7 +44,8 @@ IDENTITY = {
     "sched_events": "CREATE UNIQUE INDEX IF NOT EXISTS merge_identity_sched ON sched_events "
                     "(node, timestamp_ns, pid, IFNULL(tid, -1), event)",
 }
-TABLES = ("nccl_events", "tcp_events", "sched_events", "processes", "communicators", "clock_samples")
+TABLES = ("nccl_events", "tcp_events", "sched_events", "processes", "communicators", "clock_samples",
+          "nccl_peer_waits")
 
 
 class MergeError(RuntimeError):
