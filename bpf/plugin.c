@@ -236,8 +236,12 @@ struct gpu_event {
     u32 op;          // exporter op code
     u32 kind;        // the record's kind (coll / p2p, plugin/nccl_exporter_plugin.h)
     u32 nnet;        // entries in net[] (0: no network figures)
-    struct nx_peer_wait net[NX_NET_ENTRIES];
+    // the record's struct nx_peer_wait entries as 8 u64 words each (BCC's
+    // decoder does not take arrays of structs): peer | direction << 32,
+    // bytes, wall_ns[3], step_ns[3]
+    u64 net[NX_NET_ENTRIES * 8];
 };
+_Static_assert(sizeof(struct nx_peer_wait) == 8 * sizeof(u64), "gpu_event.net: 8 words an entry");
 BPF_ARRAY(gpu_config, u64, OP_COUNT);
 BPF_RINGBUF_OUTPUT(gpu_events, GPU_EVENT_PAGES);
 

@@ -1550,12 +1550,14 @@ static nxp_result_t common_finalize(void *context) {
   ci.pending = pending;
   hook_comm_fini(&ci);
   if (G.log_fd >= 0) {
-    char line[320];
+    char line[448];
     int n = snprintf(line, sizeof line, "nccl-exporter-profiler event=finalize comm=0x%016" PRIx64 " rank=%d pending=%" PRIu64
                      " completed=%" PRIu64 " abandoned=%" PRIu64 " dropped=%" PRIu64 " stale=%" PRIu64 " rejected=%" PRIu64
-                     " pid=%d\n",
+                     " proxy_ops=%" PRIu64 " proxy_foreign=%" PRIu64 " proxy_late=%" PRIu64 " pid=%d\n",
                      c->comm_hash, c->rank, pending, atomic_load(&G.completed), atomic_load(&G.abandoned),
-                     atomic_load(&G.dropped), atomic_load(&G.stale), atomic_load(&G.rejected), (int)getpid());
+                     atomic_load(&G.dropped), atomic_load(&G.stale), atomic_load(&G.rejected),
+                     atomic_load(&G.proxy_ops), atomic_load(&G.proxy_foreign),
+                     atomic_load(&G.proxy_late) + atomic_load(&G.proxy_orphan), (int)getpid());
     if (n > 0 && write(G.log_fd, line, (size_t)n) < 0) { /* best effort */ }
   }
   announce_remove(c); /* before it is freed: the announcer reads it */

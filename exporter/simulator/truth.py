@@ -60,7 +60,8 @@ def lifecycle(records: Iterable[dict], op: str | None = None, fn: str | None = N
 
 
 # Records only the GPU-like mode (NCCL_SIM_GPU=1) writes.
-GPU_OPS = frozenset({"GPU_KERNEL", "GPU_STALL", "GPU_COMM_READY", "PROFILER_INIT", "PROFILER_FINALIZE"})
+GPU_OPS = frozenset({"GPU_KERNEL", "GPU_STALL", "GPU_COMM_READY", "PROFILER_INIT", "PROFILER_FINALIZE",
+                     "PROXY_STEP"})
 
 
 def gpu_kernels(records: Iterable[dict], op: str | None = None, state: str | None = "done") -> list[dict]:
@@ -90,3 +91,46 @@ def gpu_duration_ns(rec: dict) -> int:
 
 def duration_ns(rec: dict) -> int:
     return rec["end_mono_ns"] - rec["start_mono_ns"]
+
+
+# The phases of a network step, per direction (records.contract.NETWORK_PHASES).
+_PHASES = {"send": ("send_gpu_wait", "send_peer_wait", "send_wait"),
+           "recv": ("recv_wait", "recv_flush_wait", "recv_gpu_wait")}
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def network_waits(records: Iterable[dict]) -> dict[tuple, dict]:
+    """The GPU-like mode's per-step truth (NCCL_SIM_GPU_STEP_TRUTH=1: one
+    PROXY_STEP record per network step: t0, t1, t2 = when it entered its
+    direction's three phases, t_stop, trans_size) summed as the profiler
+    plugin sums it: per (comm_hash, rank, peer, direction) -> {"bytes": ...,
+    "ops": operations, "wall_ns": {phase: ns}, "step_ns": {phase: ns}}, wall
+    time being, per operation, the time with at least one step in the phase."""
+    per_op: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r.get("op") == "PROXY_STEP":
+            key = (r["comm_hash"], r["rank"], r["peer"], r["direction"], r["coll_kind"], r["seq"])
+            per_op.setdefault(key, []).append(r)
+    out: dict[tuple, dict] = {}
+    for (comm, rank, peer, direction, _kind, _seq), steps in per_op.items():
+        o = out.setdefault((comm, rank, peer, direction), {
+            "bytes": 0, "ops": 0, "wall_ns": dict.fromkeys(_PHASES[direction], 0),
+            "step_ns": dict.fromkeys(_PHASES[direction], 0)})
+        o["ops"] += 1
+        o["bytes"] += sum(s["trans_size"] for s in steps)
+        for i, phase in enumerate(_PHASES[direction]):
+            iv = [(s[f"t{i}"], s[f"t{i + 1}"] if i < 2 else s["t_stop"]) for s in steps]
+            o["wall_ns"][phase] += _union_ns(iv)
+            o["step_ns"][phase] += sum(b - a for a, b in iv)
+    return out

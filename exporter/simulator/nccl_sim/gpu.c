@@ -90,10 +90,12 @@ typedef struct {
     struct { const char *func; void *buff; const char *datatype; size_t count; int peer; uint8_t nChannels;
              void *parentGroup; uint64_t userTag; } p2p;                                          /* v4 ends at nChannels */
     struct { uint8_t channelId; uint64_t pTimer; } kernelCh;
+    struct { int pid; uint8_t channelId; int peer; int nSteps; int chunkSize; int isSend; } proxyOp;
+    struct { int step; } proxyStep;
     char raw[112];
   };
 } sim_descr_t;          /* 136 bytes = v7's size; v4 reads 104, v5/v6 112 */
-typedef union { struct { uint64_t pTimer; } kernelCh; char raw[8]; } sim_state_args_t;
+typedef union { struct { uint64_t pTimer; } kernelCh; struct { size_t transSize; } proxyStep; char raw[8]; } sim_state_args_t;
 typedef void (*sim_logger_t)(int level, unsigned long flags, const char *file, int line, const char *fmt, ...);
 typedef struct {
   const char *name;
@@ -182,6 +184,50 @@ static void p_record(void *h, int st, uint64_t ptimer, int null_args) {
   a.kernelCh.pTimer = ptimer;
   g_prof->recordEventState(h, st, null_args ? NULL : &a);
 }
+
+/* ---- the network proxy's events (netsteps.c calls them on the proxy thread) */
+static __thread void *tl_net_parent;   /* the stream thread's current Coll (run_kernel) */
+static __thread int tl_net_kind;
+static __thread uint64_t tl_net_seq;
+
+/* Network transfers in steps on the proxy thread (netsteps.c): GPU-like mode,
+ * unless NCCL_SIM_GPU_NET_STEPS=0. */
+int gpu_net_steps(void) {
+  static int v = -1;
+  if (v < 0) v = gpu_on() && env_int("NCCL_SIM_GPU_NET_STEPS", 1) ? 1 : 0;
+  return v;
+}
+/* A transfer of the stream thread's current collective: its parent and identity. */
+void gpu_net_op(p2p_t *o) {
+  if (o->parent || o->okind) return;
+  o->parent = tl_net_parent;
+  o->okind = tl_net_kind;
+  o->oseq = tl_net_seq;
+}
+void *gpu_proxy_op_start(ncclComm_t c, void *parent, int pid, int ch, int peer, int nsteps, int chunk, int is_send) {
+  if (!g_prof || !c->prof_inited) return NULL;
+  if (parent == NULL && pid == (int)getpid()) return NULL; /* NCCL: no Coll handle, no proxy events */
+  sim_descr_t d;
+  d_init(&d, EV_PROXY_OP, parent, c->rank);
+  d.proxyOp.pid = pid; d.proxyOp.channelId = (uint8_t)ch; d.proxyOp.peer = peer; d.proxyOp.nSteps = nsteps;
+  d.proxyOp.chunkSize = chunk; d.proxyOp.isSend = is_send;
+  return p_start(c, &d);
+}
+void *gpu_proxy_step_start(ncclComm_t c, void *op, int step) {
+  if (!op) return NULL;
+  sim_descr_t d;
+  d_init(&d, EV_PROXY_STEP, op, c->rank);
+  d.proxyStep.step = step;
+  return p_start(c, &d);
+}
+void gpu_proxy_record(void *h, int state, size_t trans_size) {
+  if (!g_prof || !h) return;
+  sim_state_args_t a;
+  memset(&a, g_prof_ver <= 5 ? 0xA5 : 0, sizeof a);
+  a.proxyStep.transSize = trans_size;
+  g_prof->recordEventState(h, state, &a);
+}
+void gpu_proxy_stop(void *h) { p_stop(h); }
 
 static void gpu_truth_simple(const char *fn, const char *op, ncclComm_t c, const char *extra) {
   uint64_t m = now_ns(CLOCK_MONOTONIC), r = now_ns(CLOCK_REALTIME);
@@ -329,12 +375,16 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   if (back && c->nkern > back) pts = c->kts[old];
   if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, pts);
   ncclResult_t res;
-  if (n == 1 && !is_p2p(ops[0].a.kind)) res = exec_coll(&ops[0].a);
-  else {
+  if (n == 1 && !is_p2p(ops[0].a.kind)) {
+    tl_net_parent = ops[0].h; tl_net_kind = ops[0].a.kind; tl_net_seq = ops[0].a.seq;
+    res = exec_coll(&ops[0].a);
+    tl_net_parent = NULL; tl_net_kind = 0; tl_net_seq = 0;
+  } else {
     p2p_t *p = malloc(sizeof(p2p_t) * (size_t)n);
     for (int i = 0; i < n; i++) {
       collargs_t *a = &ops[i].a;
-      p[i] = (p2p_t){a->peer, a->kind == K_SEND, a->kind == K_SEND ? (char *)a->sb : (char *)a->rb, a->count * dt_size(a->dt), 0};
+      p[i] = (p2p_t){a->peer, a->kind == K_SEND, a->kind == K_SEND ? (char *)a->sb : (char *)a->rb, a->count * dt_size(a->dt), 0,
+                     0, ops[i].h, a->kind, a->seq};
     }
     res = p ? run_p2p(c, p, n) : ncclSystemError;
     free(p);

@@ -23,6 +23,7 @@
  *   nccl_2_28.c    the calls NCCL 2.28-2.32 added
  *   truth.c        the ground-truth JSON lines
  *   gpu.c          GPU-like mode and the profiler plugin (docs/simulator.md)
+ *   netsteps.c     GPU-like mode's network steps on the proxy thread (ProxyOp/ProxyStep)
  */
 #ifndef NCCL_SIM_H
 #define NCCL_SIM_H
@@ -176,7 +177,13 @@ static inline int c_rank(ncclComm_t c) { return comm_ok(c) ? c->rank : -1; }
 static inline int c_nranks(ncclComm_t c) { return comm_ok(c) ? c->nranks : -1; }
 
 /* one point-to-point transfer of a step (p2p.c) */
-typedef struct { int peer; int is_send; char *buf; size_t len; size_t off; } p2p_t;
+typedef struct {
+  int peer; int is_send; char *buf; size_t len; size_t off;
+  /* GPU-like mode's network steps (netsteps.c) only */
+  size_t moved;             /* bytes of the current step moved */
+  void *parent;             /* the Coll/P2p profiler handle (NULL: the stream thread's current op) */
+  int okind; uint64_t oseq; /* the operation, for the per-step truth */
+} p2p_t;
 
 #define COMM_ONLY(FN, OP, BODY)                                     \
   ENTER();                                                          \
@@ -212,6 +219,14 @@ uint64_t nccl_root_hash(const ncclUniqueId *id);
 int gpu_on(void);
 ncclResult_t gpu_enqueue(collargs_t *q, int qn);
 void gpu_assign(collargs_t *a);
+int gpu_net_steps(void);
+void gpu_net_op(p2p_t *o);
+void *gpu_proxy_op_start(ncclComm_t c, void *parent, int pid, int ch, int peer, int nsteps, int chunk, int is_send);
+void *gpu_proxy_step_start(ncclComm_t c, void *op, int step);
+void gpu_proxy_record(void *h, int state, size_t trans_size);
+void gpu_proxy_stop(void *h);
+/* netsteps.c */
+ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n);
 /* p2p.c */
 ncclResult_t run_p2p(ncclComm_t c, p2p_t *ops, int n);
 ncclResult_t sendrecv(ncclComm_t c, int to, const void *sb, size_t sl, int from, void *rb, size_t rl);

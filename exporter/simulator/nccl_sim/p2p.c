@@ -63,6 +63,7 @@ typedef struct sim_proxy {
   int posted;   /* work handed over, not finished */
   int in_use;   /* a caller owns the proxy for one batch */
   int stop;
+  int all;      /* GPU-like mode: the proxy moves both directions in steps (netsteps.c) */
   ncclResult_t res;
 } sim_proxy_t;
 
@@ -78,7 +79,7 @@ static void *proxy_main(void *arg) {
       p2p_t *ops = p->ops;
       int n = p->n;
       pthread_mutex_unlock(&p->mu);
-      ncclResult_t r = progress(p->comm, ops, n, 1);
+      ncclResult_t r = p->all ? net_progress(p->comm, ops, n) : progress(p->comm, ops, n, 1);
       pthread_mutex_lock(&p->mu);
       p->res = r;
       p->posted = 0;
@@ -139,7 +140,9 @@ ncclResult_t run_p2p(ncclComm_t c, p2p_t *ops, int n) {
     if (ops[i].off >= ops[i].len) continue;
     if (ops[i].is_send) sends++; else recvs++;
   }
-  sim_proxy_t *p = sends ? proxy_of(c) : NULL;
+  int steps = gpu_net_steps() && (sends || recvs);
+  if (steps) for (int i = 0; i < n; i++) gpu_net_op(&ops[i]);
+  sim_proxy_t *p = (sends || steps) ? proxy_of(c) : NULL;
   if (p) {
     pthread_mutex_lock(&p->mu);
     int taken = p->in_use || p->stop;
@@ -152,10 +155,10 @@ ncclResult_t run_p2p(ncclComm_t c, p2p_t *ops, int n) {
     res = progress(c, ops, n, -1);
   } else {
     pthread_mutex_lock(&p->mu);
-    p->ops = ops; p->n = n; p->posted = 1; p->res = ncclSuccess;
+    p->ops = ops; p->n = n; p->posted = 1; p->res = ncclSuccess; p->all = steps;
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
-    res = recvs ? progress(c, ops, n, 0) : ncclSuccess;
+    res = recvs && !steps ? progress(c, ops, n, 0) : ncclSuccess;
     pthread_mutex_lock(&p->mu);
     while (p->posted) pthread_cond_wait(&p->cv, &p->mu);
     if (res == ncclSuccess) res = p->res;

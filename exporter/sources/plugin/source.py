@@ -131,10 +131,7 @@ class PluginSource(Program):
                        duration_ns=e.stop_ns - e.start_ns,
                        enqueue_real_ns=self.clock.to_realtime(e.enqueue_ns) if e.enqueue_ns else 0,
                        start_real_ns=self.clock.to_realtime(e.start_ns),
-                       peer_waits=tuple(
-                           PeerWait(peer=w.peer, direction=DIRECTIONS[w.direction & 1], bytes=w.bytes,
-                                    wall_ns=tuple(w.wall_ns), step_ns=tuple(w.step_ns))
-                           for w in e.net[:min(e.nnet, len(e.net))]))
+                       peer_waits=peer_waits(e.net, e.nnet))
 
     def on_event(self, callback) -> None:
         """Call `callback(GpuCall)` for each slow GPU operation, from the ring buffer poll."""
@@ -285,6 +282,19 @@ class PluginSource(Program):
         """Drop in-flight entries and process entries of processes that are gone."""
         return (forget_dead(self["gpu_inflight"], proc) + forget_dead(self["plugin_procs"], proc)
                 + forget_dead(self["plugin_comms"], proc) + forget_dead(self["net_foreign"], proc))
+
+
+def peer_waits(words, n: int) -> tuple[PeerWait, ...]:
+    """gpu_event.net (bpf/plugin.c): n entries of 8 u64 words each -- peer
+    (s32) | direction << 32, bytes, wall_ns[3], step_ns[3]."""
+    out = []
+    for i in range(min(n, len(words) // 8)):
+        w = words[8 * i:8 * i + 8]
+        peer = w[0] & 0xFFFFFFFF
+        out.append(PeerWait(peer=peer - (1 << 32) if peer >= 1 << 31 else peer,
+                            direction=DIRECTIONS[(w[0] >> 32) & 1], bytes=w[1],
+                            wall_ns=(w[2], w[3], w[4]), step_ns=(w[5], w[6], w[7])))
+    return tuple(out)
 
 
 def plugin_paths() -> list[str]:
