@@ -23,6 +23,15 @@ Configurations (R repetitions interleaved in a rotating order, median kept):
   agent-real  the same plugin, another copy, with the real agent program
           (bpf/plugin.c via PluginSource, after bpf/nccl.c): uprobes on all
           six hooks, GPU histogram + in-flight map updates
+
+Then the network steps (proxy accounting, docs/plugin.md "Network time per
+peer"): the driver's `netbench` mode makes, per collective, per channel a
+send and a recv ProxyOp with --steps steps each, every step startEvent,
+three recordEventState and stopEvent (NCCL's proxy thread's sequence), plus
+the KernelCh events, and prints ns per step event (5 per step). Rows: noop
+(given the proxy events too), plugin-noproxy (NCCL_EXPORTER_PROFILER_PROXY=0:
+NCCL would send no proxy events, the driver sends them anyway), plugin
+(proxy accounting on). The goal is <= 100 ns per step event above noop.
 """
 
 from __future__ import annotations
@@ -81,6 +90,15 @@ def run_once(drv: Path, lib: str, n: int, ch: int) -> float:
     return float(line.split("ns_per_coll=")[1].split()[0])
 
 
+def run_net(drv: Path, lib: str, n: int, ch: int, steps: int, env_extra: dict) -> float:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_EXPORTER_")}
+    env.update(env_extra)
+    out = subprocess.run([str(drv), lib, "7", "netbench", str(n), str(ch), str(steps)], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    line = next(l for l in out.splitlines() if l.startswith("netbench "))
+    return float(line.split("ns_per_step_event=")[1].split()[0])
+
+
 def attach_agent(lib: Path):
     from bcc import BPF as Bpf  # noqa: N811
     b = Bpf(text=BPF)
@@ -96,6 +114,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--channels", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--no-agent", action="store_true")
+    ap.add_argument("--steps", type=int, default=8, help="network steps per ProxyOp (netbench)")
+    ap.add_argument("--net-n", type=int, default=20000, help="collectives per timed netbench run")
+    ap.add_argument("--net-only", action="store_true", help="only the network-step rows")
     a = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="plugin-cost."))
@@ -124,7 +145,22 @@ def main() -> int:
                 configs["agent-real"] = str(real_copy)
             except Exception as e:
                 print(f"agent-real row skipped: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        net = {"noop": (str(noop), {"DRIVER_PROXY_MASK": "1"}),
+               "plugin-noproxy": (str(plugin), {"DRIVER_PROXY_MASK": "1", "NCCL_EXPORTER_PROFILER_PROXY": "0"}),
+               "plugin": (str(plugin), {})}
         for ch in a.channels:
+            res: dict[str, list[float]] = {k: [] for k in net}
+            names = list(net)
+            for r in range(a.reps):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    res[name].append(run_net(drv, net[name][0], a.net_n, ch, a.steps, net[name][1]))
+            med = {k: statistics.median(v) for k, v in res.items()}
+            print(f"\nnetwork steps: {ch} channels x 2 ProxyOps x {a.steps} steps, {a.net_n} collectives x "
+                  f"{a.reps} reps (median ns per step event):")
+            for k in names:
+                extra = "" if k == "noop" else f"  (+{med[k] - med['noop']:.1f} ns over noop)"
+                print(f"  {k:15s} {med[k]:8.1f} ns  [{min(res[k]):.1f}..{max(res[k]):.1f}]{extra}")
+        for ch in ([] if a.net_only else a.channels):
             results: dict[str, list[float]] = {k: [] for k in configs}
             names = list(configs)
             for r in range(a.reps):
