@@ -143,7 +143,9 @@ def test_slow_link_and_slow_gpu_are_told_apart(runs):
     the next step of every rank), so recv_wait alone names no culprit: the
     sender's own phases do. A slow link: rank 1 waits for rank 0's data
     (recv_wait) while rank 0's data waits on the wire (send_wait); a slow
-    GPU: rank 0's steps wait for their data (send_gpu_wait), not the wire."""
+    GPU: rank 0's steps wait for their data (send_gpu_wait), not the wire.
+    Ratios of 3 leave room for this shared 2-core machine's scheduling (the
+    runs here showed 7x to 50x)."""
     out = runs[0]
     link, gpu = figures(out["link"]), figures(out["gpu"])
     delay = DELAY_US * 1000
@@ -151,16 +153,18 @@ def test_slow_link_and_slow_gpu_are_told_apart(runs):
     healthy = link[(1, 0, "send")]["wall_ns"]["send_wait"]
     # slow link 0 -> 1
     assert link[(0, 1, "send")]["step_ns"]["send_wait"] >= steps * delay
-    assert link[(0, 1, "send")]["wall_ns"]["send_wait"] > 10 * healthy
+    assert link[(0, 1, "send")]["wall_ns"]["send_wait"] >= ITERATIONS * 2 * delay  # >= one delay per ring step
+    assert link[(0, 1, "send")]["wall_ns"]["send_wait"] > 3 * healthy
     assert link[(1, 0, "recv")]["wall_ns"]["recv_wait"] >= link[(0, 1, "send")]["wall_ns"]["send_wait"] / 2
-    assert link[(0, 1, "send")]["wall_ns"]["send_gpu_wait"] < link[(0, 1, "send")]["wall_ns"]["send_wait"] / 10
+    assert link[(0, 1, "send")]["wall_ns"]["send_gpu_wait"] < link[(0, 1, "send")]["wall_ns"]["send_wait"] / 3
     # slow GPU on rank 0
     assert gpu[(0, 1, "send")]["step_ns"]["send_gpu_wait"] >= steps * delay
     assert gpu[(1, 0, "recv")]["wall_ns"]["recv_wait"] >= gpu[(0, 1, "send")]["wall_ns"]["send_gpu_wait"] / 2
-    assert gpu[(0, 1, "send")]["wall_ns"]["send_wait"] < gpu[(0, 1, "send")]["wall_ns"]["send_gpu_wait"] / 10
+    assert gpu[(0, 1, "send")]["wall_ns"]["send_gpu_wait"] >= ITERATIONS * 2 * delay
+    assert gpu[(0, 1, "send")]["wall_ns"]["send_wait"] < gpu[(0, 1, "send")]["wall_ns"]["send_gpu_wait"] / 3
     # and across the two jobs: each fault shows in its own phase only
-    assert link[(0, 1, "send")]["wall_ns"]["send_wait"] > 10 * gpu[(0, 1, "send")]["wall_ns"]["send_wait"]
-    assert gpu[(0, 1, "send")]["wall_ns"]["send_gpu_wait"] > 10 * link[(0, 1, "send")]["wall_ns"]["send_gpu_wait"]
+    assert link[(0, 1, "send")]["wall_ns"]["send_wait"] > 3 * gpu[(0, 1, "send")]["wall_ns"]["send_wait"]
+    assert gpu[(0, 1, "send")]["wall_ns"]["send_gpu_wait"] > 3 * link[(0, 1, "send")]["wall_ns"]["send_gpu_wait"]
 
 
 def test_pxn_ops_of_another_pid_are_ignored_and_counted(runs):
