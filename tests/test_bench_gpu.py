@@ -271,3 +271,35 @@ def test_a_part_without_time_left_is_skipped_and_the_run_says_partial(tmp_path):
     assert [l.split(" (")[0] for l in lines] == ["part a: SKIP - no time left", "part b: SKIP - no time left",
                                                  "bench/gpu verdict: PARTIAL"]
     assert lines[-1] == "bench/gpu verdict: PARTIAL (a SKIP, b SKIP)"
+
+
+# --- part p (network time per peer) -----------------------------------------------------
+
+def test_simulated_proxy_part_passes(tmp_path):
+    """--proxy on the simulator, whose proxy thread sends ProxyOp/ProxyStep as
+    NCCL's does: ring AllReduce bytes per direction and wall phases check out."""
+    p, verdicts = run_check(tmp_path, "--simulate", "--proxy")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert verdicts.splitlines()[0].startswith("part p: PASS - 12 ring AllReduces of 4 ranks"), verdicts
+    assert verdicts.splitlines()[-1] == "bench/gpu verdict: PASS (p PASS)"
+
+
+def test_proxy_check_fails_without_events_and_on_wrong_bytes():
+    from bench.gpu.checks import check_proxy
+
+    done = {"event": "done", "op": "AllReduce", "nranks": "4", "pid": "1", "id": "9", "rank": "0", "seq": "3",
+            "bytes": str(8 << 20), "enqueue_mono_ns": "1000", "gpu_stop_mono_ns": str(1000 + 5_000_000)}
+    v = check_proxy([done], 4)
+    assert v.status == "FAIL" and "no network figures" in v.lines[0]
+
+    def wait(direction, nbytes, wall=1000):
+        w = {"event": "peer_wait", "pid": "1", "id": "9", "peer": "1", "direction": direction, "bytes": str(nbytes)}
+        w["send_wait_wall_ns" if direction == "send" else "recv_wait_wall_ns"] = str(wall)
+        return w
+
+    ring = 2 * 3 * (8 << 20) // 4
+    assert check_proxy([done, wait("send", ring), wait("recv", ring)], 4).status == "PASS"
+    v = check_proxy([done, wait("send", ring // 2), wait("recv", ring)], 4)
+    assert v.status == "FAIL" and "send: " in v.lines[1]
+    v = check_proxy([done, wait("send", ring), wait("recv", ring, wall=50_000_000)], 4)
+    assert v.status == "FAIL" and "recv_wait_wall_ns" in v.lines[1]

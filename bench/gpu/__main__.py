@@ -1,6 +1,6 @@
 """The GPU check: one script, one device call (docs/plugin.md, "Running the GPU check").
 
-    bench/gpu/run.sh [--out DIR] [--parts adceb] [--budget-s 240] [--simulate]
+    bench/gpu/run.sh [--out DIR] [--parts adceb] [--budget-s 240] [--simulate] [--proxy]
 
 Runs parts a (correctness), d (faults), c (CUDA graphs), e (cost), b (the
 agent there), in that order, each within its share of --budget-s; each
@@ -39,7 +39,7 @@ from bench.gpu import checks  # noqa: E402
 from bench.gpu.checks import Verdict  # noqa: E402
 
 # seconds of --budget-s each part may use at most (scaled to the budget)
-SHARES = {"a": 75, "d": 70, "c": 30, "e": 50, "b": 15}
+SHARES = {"a": 75, "d": 70, "c": 30, "e": 50, "b": 15, "p": 60}
 MIN_PART_S = 10
 
 
@@ -187,6 +187,19 @@ def part_d(ctx: Ctx) -> Verdict:
         return out
 
     return checks.check_faults(survivors(rp), survivors(rc), rp["records"])
+
+
+def part_p(ctx: Ctx) -> Verdict:
+    """Network time per peer (docs/network.md): 4 ranks on the Socket transport
+    (each rank its own host, Job) with NCCL_ALGO=Ring NCCL_PROTO=Simple, the
+    plugin in logging mode with proxy accounting (its default)."""
+    world = 4
+    ctx.part_end = min(ctx.part_end, time.monotonic() + 60)  # <= 60 s whatever the budget
+    run = Job(ctx, "p-ring", "correctness", world, True, {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}).wait(ctx)
+    failed = [r for r in run["results"] if r.get("error")]
+    if failed or not run["results"]:
+        return Verdict("p", "FAIL", [f"the ring job failed: {failed[:2] or run['rcs']}"])
+    return checks.check_proxy(run["records"], world)
 
 
 def run_world(run) -> int:
@@ -369,7 +382,7 @@ def bcc_from_debs(work: Path) -> str | None:
     return "carried BCC: " + ((p.stderr.strip().splitlines() or ["no output"])[-1][:200])
 
 
-PARTS = {"a": part_a, "d": part_d, "c": part_c, "e": part_e, "b": part_b}
+PARTS = {"a": part_a, "d": part_d, "c": part_c, "e": part_e, "b": part_b, "p": part_p}
 NEEDS_TORCH = {"d", "c", "e"}
 
 
@@ -391,9 +404,14 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=240, help="wall time for all parts (default 240)")
     ap.add_argument("--simulate", action="store_true",
                     help="no GPU: part a on the simulator's GPU-like mode, part b's kernel checks; d, c, e skipped")
+    ap.add_argument("--proxy", action="store_true",
+                    help="only part p (network time per peer: real ProxyOp/ProxyStep events on the Socket "
+                         "transport, ring AllReduce bytes and phases; <= 60 s); the same as --parts p")
     a = ap.parse_args(argv)
+    if a.proxy:
+        a.parts = "p"
     if set(a.parts) - set(PARTS):
-        ap.error(f"unknown part(s) {''.join(sorted(set(a.parts) - set(PARTS)))}: choose from adceb")
+        ap.error(f"unknown part(s) {''.join(sorted(set(a.parts) - set(PARTS)))}: choose from adcebp")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))

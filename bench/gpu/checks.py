@@ -84,6 +84,48 @@ def parse_plugin_log(text: str) -> list[dict]:
     return out
 
 
+# One network step of NCCL's Simple protocol (4 MiB buffers in 8 steps): the
+# tolerance of the per-direction byte sums (a ring's last step may be short).
+SIMPLE_STEP_BYTES = 512 * 1024
+
+
+def check_proxy(records: list[dict], world: int, clock_error_ns: int = 1_000_000) -> Verdict:
+    """Part p: the plugin's network figures of ring AllReduces (logging mode:
+    `event=peer_wait` lines beside each `event=done`). Real ProxyOp/ProxyStep
+    events reached it; per operation and direction the bytes summed over
+    peers are what a ring AllReduce moves, 2(n-1)/n x size per rank (within
+    one step); no phase's wall time exceeds the operation's enqueue .. last
+    KernelCh stop (docs/network.md)."""
+    done = {(r.get("pid"), r.get("id")): r for r in records
+            if r.get("event") == "done" and r.get("op") == "AllReduce" and r.get("nranks") == str(world)}
+    waits: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("event") == "peer_wait":
+            waits[(r.get("pid"), r.get("id"))].append(r)
+    ops = [k for k in done if k in waits]
+    if not ops:
+        return Verdict("p", "FAIL", [f"no network figures: {len(done)} AllReduce done records, "
+                                     f"{sum(map(len, waits.values()))} peer_wait lines (no ProxyOp/ProxyStep events?)"])
+    bad = []
+    for k in ops:
+        d = done[k]
+        size = int(d["bytes"])
+        want = 2 * (world - 1) * size // world
+        for direction in ("send", "recv"):
+            got = sum(int(w["bytes"]) for w in waits[k] if w["direction"] == direction)
+            if abs(got - want) > SIMPLE_STEP_BYTES:
+                bad.append(f"rank {d['rank']} seq {d['seq']} {direction}: {got} bytes, a ring moves {want}")
+        window = int(d["gpu_stop_mono_ns"]) - int(d["enqueue_mono_ns"]) + clock_error_ns
+        for w in waits[k]:
+            for key, v in w.items():
+                if key.endswith("_wall_ns") and int(v) > window:
+                    bad.append(f"rank {d['rank']} seq {d['seq']} peer {w['peer']} {key}={v} > enqueue..last "
+                               f"KernelCh stop {window - clock_error_ns} ns")
+    head = (f"{len(ops)} ring AllReduces of {world} ranks with network figures "
+            f"({sum(map(len, waits.values()))} peer_wait lines)")
+    return Verdict("p", "FAIL" if bad else "PASS", [head, *bad[:20]])
+
+
 def parse_jsonl(text: str) -> list[dict]:
     out = []
     for line in text.splitlines():
