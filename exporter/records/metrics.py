@@ -110,6 +110,34 @@ PROFILER_PLUGIN_ACTIVE = _m(
     "(\"\": unknown; the plugin needs 2.27 or newer); collectives: \"yes\" once a collective of "
     "the process was counted, else \"no\"; the pod labels as on nccl_communicator_info.")
 
+# --- Network time per peer from the profiler plugin's proxy steps (docs/network.md) ----
+
+_NET_LABELS = ("node", "comm", "rank", "peer", "direction", "phase")
+_NET_HELP = (
+    " peer: the peer's rank in the communicator, or \"other\" for the peers beyond the 4 that waited most "
+    "(per communicator and rank); direction: send | recv; phase: NCCL's ProxyStep state (send_gpu_wait, "
+    "send_peer_wait, send_wait, recv_wait, recv_flush_wait, recv_gpu_wait). NET transports only (IB, RoCE, "
+    "Socket, net plugins), not P2P, SHM or NVLS; comm as on nccl_collective_gpu_duration_seconds.")
+NETWORK_WAIT = _m(
+    "nccl_network_wait_seconds_total", "counter", _NET_LABELS,
+    "Wall time the network transfers of a rank with a peer spent with at least one step in a phase, "
+    "summed over operations (the profiler plugin's ProxyStep events). recv_wait high from a peer "
+    "together with that peer's send_wait high to this rank: a slow link; the peer's send_gpu_wait "
+    "high: a slow GPU (compute straggler) on the sender." + _NET_HELP)
+NETWORK_STEP_WAIT = _m(
+    "nccl_network_step_wait_seconds_total", "counter", _NET_LABELS,
+    "The same as nccl_network_wait_seconds_total summed over steps (up to 8 steps of a channel "
+    "overlap, and there is one per channel): step-seconds, at least the wall time." + _NET_HELP)
+NETWORK_BYTES = _m(
+    "nccl_network_bytes_total", "counter", ("node", "comm", "rank", "peer", "direction"),
+    "Bytes a rank's network transfers moved with a peer (the sum of NCCL's ProxyStep transSize)."
+    + _NET_HELP.replace(" phase: NCCL's ProxyStep state (send_gpu_wait, send_peer_wait, send_wait, "
+                        "recv_wait, recv_flush_wait, recv_gpu_wait).", ""))
+NETWORK_FOREIGN_OPS = _m(
+    "nccl_network_foreign_proxy_ops_total", "counter", ("node", "pid"),
+    "ProxyOps the profiler plugin of a process was given for another process (PXN: a proxy moving "
+    "another rank's data) and left out of the network figures.")
+
 # --- Kernel side: TCP (bpf/tcp.c) and scheduler (bpf/sched.c) --------------------------
 
 TCP_RETRANSMITS = _m(
