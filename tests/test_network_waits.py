@@ -226,6 +226,17 @@ def test_stragglers_links_table(tmp_path):
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no network waits match --op broadcast" in p.stderr
 
 
+def test_stragglers_per_rank_points_at_the_slow_link(tmp_path):
+    """The per-rank table cannot show a link: a line on stderr names it, stdout stays the table."""
+    p = cli("stragglers", make_recording(tmp_path / "r.db", "slow_link"), "--format", "json")
+    assert p.returncode == 0 and len(json.loads(p.stdout)) == NRANKS, p.stderr
+    assert p.stderr == ("nccl-exporter: network waits: slow link: rank 3 \u2190 rank 2: recv_wait 6.0× the comm's "
+                        "median pair, and rank 2's send_wait to 3 as high (7.0×); 3 retransmits on "
+                        "198.18.0.6\u2192198.18.0.7 ('stragglers --links')\n")
+    p = cli("stragglers", make_recording(tmp_path / "h.db", "healthy"))
+    assert p.returncode == 0 and p.stderr == ""
+
+
 def test_stragglers_links_refuses_in_one_line_where_there_are_none(tmp_path):
     old = make_recording(tmp_path / "old.db", "slow_link", version=6)
     p = cli("stragglers", old, "--links")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import sys
 
 from exporter.sinks.recording import query
 from exporter.tools import output
@@ -46,6 +47,8 @@ def main(args) -> int:
 
     if args.links:
         return _links(args)
+    from exporter.tools.analysis import network
+
     conn = open_recording(args.db)
     try:
         collectives, _ = stragglers.load(conn, align=not args.no_align, comm=args.comm,
@@ -53,6 +56,7 @@ def main(args) -> int:
         if not collectives and (args.op or args.comm):
             raise CliError(f"no collective matches {_filters(args)} in {args.db}; "
                            + stragglers.what_there_is(conn))
+        judged = network.judge(network.load(conn, comm=args.comm, op=args.op.upper() if args.op else None))
     except sqlite3.DatabaseError as e:
         raise CliError(f"{args.db}: {e}") from None
     finally:
@@ -62,6 +66,9 @@ def main(args) -> int:
     else:
         output.write(stragglers.RANK_COLUMNS, stragglers.rank_rows(stragglers.worst_first(
             stragglers.per_rank(collectives))), args.format)
+    for lk in judged[:3]:  # what arrival times cannot show: a link or a GPU inside the calls
+        print(f"nccl-exporter: network waits: {lk.verdict}: {network.headline(lk)} ('stragglers --links')",
+              file=sys.stderr)
     return 0
 
 
