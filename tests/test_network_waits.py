@@ -34,13 +34,15 @@ from exporter.tools.analysis import network
 NRANKS, OPS = 4, 20
 T0 = 1_700_000_000_000_000_000
 MS = 1_000_000
-NCCL_HASH, COMM = "5eed00000000c0de", "c0ffee00a1b2c3d4"
+# From schema 8 the `comm` id is NCCL's commHash; before, the agent's own id (docs/communicators.md).
+NCCL_HASH = COMM = "c0ffee00a1b2c3d4"
+AGENT_ID = "5eed00000000c0de"
 ADDR = {r: f"198.18.0.{4 + r}" for r in range(NRANKS)}   # rank 2: .6, rank 3: .7
 
 
-def _nccl_row(r: int, i: int) -> tuple:
+def _nccl_row(r: int, i: int, comm: str) -> tuple:
     ts = T0 + i * 100 * MS
-    return (ts, 50 * MS, "ALL_REDUCE", r, NRANKS, COMM, NCCL_HASH, i, 1024, 4096, "ncclFloat32", "ncclSum",
+    return (ts, 50 * MS, "ALL_REDUCE", r, NRANKS, comm, NCCL_HASH, i, 1024, 4096, "ncclFloat32", "ncclSum",
             None, None, "0x10", "ncclSuccess", 100 + r, 100 + r, f"n{r}", "call", None, None)
 
 
@@ -50,12 +52,13 @@ def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA
     conn = sqlite3.connect(path, isolation_level=None)
     schema.migrate(conn, target=version)
     nccl_fields = [f for f in schema.NCCL_FIELDS if f != "proxy_runq_wait_ns" or version >= 3]
+    comm = COMM if version >= 8 else AGENT_ID
     conn.execute("BEGIN")
     for r in ranks_recorded:
         conn.execute("INSERT INTO communicators (node, pid, comm_id_hash, nccl_comm_hash, rank, nranks, "
-                     "first_seen_ns) VALUES (?, ?, ?, ?, ?, ?, ?)", (f"n{r}", 100 + r, COMM, NCCL_HASH, r, NRANKS, T0))
+                     "first_seen_ns) VALUES (?, ?, ?, ?, ?, ?, ?)", (f"n{r}", 100 + r, comm, NCCL_HASH, r, NRANKS, T0))
         for i in range(OPS):
-            row = _nccl_row(r, i)
+            row = _nccl_row(r, i, comm)
             conn.execute(f"INSERT INTO nccl_events ({', '.join(nccl_fields)}) VALUES "
                          f"({', '.join('?' * len(nccl_fields))})", row[:len(nccl_fields)])
             if version >= 5:
@@ -174,6 +177,9 @@ def test_filters(tmp_path):
     assert judged(db, op="ALL_GATHER") == {}
     assert judged(db, comm=COMM[:6]) and judged(db, comm=NCCL_HASH[:10])
     assert judged(db, comm="ffff") == {}
+    # schema 7: the agent's own communicator id is the label, and a filter too
+    db7 = make_recording(tmp_path / "r7.db", "slow_link", version=7)
+    assert {lk.label for lk in judged(db7).values()} == {AGENT_ID} and judged(db7, comm=AGENT_ID[:6])
 
 
 # --- through the CLI ------------------------------------------------------------------------
