@@ -239,7 +239,7 @@ def test_mcp_refuses_remote_http_and_missing_files(capsys):
 def test_mcp_names_a_slow_link_as_explain_does(tmp_path):
     """explain and slow_links on recordings with per-peer network waits (docs/network.md):
     a slow link, a late GPU, and an old recording without the table."""
-    from test_network_waits import make_recording
+    from test_slow_links import make_recording
 
     slow = make_recording(tmp_path / "slow.db", "slow_link")
     gpu = make_recording(tmp_path / "gpu.db", "gpu")

@@ -12,8 +12,11 @@ the time with at least one step in the phase, never the step-seconds):
 - send_gpu_wait: the sender's proxy waited for its own GPU to produce the
   data: a late sender (compute straggler), not the network.
 
-Verdicts, per communicator with at least MIN_PAIRS links measured on the
-receiving side (a median of fewer says nothing):
+Each link is compared with the median of its communicator's OTHER links
+(in a 2-rank communicator: the link the other way), per communicator with
+at least MIN_PAIRS links measured on the receiving side. (The alert takes
+the median over all links, itself included, which needs 3 links to let one
+stand out; with 3 or more and one outlier the two medians agree.)
 
 - slow link: the receiver's recv_wait from the sender is at least RATIO
   times the communicator's median link and at least SHARE of the receiver's
@@ -45,7 +48,7 @@ from dataclasses import dataclass, field
 
 RATIO = 3.0        # times the communicator's median link (the alert NcclPeerNetworkWaitHigh uses the same)
 SHARE = 0.10       # of the receiver's time in the operations (the alert: of wall time)
-MIN_PAIRS = 3      # links measured on the receiving side, per communicator
+MIN_PAIRS = 2      # links measured on the receiving side, per communicator (2: a 2-rank one)
 
 SLOW_LINK = "slow link"
 GPU_STRAGGLER = "GPU straggler"
@@ -212,6 +215,11 @@ def _x(value: float, median: float) -> float:
     return float("inf") if value > 0 else 0.0
 
 
+def _median_without(lk: Link, links: list[Link], figure) -> float:
+    others = [figure(o) for o in links if o is not lk]
+    return statistics.median(others) if others else 0.0
+
+
 def judge(links: list[Link]) -> list[Link]:
     """Set each link's ratios to its communicator's median link and its verdict; returns the
     links with a verdict, the largest recv_wait excess first."""
@@ -224,10 +232,11 @@ def judge(links: list[Link]) -> list[Link]:
         sending = [lk for lk in group if lk.send]
         if len(measured) < MIN_PAIRS:
             continue
-        med_recv = statistics.median(lk.recv_wait_ns for lk in measured)
-        med_send = statistics.median(lk.send_wait_ns for lk in sending) if sending else 0.0
-        med_gpu = statistics.median(lk.send_gpu_wait_ns for lk in sending) if sending else 0.0
         for lk in group:
+            # the median of the OTHER links: in a 2-rank communicator, the link the other way
+            med_recv = _median_without(lk, measured, Link.recv_wait_ns.fget)
+            med_send = _median_without(lk, sending, Link.send_wait_ns.fget)
+            med_gpu = _median_without(lk, sending, Link.send_gpu_wait_ns.fget)
             lk.median_recv_ns, lk.median_send_ns = med_recv, med_send
             lk.recv_x = _x(lk.recv_wait_ns, med_recv)
             lk.send_x = _x(lk.send_wait_ns, med_send) if lk.send else 0.0

@@ -157,10 +157,21 @@ def test_a_short_wait_is_not_a_slow_link():
     assert [lk.verdict for lk in network.judge(links)] == [network.SLOW_LINK]
 
 
-def test_too_few_links_to_compare():
-    links = [network.Link("h", "h", 0, 1, recv={"recv_wait": 50 * MS}, send={"send_wait": 50 * MS}),
-             network.Link("h", "h", 1, 0, recv={"recv_wait": 1 * MS}, send={"send_wait": 1 * MS})]
-    assert network.judge(links) == [] and network.MIN_PAIRS == 3
+def test_two_ranks_compare_the_two_directions():
+    """A 2-rank communicator (a pipeline stage's pair): each link against the other way; one
+    link alone is compared with nothing."""
+    def pair(recv01, send01, gpu01):
+        return [network.Link("h", "h", 0, 1, recv={"recv_wait": recv01}, send={"send_wait": send01,
+                             "send_gpu_wait": gpu01}, receiver_time_ns=100 * MS),
+                network.Link("h", "h", 1, 0, recv={"recv_wait": 5 * MS}, send={"send_wait": 4 * MS,
+                             "send_gpu_wait": 1 * MS}, receiver_time_ns=100 * MS)]
+    slow = pair(30 * MS, 28 * MS, 1 * MS)
+    assert [(lk.sender, lk.verdict) for lk in network.judge(slow)] == [(0, network.SLOW_LINK)]
+    assert slow[0].recv_x == pytest.approx(6.0) and slow[1].recv_x == pytest.approx(5 / 30)
+    late = pair(30 * MS, 4 * MS, 27 * MS)
+    assert [(lk.sender, lk.verdict) for lk in network.judge(late)] == [(0, network.GPU_STRAGGLER)]
+    assert network.judge(pair(5 * MS, 4 * MS, 1 * MS)) == []
+    assert network.judge(slow[:1]) == [] and network.MIN_PAIRS == 2
 
 
 def test_sender_not_recorded_is_said_so(tmp_path):
