@@ -509,6 +509,11 @@ def sched(probes):
 
 # Labels Prometheus adds itself, and the histogram bucket label.
 PROMETHEUS_LABELS = {"job", "instance", "le", "__name__"}
+# Other exporters' metrics the dashboards join to ours (docs/network.md):
+# node_exporter's infiniband collector, per device and port.
+COMPANION_LABELS = {f"node_infiniband_{m}": ("device", "port") for m in (
+    "port_transmit_wait_total", "port_errors_received_total", "link_downed_total",
+    "port_data_received_bytes_total", "port_data_transmitted_bytes_total")}
 _EXPOSED = metrics.exposed_names()
 
 
@@ -526,6 +531,9 @@ def check_promql(expr: str, where: str) -> set[str]:
         for name in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", body):
             assert name in allowed, f"{where}: {sample} has no label {name!r}"
     known = set().union(*(m.labels for m in read)) | PROMETHEUS_LABELS if read else set()
+    for sample in set(re.findall(r"\b(node_[a-z_]+)\b", expr)):
+        assert sample in COMPANION_LABELS, f"{where}: unknown companion metric {sample}"
+        known |= set(COMPANION_LABELS[sample])
     for clause in re.findall(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", expr):
         for name in filter(None, (n.strip() for n in clause.split(","))):
             assert not read or name in known, f"{where}: label {name!r} is on none of {sorted(m.name for m in read)}"

@@ -111,6 +111,7 @@ def test_alerts_name_rank_node_and_link_where_relevant():
         "NcclRankDesync": ("rank", "node", "comm"),
         "NcclAllReduceP99High": ("comm",),
         "NcclTcpRetransmits": ("saddr", "daddr", "rank", "node"),
+        "NcclPeerNetworkWaitHigh": ("rank", "peer", "node", "comm"),
     }.items():
         text = by_name[name]["annotations"]["summary"] + by_name[name]["annotations"]["description"]
         for label in labels:

@@ -164,8 +164,9 @@ def test_exemplars_on_duration_panels():
 
 
 def test_substitution_leaves_no_variables():
+    """Only label_replace's capture references ($1) are left: PromQL, not Grafana."""
     for _dash, title, _ref, expr in dashboard_queries():
-        assert "$" not in expr, f"{title}: {expr}"
+        assert "$" not in re.sub(r'"\$\d"', "", expr), f"{title}: {expr}"
 
 
 def test_expressions_parse_with_promtool(tmp_path, prometheus):
@@ -213,3 +214,27 @@ def test_gpu_time_panels():
     assert texts == {"host time only", "GPU time (plugin)"}
     assert "1 - nccl_profiler_plugin_active" in by_title["Traced processes without the profiler plugin"]["targets"][0]["expr"]
     assert "not on GPU hardware" in by_title["GPU time vs host time per op and rank"]["description"]
+
+
+def test_network_wait_matrix_and_infiniband_companion():
+    """A rank × peer matrix of recv_wait and one of send_wait (a slow link is high in
+    both, docs/network.md), the senders' send_gpu_wait, and node_exporter's
+    infiniband ports joined to the agent's nodes by `node`."""
+    by_title = {p["title"]: p for p in panels(load(DASHBOARD_DIR / "nccl-network.json"))}
+    for title, direction, phase in (("Network wait matrix: rank ← peer (recv_wait)", "recv", "recv_wait"),
+                                    ("Network wait matrix: rank → peer (send_wait)", "send", "send_wait")):
+        p = by_title[title]
+        (t,) = p["targets"]
+        assert metrics.NETWORK_WAIT in t["expr"] and "sum by (rank, peer)" in t["expr"]
+        assert f'direction="{direction}"' in t["expr"] and f'phase="{phase}"' in t["expr"]
+        assert 'comm=~"$comm"' in t["expr"] and t["instant"] and t["format"] == "table"
+        (m,) = p["transformations"]
+        assert m["id"] == "groupingToMatrix" and (m["options"]["rowField"], m["options"]["columnField"]) == \
+            ("rank", "peer")
+    assert 'phase="send_gpu_wait"' in by_title["Senders waiting for their own GPU (send_gpu_wait)"]["targets"][0]["expr"]
+    ib = by_title["InfiniBand / RoCE ports of these nodes (node_exporter)"]
+    for t in ib["targets"]:
+        assert "node_infiniband_" in t["expr"] and '"node", "$1", "instance"' in t["expr"]
+        assert "on (node) group_left ()" in t["expr"] and metrics.EXPORTER_BUILD_INFO in t["expr"]
+    vars_ = {v["name"] for v in load(DASHBOARD_DIR / "nccl-network.json")["templating"]["list"]}
+    assert "comm" in vars_

@@ -234,3 +234,38 @@ def test_mcp_refuses_remote_http_and_missing_files(capsys):
     assert "loopback" in capsys.readouterr().err
     assert main(["mcp", "--db", "/nonexistent.db"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_mcp_names_a_slow_link_as_explain_does(tmp_path):
+    """explain and slow_links on recordings with per-peer network waits (docs/network.md):
+    a slow link, a late GPU, and an old recording without the table."""
+    from test_slow_links import make_recording
+
+    slow = make_recording(tmp_path / "slow.db", "slow_link")
+    gpu = make_recording(tmp_path / "gpu.db", "gpu")
+    old = make_recording(tmp_path / "old.db", "slow_link", version=6)
+    params = StdioServerParameters(command=sys.executable, cwd=str(REPO),
+                                   args=["-m", "exporter", "mcp", "--db", slow, "--db", gpu, "--db", old])
+
+    async def checks(s):
+        await s.initialize()
+        out = payload(await s.call_tool("explain", {"db": slow}))
+        assert out["verdict"].startswith("slow link: rank 3 \u2190 rank 2: recv_wait 6.0× the comm's median pair, "
+                                         "and rank 2's send_wait to 3 as high (7.0×); 3 retransmits on "
+                                         "198.18.0.6\u2192198.18.0.7"), out
+        out = payload(await s.call_tool("slow_links", {"db": slow, "limit": 2}))
+        top = dict(zip(out["columns"], out["rows"][0]))
+        assert (top["receiver"], top["sender"], top["verdict"], top["recv_wait_x"]) == (3, 2, "slow link", 6.0)
+        assert out["links"] == 4 and len(out["rows"]) == 2
+        out = payload(await s.call_tool("slow_links", {"db": gpu}))
+        assert dict(zip(out["columns"], out["rows"][0]))["verdict"] == "GPU straggler"
+        assert payload(await s.call_tool("explain", {"db": gpu}))["verdict"].startswith("GPU straggler: rank 2")
+        assert "predates the network waits" in error_text(await s.call_tool("slow_links", {"db": old}))
+        assert "comm" in error_text(await s.call_tool("slow_links", {"db": slow, "comm": "x'; DROP"}))
+
+    async def main():
+        async with stdio_client(params) as (r, w):
+            async with ClientSession(r, w) as s:
+                await asyncio.wait_for(checks(s), 120)
+
+    asyncio.run(main())

@@ -11,6 +11,8 @@ Tools (every input checked; a bad one is a tool error saying what is wrong):
     hang_status(metrics_url, threshold_s) which rank never joined a hung collective (tools/analysis/hang.py)
     explain(db, align)                   one-line verdict + evidence (tools/analysis/explain.py)
     stragglers(db, comm, op, limit)      per rank: how often last, median lag (tools/analysis)
+    slow_links(db, comm, op, limit)      per link: network waits, slow link or GPU straggler
+                                         (tools/analysis/network.py, docs/network.md)
 Resources: nccl://schema (docs/schema.md), nccl://queries (docs/queries.md) and
 nccl://queries/<name>, one per documented query.
 """
@@ -226,7 +228,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
 
     analysis = _analysis()
     if analysis:
-        explain_mod, stragglers_mod = analysis
+        explain_mod, stragglers_mod, network_mod = analysis
 
         def open_db(db: str | None):
             if db is None:
@@ -277,6 +279,38 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
             return {"columns": cols, "rows": [list(r) for r in rows[:limit]],
                     "collectives": len(collectives)}
 
+        @mcp.tool()
+        def slow_links(db: str | None = None, comm: str | None = None, op: str | None = None,
+                       limit: int = 50) -> dict:
+            """Which link slowed the collectives, from the profiler plugin's per-peer network
+            waits (any NET transport: IB, RoCE, Socket, net plugins): per link (sender ->
+            receiver of a communicator) the receiver's recv_wait and the sender's send_wait and
+            send_gpu_wait (wall ms) against the communicator's median link, and the verdict:
+            'slow link' (both ends high), 'GPU straggler' (the sender's GPU is late, not the
+            network), 'unexplained' (the sender's side is not recorded). Judged links first.
+            Same figures as `nccl-exporter stragglers --links` (docs/network.md)."""
+            _check_limit("limit", limit)
+            if op is not None and op.upper() not in ops:
+                raise ToolError(f"op: one of {', '.join(ops)}; not {op!r}")
+            if comm is not None and not re.fullmatch(r"[0-9a-f]{1,16}", comm):
+                raise ToolError(f"comm: a communicator hash (up to 16 hex digits), not {comm!r}")
+            conn = open_db(db)
+            try:
+                if not network_mod.available(conn):
+                    raise ToolError("this recording predates the network waits (schema < 7, no "
+                                    "nccl_peer_waits table): nothing to judge")
+                links = network_mod.load(conn, comm=comm, op=op.upper() if op else None)
+                network_mod.judge(links)
+            finally:
+                conn.close()
+            rows = network_mod.link_rows(links)
+            out = {"columns": list(network_mod.LINK_COLUMNS), "rows": [list(r) for r in rows[:limit]],
+                   "links": len(links)}
+            if not links:
+                out["note"] = ("no network waits in this recording: the profiler plugin was not loaded, its "
+                               "proxy accounting was off, or no transfer used a NET transport")
+            return out
+
     @mcp.resource("nccl://schema", name="schema", mime_type="text/markdown",
                   description="The recording's tables and columns (docs/schema.md)")
     def schema() -> str:
@@ -310,11 +344,11 @@ def _doc(name: str) -> str:
 def _analysis():
     """The straggler analysis modules (exporter/tools/analysis/), when present."""
     try:
-        from exporter.tools.analysis import explain, stragglers
+        from exporter.tools.analysis import explain, network, stragglers
 
         explain.explain, stragglers.load, stragglers.per_rank, stragglers.rank_rows  # noqa: B018
-        stragglers.RANK_COLUMNS  # noqa: B018
-        return explain, stragglers
+        stragglers.RANK_COLUMNS, network.load, network.judge, network.link_rows  # noqa: B018
+        return explain, stragglers, network
     except (ImportError, AttributeError):
         return None
 

@@ -16,17 +16,23 @@ The checks, in order (docs/fleet.md; thresholds below):
    waited for a CPU at least STARVE_RATIO times the other ranks' median and
    at least STARVE_SHARE of its time in collectives (a starved rank often
    arrives early and stalls inside the call: everyone waits for it there);
-3. a lossy link: no rank arrives late, but one link carries at least
+3. a slow link, from the profiler plugin's per-peer network waits
+   (recording table nccl_peer_waits; any NET transport: analysis/network.py):
+   a receiver's recv_wait from one peer and that peer's send_wait to it both
+   at least network.RATIO times the communicator's median pair. When the
+   sender's send_wait is not high but its send_gpu_wait is, the sender is a
+   GPU (compute) straggler instead, and the network is cleared;
+4. a lossy link: no rank arrives late, but one link carries at least
    LINK_SHARE of the job's retransmits, LINK_RATIO times the next link, and
    at least MIN_LINK_RETRANSMITS (a busy host retransmits a little on every
    link: tail-loss probes);
-4. a lossy host link: no one link stands out, but the links with one address
+5. a lossy host link: no one link stands out, but the links with one address
    at an end (data into the host, retransmitted by its peers, and out of it,
    retransmitted by the host) carry at least LINK_SHARE of the retransmits,
    LINK_RATIO times those of every other link, and MIN_LINK_RETRANSMITS: a
    link that loses packets both ways. Two such addresses (a 2-host job): the
    link between them;
-5. otherwise: no straggler.
+6. otherwise: no straggler.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import sqlite3
 import statistics
 from collections import defaultdict
 
-from exporter.tools.analysis import skew, stragglers
+from exporter.tools.analysis import network, skew, stragglers
 
 STRAGGLER_SHARE = 0.5
 MIN_LAG_NS = 2_000_000
@@ -131,7 +137,11 @@ def _no_collectives(conn: sqlite3.Connection) -> list[str]:
 def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
     """[verdict, evidence...]"""
     collectives, offsets = stragglers.load(conn, align=align)
+    measured = network.load(conn)
+    slow = network.judge(measured)
     if not collectives:
+        if slow:  # e.g. one node's recording: its ranks' waits on peers elsewhere
+            return _network(slow) + _no_collectives(conn)[:1]
         return _no_collectives(conn)
     stats = stragglers.per_rank(collectives)
     prank = _process_ranks(conn, collectives)
@@ -241,7 +251,11 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
                         _durations(collectives, *main),
                         f"retransmits: {total_retx} on all links in the collectives' windows", clocks]
 
-    # 3. a lossy link
+    # 3. a slow link (or a GPU straggler) from the per-peer network waits
+    if slow:
+        return _network(slow) + [_durations(collectives, *main), _no_late(stats), clocks]
+
+    # 4. a lossy link
     if ranked_links:
         (node_link, top), second = ranked_links[0], (ranked_links[1][1] if len(ranked_links) > 1 else 0)
         if top >= MIN_LINK_RETRANSMITS and top >= LINK_SHARE * total_retx and top >= LINK_RATIO * max(second, 1):
@@ -256,7 +270,7 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
                     _durations(collectives, *main),
                     _no_late(stats), clocks]
 
-    # 4. a lossy host link: the retransmitting links share one address
+    # 5. a lossy host link: the retransmitting links share one address
     hosts = _lossy_hosts(links, total_retx)
     if hosts:
         named = " and ".join(f"{a} ({addr_rank.get(a, '?')})" for a in hosts)
@@ -270,7 +284,7 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
                 _durations(collectives, *main),
                 _no_late(stats), clocks]
 
-    # 5. healthy
+    # 6. healthy
     return [f"no straggler: no rank arrived last in more than chance would give with a lag over "
             f"{_ms(MIN_LAG_NS)}, no rank starved of CPU, no link stands out",
             _no_late(stats),
@@ -279,7 +293,20 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
             f"run-queue waits per rank (caller and proxy threads): "
             + ", ".join(f"{who(*k).split(' on ')[0]} {_ms(w)}" for k, w in sorted(proc_wait.items(),
                                                                                key=lambda kv: prank.get(kv[0], 0))),
-            _durations(collectives, *main), clocks]
+            _durations(collectives, *main), clocks] + ([
+            f"network waits (profiler plugin): {len(measured)} links measured, no receiver waited for one "
+            f"peer {network.RATIO:g}× its communicator's median pair"] if measured else [])
+
+
+def _network(slow: list) -> list[str]:
+    """The worst link's verdict and evidence, then the other links judged."""
+    top = slow[0]
+    lines = [network.verdict_line(top), *network.evidence(top)]
+    others = slow[1:4]
+    if others:
+        lines.append("also: " + "; ".join(f"{lk.verdict}: {network.headline(lk)}" for lk in others)
+                     + (f"; and {len(slow) - 4} more ('stragglers --links')" if len(slow) > 4 else ""))
+    return lines
 
 
 def _no_late(stats) -> str:

@@ -10,7 +10,7 @@ from exporter.tools.cli.options import CliError, parse_listen
 def add_parser(sub) -> None:
     m = sub.add_parser("mcp", help="serve recordings and the fleet to AI assistants (Model Context Protocol)",
                        description="An MCP server: tools fleet_query, slowest_collectives, "
-                                   "retransmits_by_link, hang_status, explain, stragglers; the schema "
+                                   "retransmits_by_link, hang_status, explain, stragglers, slow_links; the schema "
                                    "and documented queries as resources (docs/fleet-live.md). "
                                    "stdio by default.")
     m.add_argument("--db", action="append", default=[], metavar="PATH",
