@@ -71,7 +71,7 @@ def check_recording(path: str) -> str:
     try:
         meta = dict(conn.execute("SELECT key, value FROM meta"))
         rows = sum(conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
-                   for t in ("nccl_events", "tcp_events", "sched_events"))
+                   for t in ("nccl_events", "tcp_events", "sched_events", "gpu_intervals"))
     finally:
         conn.close()
     ok = int(meta.get("events_recorded", -1)) == rows and "end_ns" in meta

@@ -417,8 +417,10 @@ def test_overload_is_counted_never_silent(rec):
     recorded = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM nccl_events")[0][0]
     tcp = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM tcp_events")[0][0]
     sched = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM sched_events")[0][0]
+    gpu = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM gpu_intervals")[0][0]  # another job's, if any
     # what was recorded plus what was dropped is everything that was offered ...
-    assert recorded + tcp + sched + int(meta["lost_queue_full"]) == int(meta["events_offered"])
+    assert recorded + tcp + sched + gpu + int(meta["lost_queue_full"]) == int(meta["events_offered"])
+    assert int(meta["events_recorded"]) == recorded + tcp + sched + gpu
     assert int(meta["lost_total"]) >= int(meta["lost_queue_full"])
     # ... which is at least every call of the job, and what was kept is real
     assert int(meta["events_offered"]) >= len(rec["truth"])

@@ -51,7 +51,7 @@ def _read_id(path: str) -> str:
 
 # Meta counters that add up over the sessions that recorded into one file (and lost_*).
 COUNTED_META = ("events_offered", "events_recorded", "nccl_events_recorded", "tcp_events_recorded",
-                "sched_events_recorded", "out_of_scope")
+                "sched_events_recorded", "gpu_intervals_recorded", "out_of_scope")
 
 
 # --- the recorder -----------------------------------------------------------------
@@ -90,7 +90,7 @@ class Recorder:
         self.offered = 0
         self.dropped = 0
         self.out_of_scope = 0
-        self.recorded = {"nccl": 0, "tcp": 0, "sched": 0}
+        self.recorded = {"nccl": 0, "tcp": 0, "sched": 0, "gpu": 0}  # gpu: gpu_intervals rows
         self.kernel_lost: dict[str, int] = {}
         self.started_ns = time.time_ns()
         self.ended_ns: int | None = None
@@ -348,6 +348,7 @@ class Recorder:
         self.recorded["nccl"] += len(nccl)
         self.recorded["tcp"] += len(tcp)
         self.recorded["sched"] += len(sched)
+        self.recorded["gpu"] += len(gpu)
 
     def _learn_comm(self, e) -> None:
         self._seen_comms.add((e.pid, e.comm_hash))
@@ -396,6 +397,7 @@ class Recorder:
             "nccl_events_recorded": str(self.recorded["nccl"]),
             "tcp_events_recorded": str(self.recorded["tcp"]),
             "sched_events_recorded": str(self.recorded["sched"]),
+            "gpu_intervals_recorded": str(self.recorded["gpu"]),
             "lost_queue_full": str(self.dropped),
             "out_of_scope": str(self.out_of_scope),
             **{f"lost_{k}": str(v) for k, v in self.kernel_lost.items()},
