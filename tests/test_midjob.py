@@ -59,6 +59,19 @@ def synthetic(path: Path, n: int = 60) -> None:
     rec.close()
 
 
+def straggler_named(db) -> dict:
+    """`explain` names STRAGGLER and `stragglers` lists it first (arriving last in ≥ 80 %
+    of the collectives): its row."""
+    r = run_cli("explain", str(db))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"straggler: rank {STRAGGLER} on "), r.stdout
+    r = run_cli("stragglers", str(db), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert rows[0]["rank"] == STRAGGLER and rows[0]["last_pct"] >= 80, rows[:4]
+    return rows[0]
+
+
 def test_recording_without_job_wide_ids_is_aligned_by_call_sequence(tmp_path):
     db = tmp_path / "mid.db"
     synthetic(db)
@@ -202,14 +215,8 @@ def test_trace_started_mid_job_names_the_straggler(workload):
                 "WHERE f.comm_id_hash = e.comm_id_hash)").fetchall()
             assert len(latest) == 8 and {(r[1], r[2]) for r in latest} == {(-1, -1)}, latest
         conn.close()
-        r = run_cli("explain", str(db))
-        assert r.returncode == 0, r.stderr
-        assert r.stdout.startswith(f"straggler: rank {STRAGGLER} on "), r.stdout
-        r = run_cli("stragglers", str(db), "--format", "json")
-        assert r.returncode == 0, r.stderr
-        rows = json.loads(r.stdout)
-        assert rows[0]["rank"] == STRAGGLER and rows[0]["last_pct"] >= 80, rows[:4]
-        assert rows[0]["comm"].endswith("~aligned"), rows[0]
+        first = straggler_named(db)
+        assert first["comm"].endswith("~aligned"), first
     finally:
         if trace is not None and trace.poll() is None:
             trace.kill()
@@ -295,14 +302,8 @@ def test_agent_attached_mid_gpu_job_labels_like_one_there_from_the_start():
                                   "GROUP BY comm_id_hash").fetchall())
         conn.close()
         assert comms.get(world, 0) >= 0.9 * sum(comms.values()), comms
-        r = run_cli("explain", str(db))
-        assert r.returncode == 0, r.stderr
-        assert r.stdout.startswith(f"straggler: rank {STRAGGLER} on "), r.stdout
-        r = run_cli("stragglers", str(db), "--format", "json")
-        assert r.returncode == 0, r.stderr
-        rows = json.loads(r.stdout)
-        assert rows[0]["rank"] == STRAGGLER and rows[0]["last_pct"] >= 80, rows[:4]
-        assert rows[0]["comm"] == world, rows[0]
+        first = straggler_named(db)
+        assert first["comm"] == world, first
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -84,6 +84,16 @@ def _check_limit(name: str, value: int, top: int = MAX_ROWS) -> int:
     return value
 
 
+def _check_op(op: str | None) -> str | None:
+    """An op name as contract.OPS spells it (any case), or None: every op."""
+    if op is None:
+        return None
+    ops = sorted(contract.OPS.values())
+    if op.upper() not in ops:
+        raise ToolError(f"op: one of {', '.join(ops)}; not {op!r}")
+    return op.upper()
+
+
 def documented_queries() -> dict[str, str]:
     """docs/queries.md: '### name' followed by a ```sql block."""
     try:
@@ -175,7 +185,6 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
         "NCCL collective latency, TCP retransmits and scheduler waits recorded by nccl-exporter "
         "agents. Read nccl://schema first; nccl://queries has tested SQL. Queries are read-only."),
         **kwargs)
-    ops = sorted(contract.OPS.values())
 
     @mcp.tool()
     def fleet_query(sql: str, max_rows: int = 200, source: str = "all") -> dict:
@@ -193,9 +202,8 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
         """The longest NCCL calls across every recording and node, slowest first
         (op, rank, comm, seq, ms). op: e.g. ALL_REDUCE (default: every op)."""
         _check_limit("limit", limit)
-        if op is not None and op.upper() not in ops:
-            raise ToolError(f"op: one of {', '.join(ops)}; not {op!r}")
-        where = "kind = 'call'" + (f" AND op = '{op.upper()}'" if op else "")
+        op = _check_op(op)
+        where = "kind = 'call'" + (f" AND op = '{op}'" if op else "")
         out = run_everywhere(src, (
             "SELECT op, rank, nranks, comm_id_hash, seq, duration_ns / 1e6 AS ms, timestamp_ns "
             f"FROM nccl_events WHERE {where} ORDER BY duration_ns DESC LIMIT {limit}"), limit)
@@ -261,14 +269,13 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
             """Per rank of each synchronous collective: how often it arrived last, its median lag,
             and the retransmits and run-queue waits in its windows; the worst first."""
             _check_limit("limit", limit)
-            if op is not None and op.upper() not in ops:
-                raise ToolError(f"op: one of {', '.join(ops)}; not {op!r}")
+            op = _check_op(op)
             if comm is not None and not re.fullmatch(r"[0-9a-f]{1,16}|unknown|local-\d+-\d+(~aligned)?", comm):
                 raise ToolError(f"comm: a communicator hash (16 hex digits) or local-<pid>-<n>, not {comm!r}")
             conn = open_db(db)
             try:
                 collectives, _ = stragglers_mod.load(conn, align=True, comm=comm,
-                                                     op=op.upper() if op else None)
+                                                     op=op)
                 stats = stragglers_mod.per_rank(collectives)
             finally:
                 conn.close()
@@ -290,8 +297,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
             network), 'unexplained' (the sender's side is not recorded). Judged links first.
             Same figures as `nccl-exporter stragglers --links` (docs/network.md)."""
             _check_limit("limit", limit)
-            if op is not None and op.upper() not in ops:
-                raise ToolError(f"op: one of {', '.join(ops)}; not {op!r}")
+            op = _check_op(op)
             if comm is not None and not re.fullmatch(r"[0-9a-f]{1,16}", comm):
                 raise ToolError(f"comm: a communicator hash (up to 16 hex digits), not {comm!r}")
             conn = open_db(db)
@@ -299,7 +305,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
                 if not network_mod.available(conn):
                     raise ToolError("this recording predates the network waits (schema < 7, no "
                                     "nccl_peer_waits table): nothing to judge")
-                links = network_mod.load(conn, comm=comm, op=op.upper() if op else None)
+                links = network_mod.load(conn, comm=comm, op=op)
                 network_mod.judge(links)
             finally:
                 conn.close()
