@@ -274,8 +274,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
                 raise ToolError(f"comm: a communicator hash (16 hex digits) or local-<pid>-<n>, not {comm!r}")
             conn = open_db(db)
             try:
-                collectives, _ = stragglers_mod.load(conn, align=True, comm=comm,
-                                                     op=op)
+                collectives, _ = stragglers_mod.load(conn, align=True, comm=comm, op=op)
                 stats = stragglers_mod.per_rank(collectives)
             finally:
                 conn.close()
