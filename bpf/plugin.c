@@ -393,8 +393,7 @@ static __always_inline struct nx_net *net_account(struct pt_regs *ctx, struct nx
         net_foreign.update(&tgid, &v);
     }
     u32 cnt = n->nentries;
-#pragma unroll
-    for (int i = 0; i < NX_NET_ENTRIES; i++) {
+    for (int i = 0; i < NX_NET_ENTRIES; i++) {  // a bounded loop (the verifier follows it; no unrolling)
         if (i >= cnt)
             break;
         struct nx_peer_wait *w = &n->e[i];
