@@ -11,6 +11,7 @@ build do not reach these uprobes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -384,3 +385,25 @@ def test_proxy_accounting_pools_return_after_100k_operations(bins):
     assert after["dropped"] == after["late"] == after["orphan"] == "0"
     stats = parse_kv(next(l for l in p.stdout.splitlines() if l.startswith("stats ")))
     assert stats["completed"] == "100000" and stats["abandoned"] == "0" and stats["dropped"] == "0"
+
+
+def test_owner_loaded_again_shares_every_map_with_the_plugin(bins, bpf):
+    """BCC keeps an exported map's name for the life of the process: each owner
+    generation renames every map of bpf/traced.h (sources/bpf.py shared_maps).
+    A map left out (`communicators` was) bound the second generation's plugin
+    program to a closed map's reused descriptor: the verifier refused it."""
+    from exporter.sources.nccl.probes import NcclProbes
+    from exporter.sources.plugin.source import PluginSource
+
+    with contextlib.ExitStack() as shifts:
+        for _ in range(3):
+            probes = NcclProbes()
+            try:
+                plugin = PluginSource()
+                try:
+                    assert plugin.attach(str(bins["plugin"]))
+                finally:
+                    plugin.close()
+            finally:
+                probes.close()
+            shifts.enter_context(open(os.devnull))  # descriptors move on, as in a test suite

@@ -101,8 +101,13 @@ def generated_header() -> str:
 
 
 OWNER = "nccl"  # the program that owns (exports) the maps of bpf/traced.h
-SHARED_MAPS = ("inflight", "inflight_fast", "traced_processes", "traced_threads", "proxy_wait",
-               "counters")
+
+
+def shared_maps(header: str) -> tuple[str, ...]:
+    """The maps bpf/traced.h declares with SHARED_TABLE (the owner exports them)."""
+    return tuple(re.findall(r"^SHARED_TABLE\((?:[^,()]+,){3}\s*(\w+)\s*,", header, re.M))
+
+
 _owners_loaded = 0
 # BCC keeps the name of an exported map for the life of the process, even
 # after its program is closed: an owner loaded again in the same process
@@ -135,9 +140,10 @@ class Program:
         program = program.replace(f'#include "{SHARED_HEADER}"\n', header + f'#line 1 "bpf/{name}.c"\n', 1)
         text = generated_header() + f'#line 1 "bpf/{name}.c"\n' + program + extra_source
         self.renamed = {}
-        if _generation > 0:
-            self.renamed = {m: f"{m}_g{_generation}" for m in SHARED_MAPS}
-            text = re.sub(r"\b(" + "|".join(SHARED_MAPS) + r")\b", lambda m: self.renamed[m.group(1)], text)
+        if _generation > 0:  # every shared map, or a dependent finds the closed one's name
+            shared = shared_maps(header)
+            self.renamed = {m: f"{m}_g{_generation}" for m in shared}
+            text = re.sub(r"\b(" + "|".join(shared) + r")\b", lambda m: self.renamed[m.group(1)], text)
         self.name = name
         try:
             # -I: traced.h includes bpf/histogram.h (no maps: a plain #include)
