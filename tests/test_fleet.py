@@ -79,12 +79,14 @@ def endpoints(dbs, token=TOKEN, **kw):
             list(pool.map(QueryEndpoint.close, eps))
 
 
+_DEAD: list[socket.socket] = []  # bound, never listening: connecting is refused, and no call reuses the port
+
+
 def dead_url():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
+    _DEAD.append(s)
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 @contextlib.contextmanager
