@@ -273,6 +273,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def wait_for_detaching(timeout: float = 60) -> None:
+    """Until no stopped agent's child is still detaching its probes (sources/bpf.py
+    Teardown). A new agent need not wait, but while one detaches its ~90 uprobes
+    (serialised in the kernel) the new agent's attaching is slowed by seconds: a
+    test that times attaching against a job's first call waits first."""
+    from exporter.sources.bpf import Teardown
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = False
+        for comm in Path("/proc").glob("[0-9]*/comm"):
+            try:
+                busy = comm.read_text().strip() == Teardown.NAME
+            except OSError:
+                continue
+            if busy:
+                break
+        if not busy:
+            return
+        time.sleep(0.2)
+
+
 def run_cli(*args: str, prefix=(), timeout: float = 60, env: dict | None = None
             ) -> subprocess.CompletedProcess:
     """Run `nccl-exporter ARGS` to completion; stdout and stderr captured as text."""

@@ -21,7 +21,7 @@ from exporter.records import histogram, metrics
 from exporter.sources.nccl import hashing
 from exporter.simulator.cluster import Cluster, run_job, start_job
 from exporter.simulator.truth import calls, lifecycle, load_truth
-from conftest import ExporterProcess, classic_bucket, series_by_labels
+from conftest import ExporterProcess, classic_bucket, series_by_labels, wait_for_detaching
 
 # The probes time a call from uprobe to uretprobe; the library times itself
 # from its first to its last instruction. The probe's window encloses the
@@ -181,6 +181,7 @@ def test_job_started_after_exporter_is_traced_from_first_call(simulator_lib, tmp
     fresh = tmp_path / "venv-copy" / "libnccl.so.2"
     fresh.parent.mkdir()
     shutil.copy2(simulator_lib, fresh)
+    wait_for_detaching()  # an earlier test's agent: attaching would take longer than the job's 1 s
     with ExporterProcess(nccl_libs=[]) as exporter, Cluster(4) as cluster:
         # Frameworks load libnccl at import and call it seconds later
         # (model set-up, rendezvous); one second stands for that here.

@@ -235,6 +235,7 @@ class Teardown:
     attached before its uprobes (sources/nccl/probes.py; bench/README.md,
     "Stopping", tells what was wrongly blamed on this overlap)."""
 
+    NAME = "nccl-detach"  # the child's /proc/PID/comm
     KINDS = ("anon_inode:[perf_event]", "anon_inode:bpf-map", "anon_inode:bpf-prog",
              "anon_inode:bpf_link", "anon_inode:bpf-link")
 
@@ -258,6 +259,11 @@ class Teardown:
             try:
                 import signal
 
+                try:  # what `ps` and `top` show while it detaches
+                    with open("/proc/self/comm", "w") as comm:
+                        comm.write(self.NAME)
+                except OSError:
+                    pass
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 low = 0
