@@ -38,12 +38,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 CLI = [str(REPO / ".venv" / "bin" / "nccl-exporter")]
+
+from bench.agent_ready import wait_ready  # noqa: E402
 TOKEN = "bench-token"
 
 HEAVY = {
@@ -172,17 +173,9 @@ def main() -> int:
     ok = True
     idle: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{mport}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or agent.poll() is not None:
-                raise SystemExit("the agent did not get ready")
-            time.sleep(0.2)
+        why = wait_ready(mport, agent, 90)
+        if why:
+            raise SystemExit(why)
         sampler = Sampler(agent.pid)
         sampler.start()
         time.sleep(0.5)

@@ -30,17 +30,18 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CLI = [str(REPO / ".venv" / "bin" / "nccl-exporter")]
+sys.path.insert(0, str(REPO))
+
+from bench.agent_ready import wait_ready  # noqa: E402
 
 
 def default_lib() -> str:
     real = next((REPO / ".venv" / "lib").glob("python3*/site-packages/nvidia/nccl/lib/libnccl.so.2"), None)
     if real is not None:
         return str(real)
-    sys.path.insert(0, str(REPO))
     from exporter.simulator.build import build_library
 
     return str(build_library())
@@ -106,17 +107,9 @@ def run_once(tmp: str, lib: str, i: int) -> tuple[float, str]:
     proc = subprocess.Popen([*CLI, "run", "--db", out, "--listen", f"127.0.0.1:{port}", "--nccl-lib", lib],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        else:
-            raise SystemExit("run did not get ready in 60 s")
+        why = wait_ready(port, proc, 60)
+        if why:
+            raise SystemExit(f"run: {why}")
         time.sleep(1.0)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -54,6 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.agent_ready import wait_ready  # noqa: E402
 from bench.bpf_time import BpfStats, difference, program_names, program_times, table  # noqa: E402
 from exporter.simulator.build import build_library  # noqa: E402
 from exporter.simulator.cluster import Cluster, cleanup_stale, start_job  # noqa: E402
@@ -110,18 +111,9 @@ class Agent:
         self.proc = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--listen", f"127.0.0.1:{self.port}",
                                       "--node", "bench", "--nccl-lib", str(lib), "--log-level", "warning"],
                                      stdout=subprocess.DEVNULL, stderr=open(work / "agent.log", "ab"))
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None:
-                sys.exit(f"the agent exited: see {work / 'agent.log'}")
-            time.sleep(0.2)
-        sys.exit("the agent did not become ready in 120 s")
+        why = wait_ready(self.port, self.proc, 120)
+        if why:
+            sys.exit(f"{why}: see {work / 'agent.log'}")
 
     def cpu_s(self) -> float:
         """utime + stime of the agent process so far (all threads), seconds."""
