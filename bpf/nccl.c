@@ -235,8 +235,6 @@ static __always_inline int events_wanted(u32 op) {
     return (record_all && *record_all) || (threshold && *threshold) || is_rare_lifecycle(op);
 }
 
-// Start tracking a call on this thread. Returns 0 when the call is nested in
-// another public NCCL call of the same thread: it only deepens the outer one.
 // Whether a call entering now is made from inside the thread's call in slot c
 // (NCCL calling its own public API: an inner ncclGetUniqueId, say). Such a call
 // enters with a lower stack pointer than the outer one did (the stack grows
@@ -248,6 +246,8 @@ static __always_inline bool nested_in(struct pt_regs *ctx, struct call *c) {
     return c->op && PT_REGS_SP(ctx) < c->sp;
 }
 
+// Start tracking a call on this thread. Returns 0 when the call is nested in
+// another public NCCL call of the same thread: it only deepens the outer one.
 // A thread's slot is made at its first NCCL call and reused (op == 0: idle)
 // until the thread exits: no map insert or delete on the per-call path.
 static __always_inline struct call *begin(struct pt_regs *ctx, u32 op, u32 *tid_out) {
