@@ -29,7 +29,7 @@ from tests.retransmit_observer import Observer, allowed_blind, parse
 
 pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
-from conftest import REPO
+from conftest import REPO, wait_for_detaching
 QUERIES_MD = REPO / "docs" / "queries.md"
 LOSSY, CLEAN, STRAGGLER = 5, 0, 2
 # The probe's window encloses the library's own (tests/test_e2e_nccl.py) by the
@@ -113,6 +113,7 @@ def rec(tmp_path_factory, simulator_lib):
     tmp = tmp_path_factory.mktemp("store")
     lib = simulator_lib
     dbs = {name: tmp / f"{name}.db" for name in ("lossy", "clean", "all", "tiny", "killed")}
+    wait_for_detaching()  # five agents attach at once: an earlier one's detaching would slow them
     with Cluster(8) as cluster, Observer("store") as observer:
         cluster.set_loss(LOSSY, 5)  # on the wire, each way: the lossy host retransmits too
         procs = {

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import pin
+from conftest import pin, wait_for_detaching
 
 from exporter.records import metrics
 from exporter.sinks.prometheus import sched_families
@@ -274,6 +274,7 @@ def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
     from exporter.simulator.cluster import Cluster, start_job
     from tests.test_queries import documented_queries, query, rows, start_recorder, wait_started
 
+    wait_for_detaching()  # an earlier agent's detaching would add run-queue waits of its own
     lib = build_library()
     db = tmp_path / "sched.db"
     cpu_of = {0: 0, 1: 1, 2: 0, 3: 0}
