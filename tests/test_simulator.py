@@ -299,6 +299,24 @@ def test_allreduce_survives_packet_loss_ipv6(lib, tmp_path):
                if "uid" in r)  # AF_INET6 root
 
 
+def _retransmitted_segments(cluster: Cluster, i: int) -> int:
+    """TCP's RetransSegs in host i's namespace (/proc/net/snmp is per netns)."""
+    tcp = [line.split() for line in cluster.exec(i, ["cat", "/proc/net/snmp"]).stdout.splitlines()
+           if line.startswith("Tcp:")]
+    return int(tcp[1][tcp[0].index("RetransSegs")])
+
+
+def test_unfaulted_links_make_no_retransmits(lib, tmp_path):
+    # Without each link's packets steered to one CPU (cluster._steer_flows),
+    # veth reorders a flow and TCP retransmits what was never lost: 1,000-1,700
+    # segments per host in this job on a 2-vCPU machine.
+    with Cluster(2) as c:
+        res = run_job(c, lib, "allreduce", 12, tmp_path / "rdv", tmp_path / "truth", count=2_000_000, timeout=120)
+        assert res.ok, res.summary()
+        # none is the rule; a few would be a tail-loss probe on a loaded machine
+        assert sum(_retransmitted_segments(c, i) for i in range(2)) < 20
+
+
 def test_straggler_and_dead_peer(lib, tmp_path):
     with Cluster(3) as c:
         # a straggler (rank 2 computes 150 ms before each collective) makes the others wait in NCCL

@@ -161,6 +161,34 @@ class Host:
     ifname: str = "eth0"
 
 
+
+def _cpu_mask(cpu: int) -> str:
+    """One CPU as sysfs writes a CPU mask: hex, a comma every 32 bits."""
+    h = format(1 << cpu, "x")
+    h = h.zfill((len(h) + 7) // 8 * 8)
+    return ",".join(h[i:i + 8] for i in range(0, len(h), 8))
+
+
+def _steer_flows(ns: str, cpu_of: dict[str, int]) -> None:
+    """Keep TCP flows in order across the veth hops: each device's received
+    packets on one CPU (RPS), as a NIC's interrupts are bound to one.
+
+    A veth delivers a packet on the backlog of the CPU that sent it, and a
+    flow's segments leave from two CPUs (the sending thread, and the softirq
+    that processes the peer's ACKs): unsteered, a flow arrives reordered, TCP
+    takes the reordering for loss, and on this 2-vCPU VM 10-25 % of the
+    simulator's 8 MB AllReduces stalled 50-250 ms in spurious fast
+    retransmits (bench/README.md, "Proxy accounting"). Host i's device (and
+    the switch port it sends into) is steered to CPU i mod ncpu, where
+    bench/proxy_cost.py pins rank i; by flow hash instead, which CPU a flow
+    landed on varied from job to job and so did the bus bandwidth. Kernels
+    without RPS have no rps_cpus file: nothing to do."""
+    ncpu = os.cpu_count() or 1
+    script = "; ".join(f'f=/sys/class/net/{dev}/queues/rx-0/rps_cpus; [ -e $f ] && echo {_cpu_mask(cpu % ncpu)} > $f'
+                       for dev, cpu in cpu_of.items())
+    _run(["ip", "netns", "exec", ns, "sh", "-c", script + "; true"])
+
+
 class Cluster:
     """``with Cluster(4) as c: c.popen(0, [...])`` -- hosts exist only inside the block."""
 
@@ -222,6 +250,9 @@ class Cluster:
             self._ns(h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
             self._ns(h.netns, "-6", "addr", "add", f"{h.addr6}/64", "dev", h.ifname, "nodad")
             self._ns(h.netns, "link", "set", h.ifname, "up")
+        _steer_flows(sw, {f"p{h.index}": h.index for h in self.hosts})
+        for h in self.hosts:
+            _steer_flows(h.netns, {h.ifname: h.index})
 
     def close(self) -> None:
         """Idempotent: kill our processes, delete every namespace we made."""
