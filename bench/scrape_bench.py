@@ -19,8 +19,10 @@ median time of one scrape (collect + encode [+ gzip]):
 Exits 1 if a goal is missed (bench/README.md, "Scrape size benchmark"):
   8 ranks x 3 comms x 3 ops: protobuf (no classic) <= 60 KB;
   1,000 series: protobuf (no classic) <= 400 KB and <= 100 ms;
-  text coarse: no larger than the sizes measured before native histograms
-  (TEXT_BEFORE, from this bench on the previous layout).
+  text (coarse and fine): the duration family no larger than before native
+  histograms (TEXT_BEFORE, from this bench on the previous layout). The
+  family, not the whole scrape: families added since (network waits,
+  returns missed) grow the scrape for reasons of their own.
 """
 
 from __future__ import annotations
@@ -154,13 +156,14 @@ SCENARIOS = [
     ("1k series (10 comms x 10 ranks x 10 ops)", (10, 10, 10)),
     ("10k series (100 comms x 10 ranks x 10 ops)", (100, 10, 10)),
 ]
-# Whole text scrapes (plain bytes) before native histograms, from this bench
-# on that code (main at 03103d2, same session): coarse, 29 buckets at
-# 2^10..2^37 ns; fine, 106 linear quarter-octave buckets.
+# The nccl_collective_duration_seconds family in text (plain bytes) before
+# native histograms, from this bench on that code (main at 03103d2): coarse,
+# 29 buckets at 2^10..2^37 ns; fine, 106 linear quarter-octave buckets.
 TEXT_BEFORE = {
-    ("text coarse", SCENARIOS[0][0]): 100_600, ("text coarse", SCENARIOS[1][0]): 295_500,
-    ("text coarse", SCENARIOS[2][0]): 3_919_500,
-    ("text fine", SCENARIOS[0][0]): 330_300, ("text fine", SCENARIOS[1][0]): 998_800,
+    ("text coarse", SCENARIOS[0][0]): 92_000, ("text coarse", SCENARIOS[1][0]): 281_600,
+    ("text coarse", SCENARIOS[2][0]): 3_808_500,
+    ("text fine", SCENARIOS[0][0]): 321_600, ("text fine", SCENARIOS[1][0]): 984_900,
+    ("text fine", SCENARIOS[2][0]): 13_320_900,
 }
 
 
@@ -188,8 +191,8 @@ def main(argv=None) -> int:
         ("1k series: protobuf scrape <= 100 ms", k1["ms"] <= 100),
     ]
     for (encoding, title), before in TEXT_BEFORE.items():
-        now = results[(encoding, title)]["plain"]
-        goals.append((f"{encoding}, {title}: {now / 1e3:.1f} KB <= {before / 1e3:.1f} KB before",
+        now = results[(encoding, title)]["family_plain"]
+        goals.append((f"{encoding}, {title}: duration family {now / 1e3:.1f} KB <= {before / 1e3:.1f} KB before",
                       now <= before))
     for text, ok in goals:
         print(f"goal {'met ' if ok else 'MISSED'}: {text}")

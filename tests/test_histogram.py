@@ -165,10 +165,32 @@ def test_classic_buckets_are_derived_at_powers_of_two_seconds():
     assert count == [28]
 
 
+def test_fine_le_values_split_integer_values_where_the_bounds_do():
+    # A fine bound 2^(i/8) s is irrational; its `le` is the shortest decimal
+    # that puts every integer value (ns, or us for srtt) on the same side, as
+    # text prints it and as the double protobuf carries. Checked against the
+    # bound itself in exact decimal arithmetic, not against upper_bound().
+    from decimal import Decimal, getcontext
+    from fractions import Fraction
+
+    from prometheus_client.utils import floatToGoString
+
+    getcontext().prec = 60
+    fine = h.CLASSIC["fine"]
+    for layout in h.LAYOUTS:
+        for i, le in zip(fine.bounds(layout), fine.le_seconds(layout)):
+            bound = Decimal(2) ** (Decimal(i) / 8) * layout.per_second  # in units, 60 digits
+            last_in = int(bound)  # the largest integer value at or below the bound
+            for shown in (Fraction(floatToGoString(le)), Fraction(le)):
+                units = shown * layout.per_second
+                assert last_in <= units < last_in + 1, (layout.name, i, le)
+            assert len(floatToGoString(le)) <= 13, (layout.name, i, le)
+
+
 def test_fine_classic_buckets_every_quarter_octave():
     d, fine = h.DURATION, h.CLASSIC["fine"]
     assert len(fine.bounds(d)) == 105  # + Inf: 106, as the linear layout it replaces
-    assert fine.le_seconds(d)[0] == 2.0 ** -19
+    assert fine.le_seconds(d)[0] == 1.9071e-06  # 2^-19 s = 1907.35 ns: integer ns <= 1907
     counts = [0] * d.slots
     counts[0], counts[3], counts[10] = 1, 2, 4
     cum = fine.cumulative(d, counts)

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from decimal import ROUND_CEILING, Decimal
+from fractions import Fraction
 from functools import cached_property
 from math import isqrt
 
@@ -220,7 +222,14 @@ class Classic:
         return list(range(self.first, layout.top_index + 1, self.step))
 
     def le_seconds(self, layout: Layout) -> list[float]:
-        return [2.0 ** (i / PER_OCTAVE) for i in self.bounds(layout)]
+        """The `le` values. Powers of two only (coarse): each as itself. With
+        bounds between them (fine: 2^(i/8) s, irrational), every bound as the
+        shortest decimal that splits the kernel's integer values where the
+        bound does (short_bound_s): at most 13 characters, where the nearest
+        double of the bound prints in up to 21."""
+        if self.step % PER_OCTAVE == 0:
+            return [2.0 ** (i // PER_OCTAVE) for i in self.bounds(layout)]
+        return [short_bound_s(layout, i) for i in self.bounds(layout)]
 
     def cumulative(self, layout: Layout, counts) -> list[int]:
         """Cumulative counts at each finite bound, then the total (+Inf)."""
@@ -260,8 +269,28 @@ class Classic:
         return les[-1]
 
 
+def short_bound_s(layout: Layout, index: int) -> float:
+    """The shortest decimal d (seconds) with B <= d * units < B + 1, where B =
+    floor(2^(index/8) * units) is bucket `index`'s bound in the kernel's
+    integer units, and the same for d's nearest double (what protobuf
+    carries): an integer value v is <= d exactly when v <= B, so d
+    classifies every measured value as the irrational bound does. Printed,
+    it takes at most 13 characters where the bound's nearest double takes 21
+    (0.001161335 for 0.0011613350732448448 s)."""
+    b, units = layout.upper_bound(index), layout.per_second
+    lo, hi = Fraction(b, units), Fraction(b + 1, units)
+    exact = Decimal(b) / Decimal(units)  # exact: units is a power of ten
+    for digits in range(1, 20):
+        step = Decimal(1).scaleb(exact.adjusted() - digits + 1)
+        d = exact.quantize(step, rounding=ROUND_CEILING)
+        for cand in (d, d + step):
+            if Fraction(cand) < hi and lo <= Fraction(float(cand)) < hi:
+                return float(cand)
+    raise AssertionError(f"no decimal for bound {index}")
+
+
 # fine starts at 2^-19 s: 106 buckets per series, as many as the linear
-# quarter-octave layout it replaces (its le values have 17 digits, not 4).
+# quarter-octave layout it replaces.
 CLASSIC = {"coarse": Classic("coarse", PER_OCTAVE), "fine": Classic("fine", 2, ZERO_INDEX + PER_OCTAVE)}
 DEFAULT_CLASSIC = "coarse"
 
