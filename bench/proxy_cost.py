@@ -16,8 +16,9 @@ whatever the steps):
 
 Bus bandwidth = 2(n-1)/n x size / time per AllReduce (the median rank's
 median iteration after 5 of warm-up, from the simulator's truth; see
-time_per_op). Rank i is bound to CPU i mod ncpu, where the simulated
-cluster also steers host i's packets (--no-pin: unbound). The conditions
+time_per_op). The simulated cluster steers host i's packets to CPU
+i mod ncpu (Cluster(steer_flows=True): no spurious retransmits), and rank i
+is bound to that CPU (--no-pin: unbound). The conditions
 alternate for --reps rounds (>= 10); a round's figure is on/off. Judged as
 bench/training_loop.py judges: the 90 % bootstrap interval of the mean of
 the rounds' ratios; goal >= 99 % ("met" when the interval's lower end is at
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
         results: dict[str, list[float]] = {c: [] for c in conds}
         stalls: dict[str, list[float]] = {c: [] for c in conds}
         names = list(conds)
-        with Cluster(a.ranks) as cluster:
+        with Cluster(a.ranks, steer_flows=True) as cluster:
             for rep in range(a.reps):
                 for cond in names[rep % 2:] + names[:rep % 2]:
                     for old in work.glob("truth/*"):

@@ -306,11 +306,12 @@ def _retransmitted_segments(cluster: Cluster, i: int) -> int:
     return int(tcp[1][tcp[0].index("RetransSegs")])
 
 
-def test_unfaulted_links_make_no_retransmits(lib, tmp_path):
-    # Without each link's packets steered to one CPU (cluster._steer_flows),
-    # veth reorders a flow and TCP retransmits what was never lost: 1,000-1,700
-    # segments per host in this job on a 2-vCPU machine.
-    with Cluster(2) as c:
+def test_steered_links_make_no_retransmits(lib, tmp_path):
+    # Without each link's packets steered to one CPU (Cluster(steer_flows=True),
+    # what bench/proxy_cost.py measures on), veth reorders a flow and TCP
+    # retransmits what was never lost: 1,000-1,700 segments per host in this
+    # job on a 2-vCPU machine.
+    with Cluster(2, steer_flows=True) as c:
         res = run_job(c, lib, "allreduce", 12, tmp_path / "rdv", tmp_path / "truth", count=2_000_000, timeout=120)
         assert res.ok, res.summary()
         # none is the rule; a few would be a tail-loss probe on a loaded machine

@@ -178,7 +178,8 @@ def _steer_flows(ns: str, cpu_of: dict[str, int]) -> None:
     that processes the peer's ACKs): unsteered, a flow arrives reordered, TCP
     takes the reordering for loss, and on this 2-vCPU VM 10-25 % of the
     simulator's 8 MB AllReduces stalled 50-250 ms in spurious fast
-    retransmits (bench/README.md, "Proxy accounting"). Host i's device (and
+    retransmits (bench/README.md, "Proxy accounting"); a test's retransmit
+    counts held hundreds nobody injected. Host i's device (and
     the switch port it sends into) is steered to CPU i mod ncpu, where
     bench/proxy_cost.py pins rank i; by flow hash instead, which CPU a flow
     landed on varied from job to job and so did the bus bandwidth. Kernels
@@ -190,12 +191,19 @@ def _steer_flows(ns: str, cpu_of: dict[str, int]) -> None:
 
 
 class Cluster:
-    """``with Cluster(4) as c: c.popen(0, [...])`` -- hosts exist only inside the block."""
+    """``with Cluster(4) as c: c.popen(0, [...])`` -- hosts exist only inside the block.
 
-    def __init__(self, nhosts: int, name: str | None = None):
+    steer_flows: each link's packets on one CPU (see _steer_flows), for
+    measurements that TCP's spurious retransmits would drown. Off by default:
+    it also moves host i's packet processing onto CPU i mod ncpu, which a
+    test that starves one CPU (tests/test_sched.py, test_analysis.py's
+    "starved") would turn into a network stall of its own."""
+
+    def __init__(self, nhosts: int, name: str | None = None, steer_flows: bool = False):
         if not 1 <= nhosts <= 250:
             raise ValueError("nhosts must be in [1, 250]")
         self.nhosts = nhosts
+        self.steer_flows = steer_flows
         tag = name if name else str(next(_seq))
         if not tag.replace("_", "").isalnum():
             raise ValueError("name must be alphanumeric (underscores allowed)")
@@ -250,9 +258,10 @@ class Cluster:
             self._ns(h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
             self._ns(h.netns, "-6", "addr", "add", f"{h.addr6}/64", "dev", h.ifname, "nodad")
             self._ns(h.netns, "link", "set", h.ifname, "up")
-        _steer_flows(sw, {f"p{h.index}": h.index for h in self.hosts})
-        for h in self.hosts:
-            _steer_flows(h.netns, {h.ifname: h.index})
+        if self.steer_flows:
+            _steer_flows(sw, {f"p{h.index}": h.index for h in self.hosts})
+            for h in self.hosts:
+                _steer_flows(h.netns, {h.ifname: h.index})
 
     def close(self) -> None:
         """Idempotent: kill our processes, delete every namespace we made."""
