@@ -195,18 +195,22 @@ class Agent:
                 raise AgentError(str(e)) from None
             if self.loader is not None:
                 self.loader.attach_loaders()  # for profiler plugins mapped later
+            # The plugin's hooks before NCCL's functions: in a running job, a
+            # call the function probes see is then named by the plugin's
+            # record of it (bpf/plugin.c bind_call), never counted under
+            # comm="unknown" for want of the hooks.
+            self._attach_plugins(plugin_source.plugin_paths(), scan=True)
             for lib in libraries:
                 self._attach(lib)
-            self._attach_plugins(plugin_source.plugin_paths(), scan=True)
             self.ready.set()
             return
         if self.loader is not None:
             # First the loader probes, then the scan: a library mapped in
             # between is reported by an event, not lost.
             self.loader.attach_loaders()
+        self._attach_plugins(plugin_source.plugin_paths(), scan=True)  # first: as above
         for lib in libfind.mapped_nccl_libraries():
             self._attach(lib)
-        self._attach_plugins(plugin_source.plugin_paths(), scan=True)
         if self.loader is None:
             self._watcher = libfind.LibraryWatcher(self._found.put, interval=self.config.rescan_interval)
             self._watcher.start()
@@ -281,8 +285,8 @@ class Agent:
         if not self.config.nccl_libs:
             for lib in self._scanner.scan(pids):
                 self._attach(lib)
-        if self.plugin is not None:
-            self._discover_plugins(pids)
+        if self.plugin is not None:  # after: a new process's first calls come before
+            self._discover_plugins(pids)  # NCCL loads its plugin, and must not wait for a scan
 
     def _dispatch_kernel(self, event) -> None:
         self.events_seen += 1
