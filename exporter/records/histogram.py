@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
 from fractions import Fraction
-from functools import cached_property
+from functools import cache, cached_property
 from math import isqrt
 
 SCHEMA = 3
@@ -227,9 +227,13 @@ class Classic:
         shortest decimal that splits the kernel's integer values where the
         bound does (short_bound_s): at most 13 characters, where the nearest
         double of the bound prints in up to 21."""
+        return list(self._le_seconds(layout))
+
+    @cache  # every text scrape asks, per family; fine's bounds take ~2 ms to find
+    def _le_seconds(self, layout: Layout) -> tuple[float, ...]:
         if self.step % PER_OCTAVE == 0:
-            return [2.0 ** (i // PER_OCTAVE) for i in self.bounds(layout)]
-        return [short_bound_s(layout, i) for i in self.bounds(layout)]
+            return tuple(2.0 ** (i // PER_OCTAVE) for i in self.bounds(layout))
+        return tuple(short_bound_s(layout, i) for i in self.bounds(layout))
 
     def cumulative(self, layout: Layout, counts) -> list[int]:
         """Cumulative counts at each finite bound, then the total (+Inf)."""
