@@ -188,30 +188,25 @@ class Agent:
 
     def start_discovery(self) -> None:
         """Attach to the given libraries, or to every libnccl in use, and keep watching."""
-        if self.config.nccl_libs:
+        given = self.config.nccl_libs
+        if given:
             try:
-                libraries = libfind.find_libraries(self.config.nccl_libs)
+                libraries = libfind.find_libraries(given)
             except libfind.LibraryError as e:
                 raise AgentError(str(e)) from None
-            if self.loader is not None:
-                self.loader.attach_loaders()  # for profiler plugins mapped later
-            # The plugin's hooks before NCCL's functions: in a running job, a
-            # call the function probes see is then named by the plugin's
-            # record of it (bpf/plugin.c bind_call), never counted under
-            # comm="unknown" for want of the hooks.
-            self._attach_plugins(plugin_source.plugin_paths(), scan=True)
-            for lib in libraries:
-                self._attach(lib)
-            self.ready.set()
-            return
         if self.loader is not None:
-            # First the loader probes, then the scan: a library mapped in
-            # between is reported by an event, not lost.
+            # First the loader probes, then the scan: a library (or, with
+            # given libraries, a profiler plugin) mapped in between is
+            # reported by an event, not lost.
             self.loader.attach_loaders()
-        self._attach_plugins(plugin_source.plugin_paths(), scan=True)  # first: as above
-        for lib in libfind.mapped_nccl_libraries():
+        # The plugin's hooks before NCCL's functions: in a running job, a
+        # call the function probes see is then named by the plugin's record
+        # of it (bpf/plugin.c bind_call), never counted under comm="unknown"
+        # for want of the hooks.
+        self._attach_plugins(plugin_source.plugin_paths(), scan=True)
+        for lib in libraries if given else libfind.mapped_nccl_libraries():
             self._attach(lib)
-        if self.loader is None:
+        if not given and self.loader is None:
             self._watcher = libfind.LibraryWatcher(self._found.put, interval=self.config.rescan_interval)
             self._watcher.start()
         self.ready.set()
