@@ -84,6 +84,21 @@ def _check_limit(name: str, value: int, top: int = MAX_ROWS) -> int:
     return value
 
 
+def _check_comm(comm: str | None, local: bool = True) -> str | None:
+    """A communicator as recordings name it, or None: every one. NCCL's commHash
+    (up to 16 hex digits); with `local`, also the agent's own ids (unknown,
+    local-<pid>-<n>[~aligned]), which the network waits never carry."""
+    if comm is None:
+        return None
+    if local:
+        pattern, want = r"[0-9a-f]{1,16}|unknown|local-\d+-\d+(~aligned)?", "(16 hex digits) or local-<pid>-<n>"
+    else:
+        pattern, want = r"[0-9a-f]{1,16}", "(up to 16 hex digits)"
+    if not re.fullmatch(pattern, comm):
+        raise ToolError(f"comm: a communicator hash {want}, not {comm!r}")
+    return comm
+
+
 def _check_op(op: str | None) -> str | None:
     """An op name as contract.OPS spells it (any case), or None: every op."""
     if op is None:
@@ -270,8 +285,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
             and the retransmits and run-queue waits in its windows; the worst first."""
             _check_limit("limit", limit)
             op = _check_op(op)
-            if comm is not None and not re.fullmatch(r"[0-9a-f]{1,16}|unknown|local-\d+-\d+(~aligned)?", comm):
-                raise ToolError(f"comm: a communicator hash (16 hex digits) or local-<pid>-<n>, not {comm!r}")
+            comm = _check_comm(comm)
             conn = open_db(db)
             try:
                 collectives, _ = stragglers_mod.load(conn, align=True, comm=comm, op=op)
@@ -297,8 +311,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
             Same figures as `nccl-exporter stragglers --links` (docs/network.md)."""
             _check_limit("limit", limit)
             op = _check_op(op)
-            if comm is not None and not re.fullmatch(r"[0-9a-f]{1,16}", comm):
-                raise ToolError(f"comm: a communicator hash (up to 16 hex digits), not {comm!r}")
+            comm = _check_comm(comm, local=False)
             conn = open_db(db)
             try:
                 if not network_mod.available(conn):
