@@ -413,6 +413,19 @@ class ExporterProcess(Exporter):
 
 # --- Prometheus text ----------------------------------------------------------------
 
+def exposition(families) -> str:
+    """The text exposition of metric families (a collector's output), as a scrape gets it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class Families:
+        def collect(self):
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Families())
+    return generate_latest(registry).decode()
+
+
 def parse_metrics(text: str) -> list[Sample]:
     """Every sample of a Prometheus text exposition."""
     return [s for family in text_string_to_metric_families(text) for s in family.samples]

@@ -4,7 +4,7 @@ of nccl_network_*. The data path end to end is tests/test_network_waits.py."""
 
 from __future__ import annotations
 
-from conftest import sample_value, sample_values
+from conftest import exposition, sample_value, sample_values
 from exporter.records import contract
 from exporter.records.events import GpuCall, NetworkSeries, PeerWait
 from exporter.records.render import gpu_span_attributes, top_network_wait
@@ -73,18 +73,6 @@ class Plugin:
 def series(peer: int, wait_ms: int, rank: int = 0) -> NetworkSeries:
     return NetworkSeries(0xABC, rank, peer, "recv", ops=1, bytes=10, wall_ns=(wait_ms * MS, 0, 0),
                          step_ns=(wait_ms * MS, 0, 0))
-
-
-def exposition(families) -> str:
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    class C:
-        def collect(self):
-            return families
-
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(C())
-    return generate_latest(reg).decode()
 
 
 def test_at_most_k_named_peers_per_comm_and_rank_and_the_names_stick():

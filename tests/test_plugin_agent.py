@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from conftest import parse_metrics, sample_value, sample_values
+from conftest import exposition, parse_metrics, sample_value, sample_values
 from exporter.records import histogram
 from exporter.records.events import Communicator
 from exporter.sources.plugin.build import build_plugin
@@ -112,7 +112,7 @@ def test_gpu_histograms_equal_the_drivers_truth(bins, sources, version):
     assert drops["bad_record"] == 0 and drops["no_gpu_time"] == 0 and drops["gpu_series_full"] == 0
 
     # as Prometheus sees it: the comm label is NCCL's commHash (no communicator known)
-    text = _exposition(gpu_families("n1", plugin, [], set()))
+    text = exposition(gpu_families("n1", plugin, [], set()))
     total = sample_value(text, "nccl_collective_gpu_duration_seconds_count", op="ALL_REDUCE",
                          comm="1111222233334444", rank="2")
     assert total == sum(want[("ALL_REDUCE", 0x1111222233334444, 2, 4)][0].values())
@@ -146,18 +146,6 @@ def test_implausible_intervals_are_counted_by_reason_not_histogrammed(bins, sour
     assert {k: (s.calls, s.sum_ns) for k, s in got.items()} == \
         {k: (sum(c.values()), sum_ns) for k, (c, sum_ns) in want.items()}
     assert plugin.inflight() == [] and plugin.drops()["no_gpu_time"] == 0
-
-
-def _exposition(families) -> str:
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    class _C:
-        def collect(self):
-            return families
-
-    r = CollectorRegistry(auto_describe=False)
-    r.register(_C())
-    return generate_latest(r).decode()
 
 
 def _hold(bins, ms: int):
@@ -199,7 +187,7 @@ def test_inflight_ages_queued_running_and_abandoned(bins, sources):
         me = os.getpid()  # a "traced" process without the plugin
         ages = []
         for _ in range(2):
-            text = _exposition(gpu_families("n1", plugin, [], {me, p.pid}))
+            text = exposition(gpu_families("n1", plugin, [], {me, p.pid}))
             ages.append((sample_value(text, "nccl_gpu_inflight_oldest_seconds", op="ALL_REDUCE",
                                       comm="abcdef0123456789", rank="1", state="running"),
                          sample_value(text, "nccl_gpu_inflight_oldest_seconds", op="ALL_GATHER",
@@ -253,14 +241,14 @@ def test_gpu_comm_label_is_nccls_commhash_as_on_host_series():
             return {}
 
     for live in (comms, []):  # the job's communicators, then none (the job ended, series live on)
-        text = _exposition(gpu_families("n1", FakePlugin(), live, {os.getpid()}))
+        text = exposition(gpu_families("n1", FakePlugin(), live, {os.getpid()}))
         assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="1111222233334444") == 1
         assert sample_value(text, "nccl_collective_gpu_duration_seconds_count", comm="5555666677778888") == 1
         assert sample_value(text, "nccl_gpu_inflight_oldest_seconds", comm="1111222233334444",
                             state="running") >= 1.9
     assert sample_values(text, "nccl_profiler_plugin_active") == [1]
     # no plugin source at all: every traced process is 0
-    text = _exposition(gpu_families("n1", None, comms, {os.getpid()}))
+    text = exposition(gpu_families("n1", None, comms, {os.getpid()}))
     assert sample_values(text, "nccl_profiler_plugin_active") == [0]
 
 
@@ -358,7 +346,7 @@ def test_network_figures_per_peer_from_proxy_steps(bins, sources, tmp_path):
             assert want_wall <= s.wall_ns[i] <= want_wall + n * steps * 50_000, (key, ph)
             assert want_step <= s.step_ns[i] <= want_step + n * steps * nch * 50_000, (key, ph)
     assert plugin.drops()["bad_record"] == 0
-    text = _exposition(gpu_families("n1", plugin, [], set(), named_peers={}))
+    text = exposition(gpu_families("n1", plugin, [], set(), named_peers={}))
     assert sample_value(text, "nccl_network_bytes_total", comm="000000000000feed", rank="1", peer="2",
                         direction="send") == n * nch * steps * 131072
     assert sample_value(text, "nccl_network_wait_seconds_total", comm="000000000000feed", rank="1", peer="0",
