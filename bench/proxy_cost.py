@@ -85,8 +85,9 @@ def time_per_op(truth, nranks: int) -> tuple[float, float]:
 def pin_ranks(pids: list[int]) -> None:
     """Rank i on CPU i mod ncpu, as torchrun/Slurm bind ranks to cores. Set as
     the rank starts (nsenter has exec'd Python, which has no threads yet), so
-    its NCCL threads inherit it. Unbound, the 2-vCPU VM's scheduler moves the
-    ranks' threads about and one condition's bus bandwidth varied 3x."""
+    its NCCL threads inherit it, and stays on the CPU its host's packets are
+    steered to (Cluster(steer_flows=True)). Unbound, the scheduler moves the
+    ranks' threads about between the two."""
     cpus = sorted(os.sched_getaffinity(0))
     for i, pid in enumerate(pids):
         try:

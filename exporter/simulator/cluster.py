@@ -161,7 +161,6 @@ class Host:
     ifname: str = "eth0"
 
 
-
 def _cpu_mask(cpu: int) -> str:
     """One CPU as sysfs writes a CPU mask: hex, a comma every 32 bits."""
     h = format(1 << cpu, "x")
