@@ -10,7 +10,7 @@ NCCL_WHEEL := nvidia-nccl-cu12==2.32.3
 
 MAKEFLAGS  += --no-print-directory
 
-.PHONY: deps venv nccl-wheel demo test test-quick check clean plugin image test-image
+.PHONY: deps venv nccl-wheel demo test test-quick check clean plugin plugin-aarch64 image test-image
 
 ## deps: Debian packages, kernel-header links, tracefs (scripts/setup-system.sh)
 deps:
@@ -54,6 +54,10 @@ demo: deps venv
 ## plugin: the NCCL profiler plugin, build/plugin/libnccl-profiler-exporter.so (docs/plugin.md)
 plugin: venv
 	@$(PY) -m exporter.sources.plugin.build >/dev/null
+
+## plugin-aarch64: the plugin cross-built for aarch64 (GH200/GB200), build/plugin/aarch64/ (docs/deploy.md, "Platforms")
+plugin-aarch64: venv
+	@$(PY) -m exporter.sources.plugin.build --arch aarch64 >/dev/null
 
 ## test: everything needed, then the whole suite (what CI runs; ~16 min here)
 test: deps venv nccl-wheel plugin

@@ -38,10 +38,11 @@ def cache_dir(name: str) -> pathlib.Path:
 
 
 def build_shared(lib: pathlib.Path, sources: list[pathlib.Path], cflags: list[str],
-                 libs: list[str] = (), depends: list[pathlib.Path] = ()) -> pathlib.Path:
-    """gcc `sources` into `lib` unless it is newer than every source and
-    dependency; written to a temporary file and renamed, so a concurrent
-    user never sees half a library. One-line RuntimeError on failure."""
+                 libs: list[str] = (), depends: list[pathlib.Path] = (), cc: str = "gcc") -> pathlib.Path:
+    """Compile `sources` with `cc` (gcc, or a cross gcc) into `lib` unless it
+    is newer than every source and dependency; written to a temporary file
+    and renamed, so a concurrent user never sees half a library. One-line
+    RuntimeError on failure."""
     lib.parent.mkdir(parents=True, exist_ok=True)
     inputs = [*sources, *depends]
     if lib.exists() and all(lib.stat().st_mtime >= f.stat().st_mtime for f in inputs):
@@ -49,15 +50,15 @@ def build_shared(lib: pathlib.Path, sources: list[pathlib.Path], cflags: list[st
     fd, tmp = tempfile.mkstemp(prefix=f".{lib.name}.", suffix=".tmp", dir=lib.parent)
     os.close(fd)
     try:
-        cmd = ["gcc", *cflags, "-o", tmp, *map(str, sources), *libs]
+        cmd = [cc, *cflags, "-o", tmp, *map(str, sources), *libs]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         except FileNotFoundError as e:
-            raise RuntimeError(f"cannot build {lib.name}: gcc not found ({e})") from None
+            raise RuntimeError(f"cannot build {lib.name}: {cc} not found ({e})") from None
         if proc.returncode != 0:
             lines = proc.stderr.strip().splitlines() or ["(no output)"]
             errs = [line for line in lines if "error" in line] or lines
-            raise RuntimeError(f"gcc failed building {lib.name} (rc={proc.returncode}): {errs[0]}")
+            raise RuntimeError(f"{cc} failed building {lib.name} (rc={proc.returncode}): {errs[0]}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, lib)
     finally:

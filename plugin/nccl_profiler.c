@@ -22,6 +22,7 @@
  *    and every callback is forwarded to it, converted to its newest supported
  *    interface version, with its handles kept apart from ours.
  */
+#include "glibc_floor.h" /* first: binds libc calls to versions glibc 2.17 has */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>

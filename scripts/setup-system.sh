@@ -7,6 +7,9 @@ PACKAGES=(
     python3-bpfcc python3-venv linux-headers-amd64 gcc make libc6-dev
     nftables iproute2 procps binutils prometheus prometheus-alertmanager
     bpftrace bpftool protobuf-compiler golang-github-prometheus-client-model-dev
+    # the profiler plugin for aarch64, and running it there under emulation
+    # (tests/test_plugin_platforms.py)
+    gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 )
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -58,7 +58,9 @@ def run(bins, version, scenario, n=None, env=None, tmp=None, expect_rc=0):
     e = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_EXPORTER_", "CHAINED_", "DRIVER_"))}
     e["NCCL_EXPORTER_PROFILER_LOG"] = str(log)
     e.update(env or {})
-    args = [str(bins["driver"]), str(bins["plugin"]), str(version), scenario] + ([str(n)] if n else [])
+    # bins["exec"]: what runs the driver, e.g. qemu-aarch64 (tests/test_plugin_platforms.py)
+    args = [*bins.get("exec", ()), str(bins["driver"]), str(bins["plugin"]), str(version), scenario] + \
+        ([str(n)] if n else [])
     p = subprocess.run(args, capture_output=True, text=True, env=e, timeout=120)
     assert p.returncode == expect_rc, p.stdout[-2000:] + p.stderr[-2000:]
     out = p.stdout.splitlines()

@@ -4,13 +4,20 @@ Source: the repository's top-level ``plugin/`` directory, or, in an installed
 wheel, ``exporter/_plugin/`` inside the package.  Output:
 ``build/plugin/libnccl-profiler-exporter.so`` (or $NCCL_EXPORTER_PLUGIN_BUILD),
 rebuilt when any source file is newer than the library.
+
+``--arch aarch64`` cross-builds with Debian's aarch64-linux-gnu-gcc into
+``build/plugin/aarch64/`` (docs/deploy.md, "Platforms").  Either library loads
+with glibc >= 2.17 (plugin/glibc_floor.h, docs/plugin.md "Which glibc").
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.resources
 import os
 import pathlib
+import platform
+import sys
 
 from exporter.cbuild import build_shared, cache_dir, writable
 
@@ -18,7 +25,19 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 LIB_NAME = "libnccl-profiler-exporter.so"
 CFLAGS = ["-O2", "-g", "-fPIC", "-shared", "-pthread", "-std=gnu11", "-Wall",
           "-fvisibility=hidden", "-fno-semantic-interposition"]
-LIBS = ["-ldl"]
+# libdl and libpthread by file name, kept although nothing resolves to them
+# on this glibc (>= 2.34 has both in libc.so.6): where the plugin loads
+# under a glibc before 2.34, dlopen and pthread_create are defined there
+# (plugin/glibc_floor.h).
+LIBS = ["-Wl,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-Wl,--as-needed"]
+# The architectures the plugin builds for, with the compiler of each when it
+# is not the host's: Debian's cross gcc (scripts/setup-system.sh installs it).
+CROSS_CC = {"aarch64": "aarch64-linux-gnu-gcc", "x86_64": "x86_64-linux-gnu-gcc"}
+ARCHES = tuple(CROSS_CC)
+
+
+def host_arch() -> str:
+    return platform.machine()
 
 
 def source_dir() -> pathlib.Path:
@@ -48,15 +67,39 @@ def _sources(src: pathlib.Path) -> list[pathlib.Path]:
     return sorted(list(src.glob("*.c")) + list(src.glob("*.h")))
 
 
-def build_plugin(outdir: str | os.PathLike | None = None) -> pathlib.Path:
-    """Return the path of the plugin library, (re)building it if missing or stale."""
+def build_plugin(outdir: str | os.PathLike | None = None, arch: str | None = None) -> pathlib.Path:
+    """Return the path of the plugin library, (re)building it if missing or stale.
+
+    arch: None or the host's architecture builds with gcc into outdir (default:
+    default_outdir()); another one of ARCHES cross-builds into outdir, by
+    default default_outdir()/<arch>."""
     src = source_dir()
-    out = pathlib.Path(outdir) if outdir is not None else default_outdir()
+    cross = arch is not None and arch != host_arch()
+    if arch is not None and arch not in ARCHES:
+        raise RuntimeError(f"cannot build the plugin for {arch!r}: one of {', '.join(ARCHES)}")
+    out = pathlib.Path(outdir) if outdir is not None else default_outdir() / (arch if cross else "")
     files = _sources(src)
     lib = build_shared(out / LIB_NAME, [f for f in files if f.suffix == ".c"], [*CFLAGS, "-I", str(src)],
-                       LIBS, depends=[f for f in files if f.suffix != ".c"])
+                       LIBS, depends=[f for f in files if f.suffix != ".c"],
+                       cc=CROSS_CC[arch] if cross else "gcc")
     return lib.resolve()
 
 
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m exporter.sources.plugin.build",
+                                description="Build the NCCL profiler plugin and print its path.")
+    p.add_argument("--arch", choices=ARCHES, default=None,
+                   help=f"target architecture (default: this host's, {host_arch()}); another one "
+                        "cross-builds with Debian's <arch>-linux-gnu-gcc into build/plugin/<arch>/")
+    p.add_argument("--outdir", default=None, help="directory for the library (default: see above)")
+    a = p.parse_args(argv)
+    try:
+        print(build_plugin(a.outdir, a.arch))
+    except RuntimeError as e:
+        print(f"plugin build: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    print(build_plugin())
+    raise SystemExit(main())
