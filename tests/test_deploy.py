@@ -101,7 +101,16 @@ def test_service_and_servicemonitor_select_the_pods():
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     # the pod labels of nccl_communicator_info are the traced process's, not the target's
     assert sm["spec"]["endpoints"][0]["honorLabels"] is True
-    assert svc["metadata"]["namespace"] in sm["spec"]["namespaceSelector"]["matchNames"]
+    assert svc["metadata"]["namespace"] in scraped_namespaces(sm)
+
+
+def scraped_namespaces(sm: dict) -> list[str]:
+    """Where the Prometheus Operator looks for a ServiceMonitor's Services:
+    namespaceSelector.matchNames, else (no selector, or an empty one) the
+    ServiceMonitor's own namespace. `any: true` is not used here."""
+    sel = sm["spec"].get("namespaceSelector") or {}
+    assert not sel.get("any"), "scrape every namespace: not what the manifests mean"
+    return sel.get("matchNames") or [sm["metadata"]["namespace"]]
 
 
 def unit_file(path: Path) -> dict[str, dict[str, list[str]]]:
@@ -203,7 +212,7 @@ def by_kind(docs: list[dict]) -> dict[str, dict]:
 
 def test_kustomize_base_is_the_manifests():
     docs = by_kind(kustomize(K8S))
-    assert set(docs) == {"DaemonSet", "Service", "ServiceMonitor", "PrometheusRule"}
+    assert set(docs) == {"Namespace", "DaemonSet", "Service", "ServiceMonitor", "PrometheusRule"}
     assert docs["DaemonSet"] == load_yaml(K8S / "daemonset.yaml")
     assert docs["PrometheusRule"]["spec"] == load_yaml(K8S / "prometheusrule.yaml")["spec"]
 
@@ -211,7 +220,7 @@ def test_kustomize_base_is_the_manifests():
 def test_kustomize_overlay_templates_image_resources_nodes_and_operator():
     """deploy/overlays/gpu-cluster: what a cluster changes, changed."""
     docs = by_kind(kustomize(DEPLOY / "overlays" / "gpu-cluster"))
-    assert {"DaemonSet", "Service", "ServiceMonitor", "PrometheusRule", "ServiceAccount", "ClusterRole",
+    assert {"Namespace", "DaemonSet", "Service", "ServiceMonitor", "PrometheusRule", "ServiceAccount", "ClusterRole",
             "ClusterRoleBinding"} == set(docs)
     spec = docs["DaemonSet"]["spec"]["template"]["spec"]
     (c,) = spec["containers"]
@@ -232,5 +241,94 @@ def test_kustomize_overlay_templates_image_resources_nodes_and_operator():
     env = {e["name"]: e for e in c["env"]}
     assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     for kind in ("ServiceMonitor", "PrometheusRule"):
-        assert docs[kind]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        assert docs[kind]["metadata"]["labels"]["release"] == "prometheus"
     assert docs["ServiceMonitor"]["spec"]["endpoints"][0]["honorLabels"] is True
+
+
+def kustomize_version() -> tuple[int, ...]:
+    """The kustomize inside kubectl (kubectl >= 1.21 prints it; 1.20's is v2.0.3)."""
+    import re
+    import shutil
+
+    out = subprocess.run([shutil.which("kubectl") or "kubectl", "version", "--client"], capture_output=True,
+                         text=True).stdout
+    m = re.search(r"Kustomize Version: v(\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (2, 0)
+
+
+def overlay_in(tmp_path: Path, base: Path, namespace: str) -> Path:
+    """A user's overlay: `base` moved into `namespace` by kustomize's transform."""
+    import os
+
+    d = tmp_path / f"overlay-{namespace}"
+    d.mkdir()
+    (d / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"namespace: {namespace}\nresources:\n  - {os.path.relpath(base, d)}\n")
+    return d
+
+
+# (what is rendered, the namespace everything must be in)
+RENDERINGS = {
+    "base": (lambda tmp: K8S, "nccl-exporter"),
+    "gpu-cluster": (lambda tmp: DEPLOY / "overlays" / "gpu-cluster", "nccl-exporter"),
+    "native-histograms": (lambda tmp: DEPLOY / "overlays" / "native-histograms", "nccl-exporter"),
+    "base in another namespace": (lambda tmp: overlay_in(tmp, K8S, "ml-observability"), "ml-observability"),
+    "gpu-cluster in another namespace": (
+        lambda tmp: overlay_in(tmp, DEPLOY / "overlays" / "gpu-cluster", "gpu-monitoring"), "gpu-monitoring"),
+}
+
+
+@pytest.mark.parametrize("rendering", list(RENDERINGS))
+def test_kustomize_deploys_into_one_privileged_namespace(tmp_path, rendering):
+    """`kubectl apply -k` on a stock cluster with the Prometheus Operator
+    (docs/deploy.md, "Kustomize"): the Namespace comes with it, labelled for
+    Pod Security Admission's `privileged` level (the agent's hostPID, hostPath
+    and CAP_SYS_ADMIN), every object is in it, the ServiceMonitor scrapes the
+    Service where it is, and the ServiceMonitor and the PrometheusRule carry
+    the same `release` label (what the Operator's selectors match)."""
+    path_of, namespace = RENDERINGS[rendering]
+    if "another namespace" in rendering and kustomize_version() < (4, 0):
+        pytest.skip("kustomize < 4 (kubectl 1.20) does not rename a Namespace object; docs/deploy.md")
+    docs = by_kind(kustomize(path_of(tmp_path)))
+    ns = docs["Namespace"]
+    assert ns["metadata"]["name"] == namespace
+    labels = ns["metadata"]["labels"]
+    for mode in ("enforce", "audit", "warn"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] == "privileged", mode
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+    for kind, d in docs.items():
+        if kind not in cluster_scoped:
+            assert d["metadata"].get("namespace") == namespace, kind
+    if "ClusterRoleBinding" in docs:
+        for s in docs["ClusterRoleBinding"]["subjects"]:
+            assert s["namespace"] == namespace and s["name"] == docs["ServiceAccount"]["metadata"]["name"]
+    sm, svc = docs["ServiceMonitor"], docs["Service"]
+    assert svc["metadata"]["namespace"] in scraped_namespaces(sm)
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    release = sm["metadata"]["labels"].get("release")
+    assert release and docs["PrometheusRule"]["metadata"]["labels"].get("release") == release
+
+
+def test_native_histogram_rules_variant():
+    """deploy/overlays/native-histograms: the base with the groups of
+    alerts/native/ instead of alerts/ (docs/alerts.md), nothing else changed."""
+    native = by_kind(kustomize(DEPLOY / "overlays" / "native-histograms"))
+    base = by_kind(kustomize(K8S))
+    groups = [g for f in sorted((REPO / "alerts" / "native").glob("*.yml")) for g in load_yaml(f)["groups"]]
+    assert native["PrometheusRule"]["spec"]["groups"] == groups
+    assert native["PrometheusRule"]["spec"] != base["PrometheusRule"]["spec"]
+    assert native["PrometheusRule"]["metadata"] == base["PrometheusRule"]["metadata"]
+    assert {k: v for k, v in native.items() if k != "PrometheusRule"} == \
+        {k: v for k, v in base.items() if k != "PrometheusRule"}
+
+
+def test_manifests_point_only_at_files_that_exist():
+    """Every deploy/... path a manifest's comment names exists."""
+    import re
+
+    for f in sorted(DEPLOY.rglob("*.yaml")):
+        for ref in re.findall(r"(?<![\w/.])((?:deploy/)?overlays/[\w.-]+|deploy/[\w./-]+)", f.read_text()):
+            ref = ref.rstrip(".")
+            path = REPO / ref if ref.startswith("deploy/") else DEPLOY / ref
+            assert path.exists(), f"{f.relative_to(REPO)} names {ref}, which does not exist"
