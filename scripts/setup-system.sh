@@ -10,6 +10,8 @@ PACKAGES=(
     # the profiler plugin for aarch64, and running it there under emulation
     # (tests/test_plugin_platforms.py)
     gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+    # a one-node Slurm for deploy/slurm's TaskProlog (tests/test_slurm.py)
+    slurmctld slurmd slurm-client
 )
 
 if [ "$(id -u)" -ne 0 ]; then
