@@ -44,8 +44,10 @@ def wheel(tmp_path_factory) -> Path:
     src = out / "src"
     shutil.copytree(REPO, src, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "build", "dist", "__pycache__", "*.egg-info", ".pytest_cache"))
+    # the copy has no .git: the checkout's version, as setuptools-scm found it at install
+    env = {**os.environ, "SETUPTOOLS_SCM_PRETEND_VERSION": exporter.__version__}
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "-w", str(out), "--no-deps",
-                        "-q"], capture_output=True, text=True, timeout=300, cwd=str(out))
+                        "-q"], capture_output=True, text=True, timeout=300, cwd=str(out), env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     (whl,) = out.glob("nccl_exporter-*.whl")
     return whl
