@@ -59,7 +59,7 @@ def test_version_from_a_git_archive(tagged_clone, tmp_path):
     data = subprocess.run(["git", "archive", TAG], cwd=str(tagged_clone), check=True,
                           capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as t:
-        t.extractall(tmp_path, filter="data")
+        t.extractall(tmp_path)
     assert not (tmp_path / ".git").exists()
     assert "$Format" not in (tmp_path / ".git_archival.txt").read_text()
     assert scm_version(tmp_path) == TAG[1:]

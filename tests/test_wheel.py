@@ -116,7 +116,9 @@ def test_check_runs_from_the_wheel(installed):
 
 def test_version_from_the_wheel(installed):
     p = run_installed(installed, "--version")
-    assert p.returncode == 0 and p.stdout.strip() == f"nccl-exporter {exporter.__version__}", p
+    assert p.returncode == 0 and p.stdout.splitlines()[0] == f"nccl-exporter {exporter.__version__}", p
+    # the plugin's interfaces, read from the sources the wheel ships
+    assert p.stdout.splitlines()[1].startswith("profiler plugin interfaces: ncclProfiler_v"), p
 
 
 def test_demo_runs_from_the_wheel(installed, tmp_path, bpf, netns):

@@ -66,7 +66,8 @@ class _Version(argparse.Action):
     """Like action="version", computed only when asked for."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(0, version_text())
+        sys.stdout.write(version_text())
+        parser.exit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
