@@ -26,10 +26,16 @@ from exporter.tools.cli.options import (
 
 
 def add_parser(sub) -> None:
-    t = sub.add_parser("trace", help="print every NCCL call as it returns, or record them to SQLite")
+    t = sub.add_parser("trace", help="print every NCCL call as it returns, or record them to SQLite",
+                       description="Attach the probes like 'run' and print every NCCL call of the node's "
+                                   "processes as it returns (stdout; status lines on stderr), or with --out "
+                                   "record every call, TCP retransmit/reset and scheduler wait to SQLite. "
+                                   "Stops after --duration or at Ctrl-C, losing nothing already seen.")
     t.add_argument("--duration", type=parse_duration, default=0.0, metavar="D",
                    help="stop after D (30s, 2m, ...); default: until Ctrl-C")
-    t.add_argument("--format", choices=["text", "json"], default="text")
+    t.add_argument("--format", choices=["text", "json"], default="text",
+                   help="how calls are printed: text (default, one aligned line) or json (one object a "
+                        "line, the recording's column names)")
     t.add_argument("--out", metavar="DB",
                    help="record every NCCL call, TCP retransmit/reset and scheduler wait to this "
                         "SQLite file instead of printing (docs/schema.md; read it with 'query')")
