@@ -38,3 +38,21 @@ def test_every_command_says_what_it_does():
     # but the agent commands and check must explain themselves
     for must in (("run",), ("trace",), ("check",), ("mcp",), ("demo",)):
         assert f"nccl-exporter {' '.join(must)}" not in bare, f"{must}: no description"
+
+
+def test_configuration_reference_names_every_run_flag_and_config_key():
+    """docs/configuration.md is written by hand until the configuration is
+    one typed configuration it can be generated from: a flag or key added
+    without a line there fails here."""
+    from conftest import REPO
+    from exporter.tools.cli.options import CONFIG_KEYS
+
+    text = (REPO / "docs" / "configuration.md").read_text()
+    (run,) = [p for path, p in _walk(build_parser(), ()) if path == ("run",)]
+    flags = {s for a in run._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    missing = sorted(f for f in flags if f"`{f}" not in text)
+    assert not missing, f"run flags not in docs/configuration.md: {missing}"
+    keys = sorted(k for k in CONFIG_KEYS if f"| `{k}` |" not in text)
+    assert not keys, f"config keys not in docs/configuration.md: {keys}"
+    readme = (REPO / "README.md").read_text()
+    assert "docs/configuration.md" in readme and "docs/troubleshooting.md" in readme
