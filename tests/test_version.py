@@ -1,6 +1,6 @@
 """Versions come from git tags (setuptools-scm, pyproject.toml): in a clone,
 in a `git archive` tarball (.git_archival.txt, filled in by export-subst),
-and a fallback in a copy with neither. `--version` names the build's
+in an sdist (PKG-INFO), and a fallback in a copy with none of these. `--version` names the build's
 contracts: the profiler interfaces the plugin offers and the recording
 schema."""
 
@@ -63,6 +63,21 @@ def test_version_from_a_git_archive(tagged_clone, tmp_path):
     assert not (tmp_path / ".git").exists()
     assert "$Format" not in (tmp_path / ".git_archival.txt").read_text()
     assert scm_version(tmp_path) == TAG[1:]
+
+
+def test_version_from_an_sdist(tagged_clone, tmp_path):
+    """An sdist (PKG-INFO holds the version) unpacked where there is no .git."""
+    code = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=str(tagged_clone), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    name = p.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(rf"nccl[-_]exporter-{re.escape(TAG[1:])}\.tar\.gz", name), name
+    with tarfile.open(tmp_path / name) as t:
+        t.extractall(tmp_path / "unpacked")
+    (src,) = (tmp_path / "unpacked").iterdir()
+    assert not (src / ".git").exists() and (src / "PKG-INFO").is_file()
+    assert scm_version(src) == TAG[1:]
 
 
 def test_fallback_version_without_git(tmp_path):
