@@ -174,6 +174,7 @@ LOG_FORMATS = ["text", "json"]
 # contract with log pipelines, like metric names.
 LOG_KEYS = ("time", "level", "message", "logger", "node")
 LOG_CONTEXT_KEYS = ("comm", "rank")  # where the line is about one communicator rank
+_ANNOUNCE = {"json": False}  # what setup_logging chose, for announce()
 
 
 def add_log_options(sp, level_default: str | None) -> None:
@@ -219,9 +220,6 @@ def setup_logging(level: str, fmt: str = "text", node: str = "") -> None:
     root.addHandler(handler)
     root.setLevel(getattr(logging, str(level).upper(), logging.INFO))
     _ANNOUNCE["json"] = fmt == "json"
-
-
-_ANNOUNCE = {"json": False}
 
 
 def announce(message: str, stream=None) -> None:

@@ -14,6 +14,7 @@ from exporter.tools.cli.options import (
     DEFAULT_OWNER_WINDOW,
     CONFIG_KEYS,
     LOG_FORMATS,
+    LOG_LEVELS,
     CliError,
     add_lib_option,
     add_log_options,
@@ -121,15 +122,15 @@ def main(args) -> int:
 
     from exporter.sinks.http import HttpServer, notify_systemd
     from exporter.sinks.recording.schema import RecordingError
+    from exporter.sources.identity import node_name
     from exporter.tools.pipeline import Pipeline
 
-    from exporter.sources.identity import node_name
-
     cfg = load_config(args.config)
-    log_format = args.log_format or cfg.get("log_format") or "text"
-    if log_format not in LOG_FORMATS:
-        raise CliError(f"config file {args.config}: log_format {log_format!r}: one of {', '.join(LOG_FORMATS)}")
-    setup_logging(args.log_level or cfg.get("log_level") or "info", log_format,
+    for key, known in (("log_level", LOG_LEVELS), ("log_format", LOG_FORMATS)):
+        if key in cfg and cfg[key] not in known:
+            raise CliError(f"config file {args.config}: {key} {cfg[key]!r}: one of {', '.join(known)}")
+    setup_logging(args.log_level or cfg.get("log_level") or "info",
+                  args.log_format or cfg.get("log_format") or "text",
                   node_name(args.node, cfg.get("node")))
     host, port = parse_listen(args.listen or cfg.get("listen") or f"0.0.0.0:{contract.DEFAULT_PORT}")
     queries = open_query_endpoint(args)  # --query-listen: checked and bound before anything starts
