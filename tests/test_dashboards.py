@@ -78,6 +78,24 @@ def variable_queries(path: Path) -> list[tuple[str, str, str]]:
     return out
 
 
+# Variables allowed to have no values in the tests' jobs: the simulated ranks
+# run in no Kubernetes pod, so nccl_communicator_info's namespace and pod are
+# empty (Prometheus stores no empty label; All still selects everything).
+VARIABLES_EMPTY_OK = {"namespace", "pod"}
+
+
+def empty_variables(paths, values_of) -> list[str]:
+    """The template variables of `paths` whose query returns nothing:
+    values_of(selector, label) -> the label's values, as Grafana asks
+    Prometheus (the label-values API with the selector as match[])."""
+    empty = []
+    for path in paths:
+        for name, selector, label in variable_queries(path):
+            if not values_of(selector, label) and name not in VARIABLES_EMPTY_OK:
+                empty.append(f"{path.name} / ${name}: label_values({selector}, {label})")
+    return empty
+
+
 def dashboard_queries(rate_interval: str = "15s") -> list[tuple[str, str, str, str]]:
     """[(dashboard file, panel title, refId, PromQL ready to run)] of every target."""
     out = []

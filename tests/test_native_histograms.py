@@ -30,7 +30,7 @@ from exporter.records import histogram
 from exporter.simulator.truth import calls, load_truth
 from exporter.tools import native_queries
 from conftest import ExporterProcess, free_port
-from tests.test_dashboards import panels, substitute, variable_queries
+from tests.test_dashboards import empty_variables, panels, substitute
 from tests.test_e2e_prometheus import PROMETHEUS, http_json, short_rules, stop, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
@@ -204,12 +204,6 @@ def test_native_dashboards_evaluate(run):
     assert not failed, failed
 
 
-# Variables allowed to have no values here: the simulated ranks run in no
-# Kubernetes pod, so nccl_communicator_info's namespace and pod are empty
-# (Prometheus stores no empty label; All still selects everything).
-VARIABLES_EMPTY_OK = {"namespace", "pod"}
-
-
 @needs_prometheus
 @pytest.mark.slow
 def test_native_dashboard_variables_have_values(run):
@@ -218,14 +212,11 @@ def test_native_dashboard_variables_have_values(run):
     values for the live job: a variable reading `_count` of a native
     histogram, or a variable the dashboard does not define, leaves the
     dropdown empty."""
-    empty = []
-    for path in sorted((REPO / "dashboards/grafana/native").glob("*.json")):
-        for name, selector, label in variable_queries(path):
-            url = f"{run['api']}/label/{label}/values?" + urllib.parse.urlencode(
-                {"match[]": selector, "start": run["at"] - 120, "end": run["at"]})
-            values = http_json(url)["data"]
-            if not values and name not in VARIABLES_EMPTY_OK:
-                empty.append(f"{path.name} / ${name}: label_values({selector}, {label})")
+    def values_of(selector, label):
+        return http_json(f"{run['api']}/label/{label}/values?" + urllib.parse.urlencode(
+            {"match[]": selector, "start": run["at"] - 120, "end": run["at"]}))["data"]
+
+    empty = empty_variables(sorted((REPO / "dashboards/grafana/native").glob("*.json")), values_of)
     assert not empty, "no values:\n" + "\n".join(empty)
 
 
