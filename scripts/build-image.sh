@@ -34,7 +34,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 [ -x "$PY" ] || { echo "image: $PY missing: run 'make venv' first" >&2; exit 1; }
 VERSION=$($PY -c 'import exporter; print(exporter.__version__)')
-IMAGE=${IMAGE:-localhost/nccl-exporter:$VERSION}
+IMAGE=${IMAGE:-localhost/nccl-exporter:${VERSION//+/-}}  # an image tag has no '+'
 mkdir -p "$CTX"
 
 # 1. The Debian root file system (cached: rebuilt when the package list

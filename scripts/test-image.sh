@@ -12,7 +12,7 @@ OUT=build/image
 STORAGE=(--root "$PWD/$OUT/storage" --runroot "$PWD/$OUT/run" --storage-driver vfs)
 PY=.venv/bin/python
 VERSION=$($PY -c 'import exporter; print(exporter.__version__)')
-IMAGE=${IMAGE:-localhost/nccl-exporter:$VERSION}
+IMAGE=${IMAGE:-localhost/nccl-exporter:${VERSION//+/-}}  # an image tag has no '+'
 # The capabilities of the DaemonSet and the systemd unit: one list, in the code.
 CAPS=$($PY -c 'from exporter.tools.preflight import CAPABILITIES; print(",".join("CAP_" + c for c in CAPABILITIES))')
 MASK=$($PY -c 'from exporter.tools.preflight import CAPABILITIES; print("%016x" % sum(1 << b for b, _ in CAPABILITIES.values()))')
@@ -44,7 +44,7 @@ eff=$(echo "$status" | awk '/^CapEff:/ {print $2}')
 echo "$status" | grep -q '^Seccomp:[[:space:]]*2' || { echo "test-image: FAIL: no seccomp filter in the container" >&2; exit 1; }
 
 echo "test-image: nccl-exporter --version"
-out=$("${RUN[@]}" --version)
+out=$("${RUN[@]}" --version | head -n1)
 [ "$out" = "nccl-exporter $VERSION" ] || { echo "test-image: FAIL: --version said '$out'" >&2; exit 1; }
 
 # check and trace load BPF: under the shared lock of this machine's heavy tests

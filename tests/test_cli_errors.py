@@ -74,7 +74,9 @@ def test_bad_listen(value, fragment):
 # --- config file -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,fragments", [
-    ('nodee = "gpu-1"\n', ["unknown key(s) nodee", "known: listen, log_level, nccl_libs, node"]),
+    ('nodee = "gpu-1"\n', ["unknown key(s) nodee", "known: listen, log_format, log_level, nccl_libs, node"]),
+    ('log_format = "xml"\n', ["log_format 'xml'", "one of text, json"]),
+    ('log_level = "verbose"\n', ["log_level 'verbose'", "one of debug, info, warning, error"]),
     ('node = "gpu-1"\nlisten_addr = ":1"\n', ["unknown key(s) listen_addr"]),
     ('node = \n', ["not valid TOML"]),
     ('nccl_libs = "/opt/libnccl.so.2"\n', ["nccl_libs must be a list"]),

@@ -52,6 +52,50 @@ def substitute(expr: str, rate_interval: str = "15s") -> str:
     return re.sub(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", ".*", expr)
 
 
+GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__all"}
+
+
+def variables(dash: dict) -> dict[str, dict]:
+    return {v["name"]: v for v in dash["templating"]["list"]}
+
+
+def variable_queries(path: Path) -> list[tuple[str, str, str]]:
+    """[(variable, selector, label)] of every `label_values(selector, label)`
+    query variable of a dashboard, in the order Grafana refreshes them, with
+    the variables defined before it set to All (`.*`). A variable the
+    dashboard does not define stays `$name`: Grafana sends it literally, so
+    it matches nothing."""
+    out, defined = [], set()
+    for name, v in variables(load(path)).items():
+        if v["type"] == "query":
+            q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+            m = re.fullmatch(r"label_values\((.*),\s*([A-Za-z_][A-Za-z0-9_]*)\)", q.strip(), re.S)
+            assert m, f"{path.name} / {name}: not label_values(selector, label): {q}"
+            sel = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?",
+                         lambda x: ".*" if x[1] in defined else x[0], m[1])
+            out.append((name, sel.strip(), m[2]))
+        defined.add(name)
+    return out
+
+
+# Variables allowed to have no values in the tests' jobs: the simulated ranks
+# run in no Kubernetes pod, so nccl_communicator_info's namespace and pod are
+# empty (Prometheus stores no empty label; All still selects everything).
+VARIABLES_EMPTY_OK = {"namespace", "pod"}
+
+
+def empty_variables(paths, values_of) -> list[str]:
+    """The template variables of `paths` whose query returns nothing:
+    values_of(selector, label) -> the label's values, as Grafana asks
+    Prometheus (the label-values API with the selector as match[])."""
+    empty = []
+    for path in paths:
+        for name, selector, label in variable_queries(path):
+            if not values_of(selector, label) and name not in VARIABLES_EMPTY_OK:
+                empty.append(f"{path.name} / ${name}: label_values({selector}, {label})")
+    return empty
+
+
 def dashboard_queries(rate_interval: str = "15s") -> list[tuple[str, str, str, str]]:
     """[(dashboard file, panel title, refId, PromQL ready to run)] of every target."""
     out = []
@@ -98,6 +142,26 @@ def test_template_variables(path):
         assert v["type"] == "query" and v["datasource"]["uid"] == "${datasource}"
         assert v["includeAll"] and v["allValue"] == ".*", f"{name}: All must be a regex for =~"
         assert "label_values(" in v["query"]["query"]
+
+
+NATIVE_DASHBOARDS = sorted((DASHBOARD_DIR / "native").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", DASHBOARDS + NATIVE_DASHBOARDS, ids=lambda p: p.parent.name + "/" + p.name)
+def test_variables_used_are_defined(path):
+    """A `$var` the dashboard does not define reaches Prometheus literally and
+    matches nothing: an empty dropdown or panel. Variables refer only to
+    those defined before them (Grafana refreshes them in order)."""
+    d = load(path)
+    names = list(variables(d))
+    for i, (name, v) in enumerate(variables(d).items()):
+        q = json.dumps(v.get("query", ""))
+        for used in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", q):
+            assert used in names[:i] or used in GRAFANA_BUILTINS, f"variable {name} reads ${used}"
+    for p in panels(d):
+        for t in p.get("targets", []):
+            for used in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", t["expr"]):
+                assert used in names or used in GRAFANA_BUILTINS, f"{p['title']} reads ${used}"
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)

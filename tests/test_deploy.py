@@ -4,6 +4,7 @@ generated from alerts/ (which must equal alerts/ exactly)."""
 from __future__ import annotations
 
 import subprocess
+import re
 import sys
 from pathlib import Path
 
@@ -18,7 +19,22 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
 # The one list (exporter/tools/preflight.py, measured: docs/deploy.md).
 NEEDED_CAPS = set(CAPABILITIES)
-VERSION = __version__
+FIRST_RELEASE = "0.1.0"  # the manifests' tag until a vX.Y.Z tag exists (CHANGELOG.md: none yet)
+
+
+def released_version() -> str:
+    """The image tag the manifests name: the newest release tag (vX.Y.Z)
+    reachable from this checkout, else FIRST_RELEASE. Between tags the
+    package's version (__version__, from setuptools-scm) is a dev version,
+    X.Y.Z.devN+g<commit>, which names no published image."""
+    if re.fullmatch(r"\d+\.\d+\.\d+", __version__):
+        return __version__  # built at a release tag
+    p = subprocess.run(["git", "describe", "--tags", "--abbrev=0", "--match", "v[0-9]*"], cwd=str(REPO),
+                       capture_output=True, text=True)
+    return p.stdout.strip()[1:] if p.returncode == 0 and p.stdout.strip() else FIRST_RELEASE
+
+
+VERSION = released_version()
 
 
 def test_prometheusrule_is_up_to_date():

@@ -4,8 +4,8 @@ Prometheus scraping it every second with a short-interval copy of
 alerts/*.yml, a real Alertmanager, and a webhook receiver in this test.
 
 Asserts that the expected alerts reach the webhook with the right labels,
-and that every PromQL expression of every dashboard evaluates against that
-Prometheus and returns data.
+that every PromQL expression of every dashboard evaluates against that
+Prometheus and returns data, and that every template variable has values.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pytest
 from exporter.records import metrics
 from conftest import ExporterProcess, free_port
 from conftest import check_promql
-from tests.test_dashboards import dashboard_queries, instant_targets
+from tests.test_dashboards import DASHBOARDS, dashboard_queries, empty_variables, instant_targets
 
 from conftest import REPO
 PROMETHEUS = "/usr/bin/prometheus"
@@ -245,6 +245,10 @@ def run():
                 except urllib.error.HTTPError as e:
                     queries.append((dash, title, ref, expr, "error", [], e.read().decode()[:500]))
             seen["queries"] = queries
+            # Every template variable's query, as Grafana sends it (earlier variables at All)
+            seen["empty_variables"] = empty_variables(DASHBOARDS, lambda selector, label: http_json(
+                f"{api}/label/{label}/values?" + urllib.parse.urlencode(
+                    {"match[]": selector, "start": now - 60, "end": now}))["data"])
             seen["rule_health"] = [
                 (r["name"], r.get("health"), r.get("lastError", ""))
                 for g in http_json(f"{api}/rules")["data"]["groups"] for r in g["rules"]]
@@ -346,6 +350,12 @@ def test_every_dashboard_expression_evaluates_and_returns_data(run):
     for m in (metrics.TCP_RETRANSMITS, metrics.RUNQUEUE_DELAY + "_bucket", metrics.TCP_SRTT + "_bucket",
               metrics.OFFCPU):
         assert m in run["families"], f"{m} is not exported"
+
+
+def test_every_dashboard_variable_has_values(run):
+    """A dropdown of the live job is never empty (only namespace and pod, which
+    processes outside a pod do not have)."""
+    assert not run["empty_variables"], "no values:\n" + "\n".join(run["empty_variables"])
 
 
 def test_runtime(run):

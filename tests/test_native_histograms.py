@@ -8,7 +8,8 @@ protobuf, and the simulator's per-call truth.
   (9.05 %) of the true p99 of the calls in the window;
 - the generated native rules (alerts/native/nccl.yml, with windows shortened)
   evaluate with no error and record data, the p99 alert included;
-- every expression of the native dashboards evaluates.
+- every expression of the native dashboards evaluates, the run-queue panels
+  that need no buckets show data, and every template variable has values.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from exporter.records import histogram
 from exporter.simulator.truth import calls, load_truth
 from exporter.tools import native_queries
 from conftest import ExporterProcess, free_port
-from tests.test_dashboards import substitute
+from tests.test_dashboards import empty_variables, panels, substitute
 from tests.test_e2e_prometheus import PROMETHEUS, http_json, short_rules, stop, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
@@ -201,3 +202,33 @@ def test_native_dashboards_evaluate(run):
             except Exception as e:  # a 400 from Prometheus: the expression does not evaluate
                 failed.append((path.name, expr[:120], str(e)[:200]))
     assert not failed, failed
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_native_dashboard_variables_have_values(run):
+    """Every template variable's query, as Grafana sends it (the label-values
+    API with the selector as match[], earlier variables at All), returns
+    values for the live job: a variable reading `_count` of a native
+    histogram, or a variable the dashboard does not define, leaves the
+    dropdown empty."""
+    def values_of(selector, label):
+        return http_json(f"{run['api']}/label/{label}/values?" + urllib.parse.urlencode(
+            {"match[]": selector, "start": run["at"] - 120, "end": run["at"]}))["data"]
+
+    empty = empty_variables(sorted((REPO / "dashboards/grafana/native").glob("*.json")), values_of)
+    assert not empty, "no values:\n" + "\n".join(empty)
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_native_cpu_mean_and_total_wait_panels_have_data(run):
+    """The run-queue panels that need no buckets (mean wait, seconds waiting)
+    show data under `run --sched totals` (the default, and this agent's mode):
+    the family has no buckets there and stays classic in a native scrape."""
+    targets = [(p["title"], t["expr"]) for p in panels(json.loads(
+        (REPO / "dashboards/grafana/native/nccl-cpu.json").read_text()))
+        for t in p["targets"] if "histogram_sum(rate(nccl_runqueue_delay_seconds" in t["expr"]]
+    assert len(targets) == 2, targets
+    for title, expr in targets:
+        assert _query(run, substitute(expr)), f"{title}: no data"

@@ -44,8 +44,10 @@ def wheel(tmp_path_factory) -> Path:
     src = out / "src"
     shutil.copytree(REPO, src, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "build", "dist", "__pycache__", "*.egg-info", ".pytest_cache"))
+    # the copy has no .git: the checkout's version, as setuptools-scm found it at install
+    env = {**os.environ, "SETUPTOOLS_SCM_PRETEND_VERSION": exporter.__version__}
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "-w", str(out), "--no-deps",
-                        "-q"], capture_output=True, text=True, timeout=300, cwd=str(out))
+                        "-q"], capture_output=True, text=True, timeout=300, cwd=str(out), env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     (whl,) = out.glob("nccl_exporter-*.whl")
     return whl
@@ -114,7 +116,9 @@ def test_check_runs_from_the_wheel(installed):
 
 def test_version_from_the_wheel(installed):
     p = run_installed(installed, "--version")
-    assert p.returncode == 0 and p.stdout.strip() == f"nccl-exporter {exporter.__version__}", p
+    assert p.returncode == 0 and p.stdout.splitlines()[0] == f"nccl-exporter {exporter.__version__}", p
+    # the plugin's interfaces, read from the sources the wheel ships
+    assert p.stdout.splitlines()[1].startswith("profiler plugin interfaces: ncclProfiler_v"), p
 
 
 def test_demo_runs_from_the_wheel(installed, tmp_path, bpf, netns):

@@ -238,7 +238,9 @@ class SpanSink:
                 self.build(event)
                 self.built += 1
             except Exception as e:  # one bad event must not stop the builder
-                log.warning("could not build a span for %s: %s", event.op, e)
+                log.warning("could not build a span for %s: %s", event.op, e,
+                            extra={"comm": format_comm(event.comm_hash), "rank": event.rank}
+                            if isinstance(event, CallEvent) else None)
                 self.dropped += 1
 
     def _provider(self, pid: int) -> TracerProvider:

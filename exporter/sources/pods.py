@@ -16,7 +16,8 @@ Three sources, each with what it needs:
   Under a cgroup namespace the path is relative ("/../../kubepods-..."):
   the names are searched anywhere in it.
 - The process's environment (/proc/<pid>/environ: the same user or
-  CAP_SYS_PTRACE): POD_NAME and POD_NAMESPACE where the pod spec sets them
+  CAP_DAC_READ_SEARCH, the file being mode 0400; docs/deploy.md,
+  "Capabilities, and why"): POD_NAME and POD_NAMESPACE where the pod spec sets them
   from the downward API (docs/deploy.md shows the lines), else HOSTNAME,
   which the container runtime sets to the pod's name unless the pod sets
   `hostname:` or uses the host's network (then it is the node's name, and

@@ -12,6 +12,10 @@ histograms"), so the same questions are asked differently:
     rate(X_count[w]), increase(...)      ->  histogram_count(rate(X[w]))
     histogram_quantile(q, nccl:collective_time_seconds_bucket:rate5m ...) -> taken
         from the scraped histograms directly (_inline_time_histogram says why)
+    label_values(X_count{...}, l)        ->  label_values(X{...}, l)   (template variables)
+
+A family that can be scraped without buckets (BUCKETLESS) stays classic in
+that mode, so its `_sum`/`_count` become `(native or classic)`.
 
 Everything else (names of the other recorded series, thresholds, `for:`,
 labels, annotations) is kept, so alerts/native/nccl.yml is a drop-in
@@ -40,6 +44,12 @@ REPO = Path(__file__).resolve().parents[2]
 HISTOGRAMS = sorted(m.name for m in metrics.ALL if m.kind == "histogram")
 _NAMES = "|".join(re.escape(n) for n in HISTOGRAMS)
 RECORDED_BUCKETS: dict[str, str] = {}  # classic recorded bucket series -> native (none: see below)
+# Histograms some mode exports with no buckets, only a count and a sum: the
+# run-queue delay under `run --sched totals` (sources/schedstat.py,
+# SchedTotals.layout is None). Prometheus stores such a protobuf histogram as
+# a classic one (`_count`, `_sum`) even with native histograms on, and as a
+# native one under `--sched waits` (docs/metrics.md, "Native histograms").
+BUCKETLESS = {metrics.RUNQUEUE_DELAY}
 HEADER = ("# GENERATED from alerts/nccl.yml by exporter/tools/native_queries.py for Prometheus\n"
           "# with native histograms (docs/metrics.md, \"Native histograms\"): load it INSTEAD of\n"
           "# alerts/nccl.yml. Do not edit: change alerts/nccl.yml and regenerate.\n")
@@ -55,12 +65,22 @@ def native_expr(expr: str) -> str:
     out = expr
     for old, new in RECORDED_BUCKETS.items():
         out = out.replace(old, new)
+    def moment(fn: str, suffix: str):
+        def sub(m: re.Match) -> str:
+            sel, rng = m[2] or "", m[3]
+            native = f"histogram{suffix}({fn}({m[1]}{sel}{rng}))"
+            if m[1] in BUCKETLESS:  # classic in one mode, native in the other
+                return f"({native} or {fn}({m[1]}{suffix}{sel}{rng}))"
+            return native
+        return sub
+
     for fn in ("rate", "increase", "irate"):
         out = _range_call(fn, "_bucket").sub(lambda m, fn=fn: f"{fn}({m[1]}{m[2] or ''}{m[3]})", out)
-        out = _range_call(fn, "_sum").sub(
-            lambda m, fn=fn: f"histogram_sum({fn}({m[1]}{m[2] or ''}{m[3]}))", out)
-        out = _range_call(fn, "_count").sub(
-            lambda m, fn=fn: f"histogram_count({fn}({m[1]}{m[2] or ''}{m[3]}))", out)
+        out = _range_call(fn, "_sum").sub(moment(fn, "_sum"), out)
+        out = _range_call(fn, "_count").sub(moment(fn, "_count"), out)
+    # a template variable's series: the native histogram's one name
+    out = re.sub(rf"\blabel_values\(\s*({_NAMES})_(?:bucket|sum|count)\b",
+                 lambda m: m[0] if m[1] in BUCKETLESS else f"label_values({m[1]}", out)
     # `le` leaves every grouping and matching clause
     out = re.sub(r"\b(by|on|without|ignoring)\s*\(([^)]*)\)",
                  lambda m: f"{m[1]} ({', '.join(x.strip() for x in m[2].split(',') if x.strip() and x.strip() != 'le')})",
@@ -155,6 +175,11 @@ def native_dashboard(text: str, title_suffix: str = " (native histograms)") -> s
                 walk(v)
 
     walk(dash)
+    for var in dash.get("templating", {}).get("list", []):
+        if var.get("type") == "query":
+            var["definition"] = native_expr(var.get("definition", ""))
+            if isinstance(var.get("query"), dict):
+                var["query"]["query"] = native_expr(var["query"]["query"])
     dash["title"] = dash.get("title", "") + title_suffix
     if dash.get("uid"):
         dash["uid"] = (dash["uid"] + "-native")[:40]

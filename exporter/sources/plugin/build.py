@@ -17,6 +17,7 @@ import importlib.resources
 import os
 import pathlib
 import platform
+import re
 import sys
 
 from exporter.cbuild import build_shared, cache_dir, writable
@@ -52,6 +53,17 @@ def source_dir() -> pathlib.Path:
     except (ModuleNotFoundError, TypeError):
         pass
     raise RuntimeError("profiler plugin sources not found (neither plugin/ nor exporter/_plugin/)")
+
+
+def interface_versions() -> list[int]:
+    """The NCCL profiler interface versions the plugin offers, newest first:
+    the N of every `ncclProfiler_vN` struct its source exports. NCCL looks
+    them up by name, newest it knows first (v5 .. v1 in NCCL 2.28.9:
+    src/plugin/profiler.cc lines 70-81; 2.29 and later add v6, 2.31 v7:
+    docs/plugin.md)."""
+    text = "".join(f.read_text() for f in sorted(source_dir().glob("*.c")))
+    found = re.findall(r"^EXPORT\s+const\s+\w+\s+ncclProfiler_v(\d+)\s*=", text, re.M)
+    return sorted({int(v) for v in found}, reverse=True)
 
 
 def default_outdir() -> pathlib.Path:

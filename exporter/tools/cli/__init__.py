@@ -48,6 +48,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"nccl-exporter: error: {message}; see '{self.prog} --help'\n")
 
 
+def version_text() -> str:
+    """`--version`: what a bug report needs to name the build and its contracts."""
+    from exporter.sinks.recording.schema import SCHEMA_VERSION
+    from exporter.sources.plugin.build import interface_versions
+
+    try:
+        plugin = ", ".join(f"ncclProfiler_v{v}" for v in interface_versions())
+    except RuntimeError as e:  # no plugin sources: a broken install
+        plugin = str(e)
+    return (f"nccl-exporter {__version__}\n"
+            f"profiler plugin interfaces: {plugin}\n"
+            f"recording schema: {SCHEMA_VERSION}\n")
+
+
+class _Version(argparse.Action):
+    """Like action="version", computed only when asked for."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(version_text())
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="nccl-exporter",
@@ -56,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--version", action="version", version=f"nccl-exporter {__version__}")
+    p.add_argument("--version", action=_Version, nargs=0,
+                   help="the version, the NCCL profiler interfaces the plugin offers and the "
+                        "recording schema, then exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for command in commands():
         command.add_parser(sub)

@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     live.add_argument("--since", default="10m", metavar="T",
                       help="the window fetched from each node: a duration ago (default 10m), ISO "
                            "8601 or ns since the epoch")
-    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.add_argument("--format", choices=["text", "json"], default="text",
+                   help="text (default): the verdict and its evidence; json: the same as one object")
     p.set_defaults(func=main)
 
 

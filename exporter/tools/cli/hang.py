@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threshold", metavar="D", type=parse_duration, default=DEFAULT_THRESHOLD_S,
                    help=f"a call in flight this long is a hang (default {DEFAULT_THRESHOLD_S:g}s; "
                         "the NcclCollectiveHung and NcclRankMissing alerts use 5m)")
-    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.add_argument("--format", choices=["text", "json"], default="text",
+                   help="text (default): a verdict and a table; json: the same as one object")
     p.set_defaults(func=main)
 
 

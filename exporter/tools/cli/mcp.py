@@ -12,16 +12,20 @@ def add_parser(sub) -> None:
                        description="An MCP server: tools fleet_query, slowest_collectives, "
                                    "retransmits_by_link, hang_status, explain, stragglers, slow_links; the schema "
                                    "and documented queries as resources (docs/fleet-live.md). "
-                                   "stdio by default.")
+                                   "stdio by default. Needs the 'mcp' extra: pip install 'nccl-exporter[mcp]' "
+                                   "(not in the OCI image).")
     m.add_argument("--db", action="append", default=[], metavar="PATH",
                    help="a local recording to answer from (repeatable)")
     m.add_argument("--nodes", action="append", metavar="URL[,URL...]",
                    help="nodes' query endpoints to fan out to (as 'fleet query')")
-    m.add_argument("--nodes-file", metavar="FILE")
-    m.add_argument("--token-file", metavar="F", help="bearer token for the nodes")
-    m.add_argument("--ca-file", metavar="F")
-    m.add_argument("--concurrency", type=int, default=64, metavar="N")
-    m.add_argument("--timeout", default="10s", metavar="D")
+    m.add_argument("--nodes-file", metavar="FILE", help="one node URL per line (# comments), as 'fleet query'")
+    m.add_argument("--token-file", metavar="F",
+                   help="the nodes' bearer token (default: $NCCL_EXPORTER_QUERY_TOKEN)")
+    m.add_argument("--ca-file", metavar="F", help="CA bundle that signed the nodes' certificates")
+    m.add_argument("--concurrency", type=int, default=64, metavar="N", help="nodes asked at once (default 64)")
+    m.add_argument("--timeout", default="10s", metavar="D",
+                   help="per node: to connect and start answering, and the longest pause while "
+                        "streaming (default 10s)")
     m.add_argument("--http", metavar="HOST:PORT",
                    help="streamable HTTP on this loopback address (path /mcp) instead of stdio")
     m.set_defaults(func=main)
@@ -31,7 +35,8 @@ def main(args) -> int:
     try:
         from exporter.tools import mcp_server
     except ImportError as e:
-        raise CliError(f"the MCP server needs the 'mcp' package (pip install 'mcp>=2.3,<3'): {e}") from None
+        raise CliError(f"the MCP server needs the 'mcp' extra (pip install 'nccl-exporter[mcp]', "
+                       f"or pip install 'mcp>=2.3,<3'): {e}") from None
     from exporter.tools.cli.options import parse_duration
     from exporter.tools.fleet import client, protocol
 

@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
                                    "node; rows already there are skipped (row identity: docs/fleet.md), so "
                                    "merging a file twice or overlapping windows adds nothing; the nodes' "
                                    "clock offsets, estimated from collective ends, go to clock_skew.")
-    p.add_argument("inputs", nargs="+", metavar="IN.db")
+    p.add_argument("inputs", nargs="+", metavar="IN.db", help="recordings to merge (trace --out, run --db, "
+                   "or merged ones)")
     p.add_argument("-o", "--out", required=True, metavar="OUT.db", help="created, or added to")
     p.add_argument("--rename", action="append", metavar="[FILE:]OLD=NEW",
                    help="rename node OLD to NEW (in FILE only, or in every input); repeatable")

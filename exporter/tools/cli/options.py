@@ -120,12 +120,12 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, number
 
 
-CONFIG_KEYS = {"node", "listen", "nccl_libs", "log_level", "otlp_endpoint", "otlp_protocol",
+CONFIG_KEYS = {"node", "listen", "nccl_libs", "log_level", "log_format", "otlp_endpoint", "otlp_protocol",
                "slow_threshold", "slow_relative"}
 
 
 def load_config(path: str | None) -> dict:
-    """The TOML config file (keys: node, listen, nccl_libs, log_level)."""
+    """`run --config`'s TOML file: the keys of CONFIG_KEYS (docs/configuration.md)."""
     if not path:
         return {}
     import tomllib
@@ -168,12 +168,76 @@ def require_tracefs() -> None:
     raise CliError("tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing")
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, str(level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+LOG_FORMATS = ["text", "json"]
+# The keys of a --log-format json line (docs/troubleshooting.md, "Logs"): a
+# contract with log pipelines, like metric names.
+LOG_KEYS = ("time", "level", "message", "logger", "node")
+LOG_CONTEXT_KEYS = ("comm", "rank")  # where the line is about one communicator rank
+_ANNOUNCE = {"json": False}  # what setup_logging chose, for announce()
+
+
+def add_log_options(sp, level_default: str | None) -> None:
+    """--log-level and --log-format of the agent commands (run, trace)."""
+    sp.add_argument("--log-level", choices=LOG_LEVELS, default=level_default,
+                    help=f"least severe level logged to stderr (default {level_default or 'info'})")
+    sp.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                    help="text (default): 'TIME LEVEL message' lines; json: one JSON object a line, "
+                         "keys " + ", ".join(LOG_KEYS) + ", and " + ", ".join(LOG_CONTEXT_KEYS)
+                         + " where the line is about one (docs/troubleshooting.md, \"Logs\")")
+
+
+class _NodeFilter(logging.Filter):
+    """Puts the agent's node name on every record (the `node` key of JSON lines)."""
+
+    def __init__(self, node: str):
+        super().__init__()
+        self.node = node
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "node", None):
+            record.node = self.node
+        return True
+
+
+def setup_logging(level: str, fmt: str = "text", node: str = "") -> None:
+    """Log records to stderr: text lines, or (fmt "json") one JSON object a
+    line with the keys of LOG_KEYS, and those of LOG_CONTEXT_KEYS where a
+    call passes them as `extra` (python-json-logger adds every extra)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(JsonFormatter(
+            "%(levelname)s %(message)s %(name)s", timestamp="time",
+            rename_fields={"levelname": "level", "name": "logger"}))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.addFilter(_NodeFilter(node))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, str(level).upper(), logging.INFO))
+    _ANNOUNCE["json"] = fmt == "json"
+
+
+def announce(message: str, stream=None) -> None:
+    """A status line of the agent (where it serves, that it stopped): as
+    text on `stream` (default stdout), or with --log-format json a JSON
+    record on stderr like every other line, whatever --log-level says (so a
+    log pipeline sees only JSON)."""
+    if _ANNOUNCE["json"]:
+        status = logging.getLogger("nccl_exporter.status")
+        status.setLevel(logging.INFO)
+        status.info("%s", message)
+    else:
+        print(message, file=stream or sys.stdout, flush=True)
+
+
+def json_logs() -> bool:
+    """Whether setup_logging was asked for JSON lines."""
+    return _ANNOUNCE["json"]
 
 
 def stop_on_signals() -> threading.Event:

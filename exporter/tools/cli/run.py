@@ -12,8 +12,13 @@ from exporter.tools.preflight import CAPABILITIES
 from exporter.tools.cli.options import (
     DEFAULT_IDLE_DETACH,
     DEFAULT_OWNER_WINDOW,
+    CONFIG_KEYS,
+    LOG_FORMATS,
+    LOG_LEVELS,
     CliError,
     add_lib_option,
+    add_log_options,
+    announce,
     add_pod_options,
     add_sched_options,
     load_config,
@@ -42,10 +47,11 @@ def add_parser(sub) -> None:
     r.add_argument("--listen", metavar="HOST:PORT",
                    help=f"where to serve /metrics (default 0.0.0.0:{contract.DEFAULT_PORT})")
     r.add_argument("--config", metavar="FILE",
-                   help="TOML file with node, listen, nccl_libs, log_level (flags win)")
+                   help="TOML file with any of the keys " + ", ".join(sorted(CONFIG_KEYS))
+                        + " (a flag given too wins; docs/configuration.md)")
     r.add_argument("--node", metavar="NAME",
                    help="node label (default: config, $NCCL_EXPORTER_NODE, hostname)")
-    r.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    add_log_options(r, None)
     r.add_argument("--otlp-endpoint", metavar="URL",
                    help="send a span per slow call here (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
                         "or $OTEL_EXPORTER_OTLP_ENDPOINT; no spans without one)")
@@ -116,10 +122,16 @@ def main(args) -> int:
 
     from exporter.sinks.http import HttpServer, notify_systemd
     from exporter.sinks.recording.schema import RecordingError
+    from exporter.sources.identity import node_name
     from exporter.tools.pipeline import Pipeline
 
     cfg = load_config(args.config)
-    setup_logging(args.log_level or cfg.get("log_level") or "info")
+    for key, known in (("log_level", LOG_LEVELS), ("log_format", LOG_FORMATS)):
+        if key in cfg and cfg[key] not in known:
+            raise CliError(f"config file {args.config}: {key} {cfg[key]!r}: one of {', '.join(known)}")
+    setup_logging(args.log_level or cfg.get("log_level") or "info",
+                  args.log_format or cfg.get("log_format") or "text",
+                  node_name(args.node, cfg.get("node")))
     host, port = parse_listen(args.listen or cfg.get("listen") or f"0.0.0.0:{contract.DEFAULT_PORT}")
     queries = open_query_endpoint(args)  # --query-listen: checked and bound before anything starts
     registry = CollectorRegistry(auto_describe=False)
@@ -163,8 +175,7 @@ def main(args) -> int:
         if pusher is not None:  # closed before the agent: a last export while the maps are there
             opened.callback(pusher.shutdown)
         shown = "localhost" if host in ("0.0.0.0", "::") else host
-        print(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics",
-              flush=True)
+        announce(f"nccl-exporter {__version__} on node {node}: metrics at http://{shown}:{port}/metrics")
         stop = stop_on_signals()
         when_ready(agent, server, node)
         try:
@@ -173,7 +184,7 @@ def main(args) -> int:
             notify_systemd("STOPPING=1")
             if recorder is not None:
                 recorder.set_kernel_lost(**agent.kernel_losses())
-    print("nccl-exporter: stopped", flush=True)
+    announce("nccl-exporter: stopped")
     return 0
 
 
@@ -182,7 +193,7 @@ def _close_recorder(recorder, recording_error) -> None:
         recorder.close()
     except recording_error:
         pass  # already logged when it happened
-    print(f"nccl-exporter: {recorder.summary()}", flush=True)
+    announce(f"nccl-exporter: {recorder.summary()}")
 
 
 def attach_problems(reports) -> list[str]:
@@ -279,7 +290,7 @@ def start_tracing(args, cfg, agent, node):
     sink = SpanSink(node, exporter, agent.processes,
                     slow=agent.slow.is_slow if agent.config.record_all else None,
                     gpu_slow=(lambda e: e.duration_ns >= policy.threshold_ns(e.op)) if agent.config.record_all else None)
-    print(f"spans of slow calls -> {endpoint} (OTLP {protocol})", flush=True)
+    announce(f"spans of slow calls -> {endpoint} (OTLP {protocol})")
     return sink
 
 
@@ -331,7 +342,7 @@ def serve_queries(ep, node) -> None:
         return
     ep.node = node
     ep.start()
-    print(f"read-only queries at {ep.url}/api/v1/query (bearer token)", flush=True)
+    announce(f"read-only queries at {ep.url}/api/v1/query (bearer token)")
 
 
 def start_otlp_metrics(args, registry, node: str):
@@ -350,5 +361,5 @@ def start_otlp_metrics(args, registry, node: str):
         exporter = make_metric_exporter(protocol, endpoint)
     except ValueError as e:
         raise CliError(str(e)) from None
-    print(f"metrics -> {endpoint} (OTLP {protocol}, every {interval:g} s)", flush=True)
+    announce(f"metrics -> {endpoint} (OTLP {protocol}, every {interval:g} s)")
     return OtlpMetricsPusher(registry, exporter, node, interval)

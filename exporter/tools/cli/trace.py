@@ -11,6 +11,9 @@ from exporter.records.events import CallEvent
 from exporter.tools.cli.options import (
     CliError,
     add_lib_option,
+    add_log_options,
+    announce,
+    json_logs,
     add_pod_options,
     add_sched_options,
     open_recorder,
@@ -23,10 +26,16 @@ from exporter.tools.cli.options import (
 
 
 def add_parser(sub) -> None:
-    t = sub.add_parser("trace", help="print every NCCL call as it returns, or record them to SQLite")
+    t = sub.add_parser("trace", help="print every NCCL call as it returns, or record them to SQLite",
+                       description="Attach the probes like 'run' and print every NCCL call of the node's "
+                                   "processes as it returns (stdout; status lines on stderr), or with --out "
+                                   "record every call, TCP retransmit/reset and scheduler wait to SQLite. "
+                                   "Stops after --duration or at Ctrl-C, losing nothing already seen.")
     t.add_argument("--duration", type=parse_duration, default=0.0, metavar="D",
                    help="stop after D (30s, 2m, ...); default: until Ctrl-C")
-    t.add_argument("--format", choices=["text", "json"], default="text")
+    t.add_argument("--format", choices=["text", "json"], default="text",
+                   help="how calls are printed: text (default, one aligned line) or json (one object a "
+                        "line, the recording's column names)")
     t.add_argument("--out", metavar="DB",
                    help="record every NCCL call, TCP retransmit/reset and scheduler wait to this "
                         "SQLite file instead of printing (docs/schema.md; read it with 'query')")
@@ -36,7 +45,7 @@ def add_parser(sub) -> None:
                         "/proc/PID/ns/net, or its inode number)")
     t.add_argument("--node", metavar="NAME",
                    help="node name stored in the recording (default: $NCCL_EXPORTER_NODE, hostname)")
-    t.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning")
+    add_log_options(t, "warning")
     add_sched_options(t, "waits", "with --out")
     add_lib_option(t)
     add_pod_options(t)
@@ -49,7 +58,7 @@ def main(args) -> int:
     from exporter.tools.pipeline import Pipeline
     from exporter.tools.progress import Progress
 
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format or "text", node_name(args.node))
     scope = recording_scope(args)
     recorder = open_recorder(args.out, node_name(args.node), scope) if args.out else None
     try:
@@ -79,13 +88,14 @@ def main(args) -> int:
         pipeline.listen(show)
     what = f"for {args.duration:g} s" if args.duration else "until Ctrl-C"
     where = f" to {args.out} ({scope.describe()})" if recorder is not None else ""
-    print(f"tracing NCCL calls {what}{where}...", file=sys.stderr, flush=True)
+    announce(f"tracing NCCL calls {what}{where}...", sys.stderr)
     stop = stop_on_signals()
     if recorder is not None:
         recorder.on_error = lambda _message: stop.set()  # end now; close() says why, exit 2
     started = time.monotonic()
     deadline = started + args.duration if args.duration else None
-    progress = Progress(recorder, sys.stderr) if recorder is not None else None
+    # the progress line is for a person: none in JSON logs
+    progress = Progress(recorder, sys.stderr) if recorder is not None and not json_logs() else None
     lost = 0
     try:
         while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
@@ -107,9 +117,8 @@ def main(args) -> int:
             except RecordingError as e:
                 raise CliError(str(e)) from None
     if recorder is not None:
-        print(f"recorded in {time.monotonic() - started:.1f} s: {recorder.summary()}",
-              file=sys.stderr, flush=True)
+        announce(f"recorded in {time.monotonic() - started:.1f} s: {recorder.summary()}", sys.stderr)
     else:
-        print(f"{counts['shown']} calls traced in {time.monotonic() - started:.1f} s, {lost} lost",
-              file=sys.stderr, flush=True)
+        announce(f"{counts['shown']} calls traced in {time.monotonic() - started:.1f} s, {lost} lost",
+                 sys.stderr)
     return 0
