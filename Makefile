@@ -7,10 +7,15 @@ VENV       := .venv
 PY         := $(VENV)/bin/python
 BCC_SRC    := /usr/lib/python3/dist-packages/bcc
 NCCL_WHEEL := nvidia-nccl-cu12==2.32.3
+# The image's registry path, without the tag (the tag is the version): the
+# one place it is named; docs/deploy.md "The image" and the manifests refer
+# to it. `make image IMAGE=registry.example.com/ml/nccl-exporter` for another.
+IMAGE      ?= ghcr.io/nccl-exporter/nccl-exporter
+export IMAGE
 
 MAKEFLAGS  += --no-print-directory
 
-.PHONY: deps venv nccl-wheel demo test test-quick check clean plugin plugin-aarch64 image test-image
+.PHONY: deps venv nccl-wheel demo test test-quick test-clean-room check clean plugin plugin-aarch64 image test-image push-image
 
 ## deps: Debian packages, kernel-header links, tracefs (scripts/setup-system.sh)
 deps:
@@ -67,17 +72,26 @@ test: deps venv nccl-wheel plugin
 HEAVY_MARKS := bpf or netns or real_nccl or prometheus or slow or require_root
 
 ## test-quick: pure logic, fake /proc, golden exposition: no root, BPF, netns
-## or Prometheus (under 2 min); `make test` before you push
+## or Prometheus (under 90 s); `make test` before you push
 test-quick: venv
 	$(PY) -m pytest -q -m "not ($(HEAVY_MARKS))" tests/
 
-## image: the OCI image (buildah, vfs, chroot isolation; Debian root file system from mmdebstrap)
-image: deps venv plugin
+## test-clean-room: the README's install steps on a fresh Debian 12 (mmdebstrap,
+## buildah chroot), from `git archive HEAD`, then test-quick (scripts/test-clean-room.sh)
+test-clean-room:
+	@$(SHELL) scripts/test-clean-room.sh
+
+## image: $(IMAGE):<version> from the Dockerfile (buildah; the Debian base images made with mmdebstrap)
+image: deps venv
 	@$(SHELL) scripts/build-image.sh
 
 ## test-image: the image, then --version, check and a trace of a simulated job inside it
 test-image: deps venv plugin
 	@$(SHELL) scripts/test-image.sh
+
+## push-image: push $(IMAGE):<version> (after `buildah login ghcr.io`; docs/deploy.md, "The image")
+push-image: image
+	@$(SHELL) scripts/build-image.sh --push
 
 ## check: preflight checks of this host
 check: venv

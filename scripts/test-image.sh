@@ -8,11 +8,11 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-OUT=build/image
-STORAGE=(--root "$PWD/$OUT/storage" --runroot "$PWD/$OUT/run" --storage-driver vfs)
+. scripts/lib-debian.sh   # STORAGE: the store make image builds into
 PY=.venv/bin/python
 VERSION=$($PY -c 'import exporter; print(exporter.__version__)')
-IMAGE=${IMAGE:-localhost/nccl-exporter:${VERSION//+/-}}  # an image tag has no '+'
+: "${IMAGE:?IMAGE (the registry path, without the tag) comes from the Makefile: run make test-image}"
+REF=$IMAGE:${VERSION//+/-}  # an image tag has no '+'
 # The capabilities of the DaemonSet and the systemd unit: one list, in the code.
 CAPS=$($PY -c 'from exporter.tools.preflight import CAPABILITIES; print(",".join("CAP_" + c for c in CAPABILITIES))')
 MASK=$($PY -c 'from exporter.tools.preflight import CAPABILITIES; print("%016x" % sum(1 << b for b, _ in CAPABILITIES.values()))')
@@ -31,7 +31,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 scripts/build-image.sh
-ctr=$(buildah "${STORAGE[@]}" from --quiet "$IMAGE")
+ctr=$(buildah "${STORAGE[@]}" from --quiet --pull=never "$REF")
 # What the DaemonSet mounts from the host (hostPath) and grants; kernel
 # headers are left out on purpose: the image's fallback is what is tested.
 IN=(buildah "${STORAGE[@]}" run --isolation chroot --cap-drop "$DROP" --cap-add "$CAPS"
@@ -92,4 +92,4 @@ if [ "$n" != 20 ]; then
     cat "$work/trace.err" >&2; head -n 5 "$work/trace.txt" >&2
     echo "test-image: FAIL: trace showed $n of the job's 20 AllReduce calls" >&2; exit 1
 fi
-echo "test-image: ok: --version, check, and trace saw all 20 AllReduce calls of the simulated job inside $IMAGE"
+echo "test-image: ok: --version, check, and trace saw all 20 AllReduce calls of the simulated job inside $REF"

@@ -67,7 +67,7 @@ def test_simulated_broadcast_desync_fails_part_a(tmp_path):
     assert verdicts.splitlines()[-1].startswith("bench/gpu verdict: FAIL (a FAIL)")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (tracefs uprobes)")
+@pytest.mark.require_root   # a real uprobe through tracefs: not pure logic, not in test-quick
 def test_part_b_attaches_a_real_uprobe_here(tmp_path):
     p, verdicts = run_check(tmp_path, "--simulate", "--parts", "b")
     assert p.returncode == 0, p.stdout + p.stderr

@@ -212,8 +212,14 @@ class Agent:
         self.ready.set()
 
     def _attach(self, lib) -> None:
-        with self.lock:
-            report = self.probes.attach(lib.path)
+        try:
+            with self.lock:
+                report = self.probes.attach(lib.path)
+        except FileNotFoundError:
+            # Its process exited (/proc/PID/root/... is gone) or the file was
+            # removed between the scan and now: nothing left to attach to.
+            log.debug("%s is gone before it could be attached", lib.path)
+            return
         for pid in getattr(lib, "pids", ()) or ():
             self.processes.saw(pid, lib.path)
         if report is None:
