@@ -185,6 +185,7 @@ static struct {
   int our_mask;             /* OUR_MASK, | PROXY_MASK with proxy accounting on */
   int proxy_on;
   int pid;                  /* ours: a ProxyOp of another pid (PXN) is not ours */
+  int pinned;               /* RTLD_NODELETE took: the announcer may run (pin_self) */
   struct net_tab *nets;     /* [nslots]: per operation, by slot index (proxy on) */
   struct pop *pops;         /* ProxyOp pool (proxy on) */
   uint32_t npops;
@@ -1326,8 +1327,27 @@ static void load_chain(void) {
   dlclose(dl);
 }
 
+/* Pin the library: never unmapped while the process lives. NCCL dlcloses the
+ * plugin when its load count reaches 0 (v2.28.9-1 src/plugin/profiler.cc:107-119),
+ * and that count can fall to 0 under live communicators: commFree unloads
+ * also for a communicator whose init failed before the plugin was loaded
+ * (init.cc:336 vs :1251), and 2.30.x unloads twice after an init error
+ * (v2.30.7-1 profiler.cc:253, :268). Our announcer thread would then run in
+ * unmapped code. The link flag -z nodelete (exporter/sources/plugin/build.py)
+ * does the same for our build; this covers any other build of these sources. */
+static void pin_self(void) {
+  Dl_info self;
+  if (!dladdr((void *)&pin_self, &self) || !self.dli_fname ||
+      !dlopen(self.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE)) {
+    const char *err = dlerror();
+    logmsg(NXP_LOG_WARN, "nccl-exporter profiler: cannot pin the plugin in memory (%s); its announcer thread is "
+           "off", err ? err : "dladdr");
+  } else G.pinned = 1;
+}
+
 static void global_init(nxp_logger_t logfn) {
   G.logfn = logfn;
+  pin_self();
   G.max_age_ns = env_u64("NCCL_EXPORTER_PROFILER_MAX_AGE_S", 300, 1, 86400 * 365) * 1000000000ull;
   G.window_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_WINDOW_MS", 200, 10, 3600000) * 1000000ull;
   /* 1 ms (the enqueue time's lateness, timer resolution) + 2 windows of 500 ppm drift */
@@ -1437,7 +1457,7 @@ static void announce_add(struct ctx *c) {
     pthread_atfork(NULL, NULL, announce_forked);
   }
   if (A.n < ANNOUNCE_MAX) A.live[A.n++] = c;
-  if (!A.running && A.period_ms) {
+  if (!A.running && A.period_ms && G.pinned) {
     /* the job's signals stay with the job's threads */
     sigset_t all, old;
     sigfillset(&all);

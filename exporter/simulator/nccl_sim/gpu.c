@@ -126,11 +126,13 @@ static void sim_logger(int level, unsigned long flags, const char *file, int lin
   fprintf(stderr, "NCCL %s %s\n", level <= 2 ? "WARN" : "INFO", buf);
 }
 
+static void *g_prof_dl;
 static void prof_load(void) {
   const char *p = getenv("NCCL_PROFILER_PLUGIN");
   if (!gpu_on() || !p || !*p) return;
   void *dl = dlopen(p, RTLD_NOW | RTLD_LOCAL);
   if (!dl) { sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: Could not find: %s (%s)", p, dlerror()); return; }
+  g_prof_dl = dl;
   int maxv = env_int("NCCL_SIM_GPU_PROFILER_VERSION", 7);
   for (int v = 7; v >= 4; v--) {      /* newest first, as NCCL does */
     if (v > maxv) continue;
@@ -141,6 +143,42 @@ static void prof_load(void) {
   }
   if (g_prof) sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: Loaded %s (v%d)", g_prof->name ? g_prof->name : "?", g_prof_ver);
   else sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: %s has no ncclProfiler_v4..v%d", p, maxv);
+}
+
+/* NCCL's load count (NCCL_SIM_GPU_UNLOAD=1; without it the plugin is loaded
+ * once and never closed). NCCL v2.28.9-1 src/plugin/profiler.cc:107-119
+ * (ncclProfilerPluginUnload): every ncclProfilerPluginFinalize (:201-211)
+ * drops the count and at 0 dlcloses the plugin and forgets it; init.cc:336
+ * (commFree) calls that finalize for every communicator, also one whose init
+ * failed before ncclProfilerPluginInit (init.cc:1251) and so never loaded it:
+ * the count goes out of balance and NCCL closes the plugin under live
+ * communicators. NCCL_SIM_GPU_FAILED_INIT=N plays N such communicators'
+ * commFree, after the first profiler init. On 2.30.x an init that
+ * returns an error unloads at once (v2.30.7-1 profiler.cc:253) and again in
+ * commFree (:268): NCCL_SIM_GPU_INIT_ERROR_UNLOADS=1. */
+static pthread_mutex_t g_prof_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_prof_refs;
+static int prof_unload_on(void) {
+  static int v = -1;
+  if (v < 0) v = env_int("NCCL_SIM_GPU_UNLOAD", 0) ? 1 : 0;
+  return v;
+}
+static void prof_acquire(void) {
+  if (!prof_unload_on()) { pthread_once(&g_prof_once, prof_load); return; }
+  pthread_mutex_lock(&g_prof_mu);
+  if (g_prof_refs++ == 0 && !g_prof) prof_load();
+  pthread_mutex_unlock(&g_prof_mu);
+}
+static void prof_release(void) {
+  if (!prof_unload_on()) return;
+  pthread_mutex_lock(&g_prof_mu);
+  if (--g_prof_refs == 0 && g_prof_dl) {
+    sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: Closing profiler plugin %s", g_prof && g_prof->name ? g_prof->name : "?");
+    g_prof = NULL;
+    dlclose(g_prof_dl);
+    g_prof_dl = NULL;
+  }
+  pthread_mutex_unlock(&g_prof_mu);
 }
 
 /* NCCL's gating: is an event of type t started, given the mask? */
@@ -240,7 +278,7 @@ static void gpu_truth_simple(const char *fn, const char *op, ncclComm_t c, const
 void gpu_comm_ready(ncclComm_t c) {
   if (!gpu_on() || !c) return;
   if (!c->p2p_seq) c->p2p_seq = calloc(2 * (size_t)c->nranks, sizeof(uint64_t));
-  pthread_once(&g_prof_once, prof_load);
+  prof_acquire();
   char extra[160];
   snprintf(extra, sizeof extra, ",\"comm_hash\":\"%016llx\"", (unsigned long long)c->nccl_hash);
   gpu_truth_simple("gpuCommReady", "GPU_COMM_READY", c, extra);
@@ -249,8 +287,19 @@ void gpu_comm_ready(ncclComm_t c) {
   int nnodes = env_int("NCCL_SIM_GPU_NNODES", c->nranks);
   if (g_prof_ver == 4) r = ((prof_init_v4_t)g_prof->init)(&c->prof_ctx, &g_prof_mask, NULL, c->nccl_hash, nnodes, c->nranks, c->rank, sim_logger);
   else r = ((prof_init_v5_t)g_prof->init)(&c->prof_ctx, c->nccl_hash, &g_prof_mask, NULL, nnodes, c->nranks, c->rank, sim_logger);
-  if (r != 0) { sim_logger(2, 0, __FILE__, __LINE__, "PROFILER/Plugin: init failed (%d)", r); return; }
+  if (r != 0) {
+    sim_logger(2, 0, __FILE__, __LINE__, "PROFILER/Plugin: init failed (%d)", r);
+    if (env_int("NCCL_SIM_GPU_INIT_ERROR_UNLOADS", 0)) prof_release(); /* 2.30.x; commFree unloads again */
+    return;
+  }
   c->prof_inited = 1;
+  static int failed_once;
+  int nfailed = env_int("NCCL_SIM_GPU_FAILED_INIT", 0);
+  if (nfailed > 0 && !__atomic_exchange_n(&failed_once, 1, __ATOMIC_RELAXED))
+    for (int i = 0; i < nfailed; i++) {
+      gpu_truth_simple("failedCommFree", "FAILED_COMM_FREE", c, "");
+      prof_release(); /* a communicator that never loaded the plugin unloads it (init.cc:336) */
+    }
   snprintf(extra, sizeof extra, ",\"comm_hash\":\"%016llx\",\"iface\":%d,\"mask\":%d", (unsigned long long)c->nccl_hash,
            g_prof_ver, __atomic_load_n(&g_prof_mask, __ATOMIC_RELAXED));
   gpu_truth_simple("profilerInit", "PROFILER_INIT", c, extra);
@@ -653,8 +702,9 @@ void gpu_comm_teardown(ncclComm_t c, int abort) {
              "\"purged_kernelch\":%lld,\"purged_ops\":%lld", (unsigned long long)c->nccl_hash, abort,
              __atomic_load_n(&g_prof_starts, __ATOMIC_RELAXED), __atomic_load_n(&g_prof_nulls, __ATOMIC_RELAXED),
              __atomic_load_n(&g_prof_purged_kch, __ATOMIC_RELAXED), __atomic_load_n(&g_prof_purged_ops, __ATOMIC_RELAXED));
-    g_prof->finalize(c->prof_ctx);
+    if (g_prof) g_prof->finalize(c->prof_ctx); /* NCCL: only while it holds the plugin */
     c->prof_ctx = NULL;
     gpu_truth_simple("profilerFinalize", "PROFILER_FINALIZE", c, extra);
   }
+  prof_release(); /* commFree: always (init.cc:336) */
 }

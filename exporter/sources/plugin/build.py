@@ -18,7 +18,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 LIB_NAME = "libnccl-profiler-exporter.so"
 CFLAGS = ["-O2", "-g", "-fPIC", "-shared", "-pthread", "-std=gnu11", "-Wall",
           "-fvisibility=hidden", "-fno-semantic-interposition"]
-LIBS = ["-ldl"]
+# -z nodelete: NCCL may dlclose the plugin while its thread runs (docs/plugin.md, "NCCL habits")
+LIBS = ["-ldl", "-Wl,-z,nodelete"]
 
 
 def source_dir() -> pathlib.Path:
