@@ -34,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -148,6 +149,7 @@ struct slot {
   _Atomic int32_t proxy_open;   /* ProxyOps started and not stopped */
   _Atomic uint32_t kch_done;    /* every expected KernelCh stopped */
   _Atomic uint32_t net_used;    /* G.nets[this slot] holds this operation's figures */
+  _Atomic uint32_t pending_ch;  /* F_CHANNELS_UNKNOWN: holds a reference until its channels stopped */
   uint32_t done_reject;         /* judge()'s verdict at the last KernelCh stop */
   uint64_t done_now;            /* and when */
   struct nccl_exporter_record rec; /* the static part, filled at start */
@@ -168,7 +170,10 @@ static struct {
   nxp_logger_t logfn;
   int *nccl_mask;           /* NCCL's process-wide activation mask */
   struct slot *slots;
-  uint32_t nslots;
+  uint32_t nslots;          /* in use; grows at init up to slot_cap (pools_grow) */
+  uint32_t slot_cap;        /* reserved: slots[], nets[] */
+  uint32_t pop_cap;         /* reserved: pops[] */
+  uint32_t wrap_cap;        /* reserved: wraps[] */
   _Atomic uint32_t cursor;
   struct wrap *wraps;
   uint32_t nwraps;
@@ -557,7 +562,21 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   /* Without KernelCh events (e.g. a RAS override) nothing would complete. */
   if (UNLIKELY(G.nccl_mask && !(__atomic_load_n(G.nccl_mask, __ATOMIC_RELAXED) & NXP_EV_KERNEL_CH))) return NULL;
   unsigned nch = e->nchannels;
-  if (nch == 0) return NULL; /* no kernel work (e.g. copy-engine path): nothing to time */
+  uint32_t fl = 0;
+  if (e->type == NXP_EV_P2P && e->root_or_peer == c->rank && c->iface <= 6) {
+    /* NCCL <= 2.30 (interface <= v6): a rank's Send/Recv to itself gets no
+     * proxy op, hence no profiler proxy op and no KernelCh events (v2.28.9-1
+     * src/enqueue.cc:805 nProxyOps = selfSend ? 0 : 2; :1010-1019). Counted,
+     * untimed, done at its enqueue: it must not stay in flight. */
+    nch = 0;
+    fl = NCCL_EXPORTER_F_UNTIMED;
+  } else if (nch == 0) {
+    /* CollNet (and NVLS): NCCL never sets the task's nChannels (v2.28.9-1
+     * src/enqueue.cc:568-597), yet adds a profiler proxy op per channel whose
+     * KernelCh events take this handle as parent: count the channels as they
+     * come; done once every one started so far stopped. */
+    fl = NCCL_EXPORTER_F_CHANNELS_UNKNOWN;
+  }
   uint64_t now = mono_ns();
   uint32_t idx;
   struct slot *s = slot_alloc(now, &idx);
@@ -567,7 +586,10 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   s->ctx = c;
   s->theirs = NULL;
   s->created = now;
-  atomic_store_explicit(&s->refs, 1 + (int32_t)nch, memory_order_relaxed);
+  /* CHANNELS_UNKNOWN: one reference for the channels to come (pending_ch) */
+  atomic_store_explicit(&s->refs, 1 + (int32_t)nch + ((fl & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) ? 1 : 0),
+                        memory_order_relaxed);
+  atomic_store_explicit(&s->pending_ch, (fl & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) ? 1 : 0, memory_order_relaxed);
   atomic_store_explicit(&s->started, 0, memory_order_relaxed);
   atomic_store_explicit(&s->stopped, 0, memory_order_relaxed);
   atomic_store_explicit(&s->finished, 0, memory_order_relaxed);
@@ -592,7 +614,6 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   r->nchannels = (uint8_t)nch;
   r->count = e->count;
   r->host_enqueue_mono_ns = now;
-  uint32_t fl = 0;
   unsigned esize = 0;
   r->datatype = dtype_code_cached(e->datatype, &esize, &fl);
   r->bytes = (uint64_t)e->count * esize;
@@ -633,7 +654,7 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
   }
   uint32_t n = atomic_fetch_add_explicit(&s->started, 1, memory_order_acq_rel);
   if (n >= s->rec.nchannels) { /* more children than announced: keep the slot for them too */
-    atomic_fetch_or_explicit(&s->flags, NCCL_EXPORTER_F_EXTRA_CHANNELS, memory_order_relaxed);
+    if (s->rec.nchannels) atomic_fetch_or_explicit(&s->flags, NCCL_EXPORTER_F_EXTRA_CHANNELS, memory_order_relaxed);
     atomic_fetch_add_explicit(&s->refs, 1, memory_order_acq_rel);
   }
   if (n == 0) {
@@ -723,6 +744,8 @@ static void ours_kch_stop_state(void *h, uint64_t ptimer) {
     s->done_now = now;
     atomic_store(&s->kch_done, 1);
     if (atomic_load(&s->proxy_open) == 0) finish(s, NCCL_EXPORTER_STATE_DONE, reject, now);
+    /* CHANNELS_UNKNOWN: channels starting after this are not waited for (a stale handle, counted) */
+    if (atomic_exchange(&s->pending_ch, 0)) unref(s);
   }
 }
 
@@ -736,7 +759,8 @@ static void ours_stop(void *h) {
   uint32_t sub;
   struct slot *s = h_slot(h, &sub);
   if (!s) return;
-  (void)sub;
+  if (sub == 0 && (s->rec.flags & NCCL_EXPORTER_F_UNTIMED)) /* no KernelCh will come: done when enqueued */
+    finish(s, NCCL_EXPORTER_STATE_DONE, 0, mono_ns());
   unref(s);
 }
 
@@ -875,7 +899,9 @@ static void *proxy_start_op(const struct ev *e) {
     }
   }
   if (!p) {
-    atomic_fetch_add_explicit(&G.proxy_dropped, 1, memory_order_relaxed);
+    if (atomic_fetch_add_explicit(&G.proxy_dropped, 1, memory_order_relaxed) == 0)
+      logmsg(NXP_LOG_WARN, "nccl-exporter profiler: ProxyOp pool (%u) exhausted; network figures of operations are "
+             "dropped and counted (NCCL_EXPORTER_PROFILER_PROXY_POOL)", G.npops);
     proxy_close(s);
     unref(s);
     return NULL;
@@ -1345,6 +1371,39 @@ static void pin_self(void) {
   } else G.pinned = 1;
 }
 
+/* The pools (record slots and their network tables, ProxyOps, chain
+ * wrappers) are reserved at the first init for their largest size
+ * (NCCL_EXPORTER_PROFILER_POOL_MAX records, default 262,144: address space
+ * only, MAP_NORESERVE; a page costs memory once a slot on it is first used)
+ * and used up to a size that grows at each communicator's init, off the
+ * event path (pools_grow). Readers see the size grow, never shrink. */
+static void *pool_reserve(size_t n, size_t size) {
+  if (!n) return NULL;
+  void *p = mmap(NULL, n * size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? NULL : p;
+}
+static void pool_free(void *p, size_t n, size_t size) {
+  if (p) munmap(p, n * size);
+}
+
+/* One ncclAlltoAll is 2 x nranks P2P tasks (NCCL v2.28.9-1 src/enqueue.cc:2585-2588),
+ * each a record with one ProxyOp per channel and direction it uses: room for
+ * two of them enqueued ahead of the GPU, 8 x nranks records and twice as many
+ * ProxyOps (at least the configured sizes). Under G.lock. */
+static void pools_grow(int nranks) {
+  if (nranks <= 0 || !G.slots) return;
+  uint64_t want = 8ull * (uint64_t)nranks;
+  if (want > G.slot_cap) want = G.slot_cap;
+  if (want > G.nslots) {
+    logmsg(NXP_LOG_INFO, "nccl-exporter profiler: record pool %u -> %u for %d ranks", G.nslots, (uint32_t)want, nranks);
+    __atomic_store_n(&G.nslots, (uint32_t)want, __ATOMIC_RELEASE);
+  }
+  if (G.pops && 2ull * G.nslots > G.npops)
+    __atomic_store_n(&G.npops, 2 * G.nslots > G.pop_cap ? G.pop_cap : 2 * G.nslots, __ATOMIC_RELEASE);
+  if (G.wraps && 4ull * G.nslots > G.nwraps)
+    __atomic_store_n(&G.nwraps, 4 * G.nslots > G.wrap_cap ? G.wrap_cap : 4 * G.nslots, __ATOMIC_RELEASE);
+}
+
 static void global_init(nxp_logger_t logfn) {
   G.logfn = logfn;
   pin_self();
@@ -1354,9 +1413,15 @@ static void global_init(nxp_logger_t logfn) {
   G.clock_err_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US", 1000 + G.window_ns / 1000000ull, 1,
                            3600000000ull) * 1000ull;
   G.nslots = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL", 4096, 16, MAX_POOL);
-  G.slots = calloc(G.nslots, sizeof *G.slots);
+  G.slot_cap = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL_MAX", 1u << 18, 16, MAX_POOL);
+  if (G.slot_cap < G.nslots) G.slot_cap = G.nslots;
+  G.slots = pool_reserve(G.slot_cap, sizeof *G.slots);
+  if (!G.slots) { /* no address space for the reserve: the initial size, never grown */
+    G.slot_cap = G.nslots;
+    G.slots = pool_reserve(G.slot_cap, sizeof *G.slots);
+  }
   if (!G.slots) {
-    G.nslots = 0;
+    G.nslots = G.slot_cap = 0;
     disable("cannot allocate the record pool");
   }
   atomic_store(&G.next_id, 1);
@@ -1365,11 +1430,13 @@ static void global_init(nxp_logger_t logfn) {
   G.proxy_on = G.slots && env_u64("NCCL_EXPORTER_PROFILER_PROXY", 1, 0, 1);
   if (G.proxy_on) {
     G.npops = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_PROXY_POOL", 8192, 16, MAX_POOL);
-    G.nets = calloc(G.nslots, sizeof *G.nets);
-    G.pops = calloc(G.npops, sizeof *G.pops);
+    G.pop_cap = G.slot_cap > G.nslots ? 2 * G.slot_cap : G.npops;
+    if (G.pop_cap < G.npops) G.pop_cap = G.npops;
+    G.nets = pool_reserve(G.slot_cap, sizeof *G.nets);
+    G.pops = pool_reserve(G.pop_cap, sizeof *G.pops);
     if (!G.nets || !G.pops) {
-      free(G.nets);
-      free(G.pops);
+      pool_free(G.nets, G.slot_cap, sizeof *G.nets);
+      pool_free(G.pops, G.pop_cap, sizeof *G.pops);
       G.nets = NULL;
       G.pops = NULL;
       G.npops = 0;
@@ -1382,8 +1449,9 @@ static void global_init(nxp_logger_t logfn) {
   load_chain();
   if (G.chain) {
     G.nwraps = G.nslots ? 4 * G.nslots : 4096;
-    G.wraps = calloc(G.nwraps, sizeof *G.wraps);
-    if (!G.wraps) G.nwraps = 0;
+    G.wrap_cap = G.slot_cap ? 4 * G.slot_cap : G.nwraps;
+    G.wraps = pool_reserve(G.wrap_cap, sizeof *G.wraps);
+    if (!G.wraps) G.nwraps = G.wrap_cap = 0;
   }
   G.initialized = 1;
 }
@@ -1497,6 +1565,7 @@ static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mas
   if (!context || !mask) return NXP_SUCCESS;
   pthread_mutex_lock(&G.lock);
   if (!G.initialized) global_init(logfn);
+  pools_grow(nranks);
   G.nccl_mask = mask;
   struct ctx *c = calloc(1, sizeof *c);
   if (!c) {
@@ -1681,16 +1750,16 @@ EXPORT void nccl_exporter_profiler_pools(uint64_t out[8]) {
 /* dlclose by NCCL after the last communicator: give the memory back. */
 __attribute__((destructor)) static void nxp_unload(void) {
   if (G.ncomms > 0) return; /* process exit with live comms: leave everything */
-  free(G.slots);
-  free(G.wraps);
-  free(G.nets);
-  free(G.pops);
+  pool_free(G.slots, G.slot_cap, sizeof *G.slots);
+  pool_free(G.wraps, G.wrap_cap, sizeof *G.wraps);
+  pool_free(G.nets, G.slot_cap, sizeof *G.nets);
+  pool_free(G.pops, G.pop_cap, sizeof *G.pops);
   G.nets = NULL;
   G.pops = NULL;
   G.npops = 0;
   G.slots = NULL;
   G.wraps = NULL;
-  G.nslots = G.nwraps = 0;
+  G.nslots = G.nwraps = G.slot_cap = G.pop_cap = G.wrap_cap = 0;
   if (G.log_fd >= 0) close(G.log_fd);
   G.log_fd = -1;
   if (G.chain_dl) dlclose(G.chain_dl);

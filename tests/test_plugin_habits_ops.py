@@ -101,3 +101,106 @@ def test_init_never_returns_an_error(plugin, version):
     """, env={"NCCL_EXPORTER_PROFILER_POOL": "nonsense", "NCCL_EXPORTER_PROFILER_CHAIN": "/nonexistent.so",
               "NCCL_EXPORTER_PROFILER_LOG": "/nonexistent/dir/x.log", "NCCL_EXPORTER_PROFILER_ANNOUNCE_MS": "-3"})
     assert out == {"codes": [0, 0, 0, 0], "fini": 0}
+
+
+def log_records(path) -> list[dict]:
+    out = []
+    if os.path.exists(path):
+        for line in open(path).read().splitlines():
+            if line.startswith("nccl-exporter-profiler event="):
+                out.append(dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv))
+    return out
+
+
+F_NO_GPU_TIME, F_EXTRA_CHANNELS = 0x4, 0x8
+F_UNTIMED, F_CHANNELS_UNKNOWN = 0x100000, 0x200000
+
+
+# ------------------------------------------------------------- large AlltoAll --
+@pytest.mark.parametrize("version", VERSIONS)
+def test_two_alltoalls_at_2048_ranks_drop_nothing(plugin, version, tmp_path):
+    """One ncclAlltoAll is 2 x nranks P2P tasks (NCCL v2.28.9-1
+    src/enqueue.cc:2585-2588); two enqueued ahead of the GPU at 2,048 ranks are
+    8,192 operations with a ProxyOp each (none for the rank itself). Nothing
+    is dropped, everything completes, the pools end empty. On NCCL <= 2.30
+    (v4..v6) the Send/Recv to itself gets no KernelCh events (enqueue.cc:805):
+    those two are done, untimed, at their enqueue."""
+    out = play(plugin, version, """
+        n, me, pid = 2048, 5, os.getpid()
+        ctx = P.init(nranks=n, rank=me)
+        ops = []
+        for a in range(2):
+            for r in range(n):
+                for f in ("Send", "Recv"):
+                    h = P.p2p(ctx, f, peer=r, nch=1, rank=me)
+                    P.stop(h)
+                    ops.append((h, r, f))
+        t = GPU_T0
+        for h, r, f in ops:
+            if r == me and P.ver <= 6:
+                continue                      # no profiler proxy op: no KernelCh
+            po = P.proxy_op(ctx, h, pid, r, f == "Send") if r != me else 0
+            k = P.kch(ctx, h, 0, t); P.kch_stop(k, t + 1000); t += 2000
+            P.stop(po)
+        out.update(P.stats())
+        out["handles"] = sum(1 for h, _, _ in ops if h)
+        P.finalize(ctx)
+    """, env={"NCCL_EXPORTER_PROFILER_LOG": str(tmp_path / "log")})
+    assert out["handles"] == 8192 and out["dropped"] == 0 and out["proxy_dropped"] == 0, out
+    assert out["completed"] == 8192 and out["abandoned"] == 0, out
+    assert out["slots_used"] == 0 and out["pops_used"] == 0, out
+    assert out["proxy_ops"] == 8192 - 4, out
+    self_recs = [r for r in log_records(tmp_path / "log") if r["event"] == "done" and r["peer"] == "5"]
+    assert len(self_recs) == 4
+    for r in self_recs:
+        untimed = bool(int(r["flags"], 16) & F_UNTIMED)
+        assert untimed == (version <= 6) and (r["gpu_ns"] == "0") == untimed, r
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_drop_is_counted_and_logged_once(plugin, version):
+    """A pool that is full anyway (sized down on purpose) drops with a counter
+    and one WARN line, never more lines."""
+    out = play(plugin, version, """
+        ctx = P.init(nranks=2, rank=0)
+        hs = [P.coll(ctx, seq=i, nch=1) for i in range(100)]
+        out.update(P.stats())
+    """, env={"NCCL_EXPORTER_PROFILER_POOL": "16", "NCCL_EXPORTER_PROFILER_POOL_MAX": "16"})
+    assert out["dropped"] == 84 and out["slots_used"] == 16
+
+
+# ----------------------------------------------------------- CollNet / NVLS --
+@pytest.mark.parametrize("version", VERSIONS)
+def test_collnet_collective_with_no_channel_count_is_timed(plugin, version, tmp_path):
+    """A CollNet/NVLS Coll says nChannels 0 (NCCL v2.28.9-1 src/enqueue.cc:568-597),
+    its KernelCh events still come with its handle as parent: one done record
+    with the interval over every channel, marked CHANNELS_UNKNOWN."""
+    log = tmp_path / "log"
+    out = play(plugin, version, """
+        ctx = P.init(nranks=8, rank=0)
+        for i in range(3):
+            h = P.coll(ctx, seq=i, nch=0); P.stop(h)
+            t = GPU_T0 + i * 10_000_000
+            ks = [P.kch(ctx, h, c, t + 100 * c) for c in range(4)]
+            for c, k in enumerate(ks):
+                P.kch_stop(k, t + 50_000 + 10 * c)
+        out.update(P.stats())
+        P.finalize(ctx)
+    """, env={"NCCL_EXPORTER_PROFILER_LOG": str(log)})
+    assert out["completed"] == 3 and out["slots_used"] == 0 and out["abandoned"] == 0, out
+    done = [r for r in log_records(log) if r["event"] == "done"]
+    assert len(done) == 3
+    for r in done:
+        fl = int(r["flags"], 16)
+        assert fl & F_CHANNELS_UNKNOWN and not fl & F_EXTRA_CHANNELS and r["gpu_ns"] == "50030", r
+        assert r["channels"] == "4/4/0", r
+
+
+def test_sim_collnet_collectives_are_all_counted(lib, plugin, tmp_path):
+    """The simulator's NCCL_SIM_GPU_COLLNET=1: every Coll says 0 channels, its
+    KernelCh events still come; every AllReduce has its done record, timed."""
+    recs, log, _ = inproc(lib, tmp_path, plugin=plugin, env={"NCCL_SIM_GPU_COLLNET": "1"})
+    done = [r for r in log if r["event"] == "done" and r["kind"] == "coll"]
+    assert len(done) == 12, log
+    assert all(int(r["flags"], 16) & F_CHANNELS_UNKNOWN and int(r["gpu_ns"]) > 0 for r in done), done
+    assert not [r for r in log if r["event"] == "abandoned"]

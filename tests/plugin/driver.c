@@ -492,7 +492,10 @@ int main(int argc, char **argv) {
       struct work w = {.dur_ns = 100000 + (uint64_t)(i % 7) * 50000, .late = (i % 5 == 3), .proxy = proxy};
       struct comm *c = (i % 3 == 2) ? &b : &a;
       int kind = (i % 4 == 1) ? 1 + (i / 4) % 2 : 0;   /* some Send/Recv */
-      api_call(c, kind, i % 2, 1024 * (1 + i % 5), kind ? (i / 8) % c->nranks : -1, 1 + i % 4, &w);
+      /* peers other than itself: NCCL <= 2.30 gives a Send/Recv to self no
+       * KernelCh events (docs/plugin.md, "NCCL habits") */
+      int peer = kind ? (c->rank + 1 + (i / 8) % (c->nranks - 1)) % c->nranks : -1;
+      api_call(c, kind, i % 2, 1024 * (1 + i % 5), peer, 1 + i % 4, &w);
       if (i % 10 == 9) usleep(2000);                 /* some idle time */
     }
     drain();

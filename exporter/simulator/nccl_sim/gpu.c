@@ -618,6 +618,12 @@ static void prof_enqueue(ncclComm_t c, gpu_op_t *ops, int n) {
       d_init(&d, EV_COLL, parent, c->rank);
       d.coll.seqNumber = a->seq; d.coll.func = func_name(a->kind); d.coll.sendBuff = a->sb; d.coll.recvBuff = a->rb;
       d.coll.count = a->count; d.coll.root = a->root; d.coll.datatype = dt_name(a->dt); d.coll.nChannels = (uint8_t)nch;
+      /* NCCL_SIM_GPU_COLLNET=1: CollNet/NVLS collectives. NCCL never sets the
+       * task's nChannels for them (v2.28.9-1 src/enqueue.cc:568-597: the
+       * CollNet branch uses nMaxChannels and adds a profiler proxy op per
+       * channel), so the Coll says 0 channels and its KernelCh events still
+       * come, one per channel, with the Coll's handle as parent. */
+      if (env_int("NCCL_SIM_GPU_COLLNET", 0)) d.coll.nChannels = 0;
       d.coll.nWarps = 16; d.coll.algo = "RING"; d.coll.proto = "SIMPLE";
       if (g_prof_ver >= 5) d.coll.parentGroup = grp;
       if (v7) { d.coll.kernelVariant = "default"; d.coll.isSymColl = false; d.coll.userTag = 0; }
