@@ -354,6 +354,15 @@ static inline void *h_make(uint32_t idx, uint32_t gen, uint32_t sub) {
 }
 static inline int h_is_proxy(void *h) { return ((uintptr_t)h & (H_OURS | H_PROXY)) == (H_OURS | H_PROXY); }
 static inline int h_is_ours(void *h) { return ((uintptr_t)h & H_OURS) != 0; }
+/* What we return for a Group event: one constant, never a slot (index beyond
+ * MAX_POOL), ignored at its stop. NCCL bumps seqNumber for a graph-captured
+ * plan only when the plugin gave it a Group or CollApi handle (v2.28.9-1
+ * src/plugin/profiler.cc:419-427); with NULL every replay of a captured
+ * collective came with the same seqNumber as the replay before. With a handle
+ * each replay has its own number, the same on every rank (KernelCh makes
+ * NCCL run the plan's host callback at every replay on every rank). */
+#define H_GROUP ((void *)(uintptr_t)(H_OURS | (0x7fffffull << 9)))
+_Static_assert(MAX_POOL <= 0x7fffff, "the Group handle's index is beyond any slot");
 
 /* The live slot a handle refers to, or NULL (stale/foreign). */
 static inline struct slot *h_slot(void *h, uint32_t *sub) {
@@ -1236,6 +1245,7 @@ static nxp_result_t common_start(int ver, void *context, void **eHandle, const v
     else if (e->type == NXP_EV_KERNEL_CH) *eHandle = ours_start_kch(c, e);
     else if (e->type == NXP_EV_PROXY_OP) *eHandle = proxy_start_op(e);
     else if (e->type == NXP_EV_COLL || e->type == NXP_EV_P2P) *eHandle = ours_start_op(c, e);
+    else if (e->type == NXP_EV_GROUP) *eHandle = H_GROUP;
     return NXP_SUCCESS;
   }
 
@@ -1249,6 +1259,7 @@ static nxp_result_t common_start(int ver, void *context, void **eHandle, const v
   else if (e->type == NXP_EV_COLL || e->type == NXP_EV_P2P) ours = ours_start_op(c, &e2);
   else if (G.proxy_on && e->type == NXP_EV_PROXY_OP) ours = proxy_start_op(&e2); /* pid checked first */
   else if (G.proxy_on && e->type == NXP_EV_PROXY_STEP) ours = parent_ours ? proxy_start_step(&e2) : NULL;
+  else if (e->type == NXP_EV_GROUP) ours = H_GROUP;
 
   void *theirs = NULL;
   if (c->chain_ok && (atomic_load_explicit(&G.chain_types, memory_order_relaxed) & (int)e->type)) {
@@ -1684,7 +1695,7 @@ INIT_V(7)
     struct ev e;                                                                                                    \
     e.type = (TYPEEXPR);                                                                                            \
     e.parent = d->parentObj;                                                                                        \
-    if (LIKELY(!G.chain) && !(e.type & (uint64_t)G.our_mask)) { *h = NULL; return NXP_SUCCESS; }                   \
+    if (LIKELY(!G.chain) && !(e.type & ((uint64_t)G.our_mask | NXP_EV_GROUP))) { *h = NULL; return NXP_SUCCESS; } \
     if (e.type == NXP_EV_COLL) {                                                                                    \
       e.seq = d->coll.seqNumber; e.func = d->coll.func; e.datatype = d->coll.datatype;                              \
       e.count = d->coll.count; e.root_or_peer = d->coll.root; e.nchannels = d->coll.nChannels;                     \

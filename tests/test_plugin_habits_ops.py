@@ -204,3 +204,53 @@ def test_sim_collnet_collectives_are_all_counted(lib, plugin, tmp_path):
     assert len(done) == 12, log
     assert all(int(r["flags"], 16) & F_CHANNELS_UNKNOWN and int(r["gpu_ns"]) > 0 for r in done), done
     assert not [r for r in log if r["event"] == "abandoned"]
+
+
+# ------------------------------------------------------------- graph replays --
+GRAPH = r"""
+import ctypes, sys
+L = ctypes.CDLL(sys.argv[1])
+c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+L.ncclAllReduce.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
+L.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
+L.ncclCommDestroy.argtypes = [c_p]
+L.simStreamSynchronize.argtypes = [c_p]
+n, iters = 2, int(sys.argv[2])
+comms = (c_p * n)()
+assert L.ncclCommInitAll(comms, n, None) == 0
+keep = []
+for it in range(iters):       # out of place: a replay computes the same result again
+    sb = [(ctypes.c_float * 64)(*[float(r + it)] * 64) for r in range(n)]
+    rb = [(ctypes.c_float * 64)() for r in range(n)]
+    keep.append((sb, rb))
+    assert L.ncclGroupStart() == 0
+    for r in range(n):
+        assert L.ncclAllReduce(sb[r], rb[r], 64, 7, 0, comms[r], None) == 0
+    assert L.ncclGroupEnd() == 0
+for r in range(n):
+    assert L.simStreamSynchronize(comms[r]) == 0
+    assert L.ncclCommDestroy(comms[r]) == 0
+print("graph ok")
+"""
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_graph_replays_have_their_own_seq(lib, plugin, tmp_path, version):
+    """NCCL_SIM_GPU_GRAPH_REPLAYS=3: each collective is captured and replayed
+    3 times. NCCL bumps seqNumber for a replay only when the plugin gave the
+    plan a Group (or CollApi) handle (v2.28.9-1 src/plugin/profiler.cc:419-427):
+    the plugin does, so every replay is its own record with its own seq, the
+    same on both ranks."""
+    script = tmp_path / "graph.py"
+    script.write_text(GRAPH)
+    plog = tmp_path / "plugin.log"
+    e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_GPU_KERNEL_US="200", NCCL_PROFILER_PLUGIN=str(plugin),
+             NCCL_EXPORTER_PROFILER_LOG=str(plog), NCCL_SIM_GPU_GRAPH_REPLAYS="3",
+             NCCL_SIM_GPU_PROFILER_VERSION=str(version), NCCL_SIM_TRUTH=str(tmp_path / "truth.jsonl"))
+    p = subprocess.run([sys.executable, str(script), str(lib), "4"], env=e, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "graph ok" in p.stdout, p.stdout + p.stderr
+    done = [r for r in log_records(plog) if r["event"] == "done" and r["kind"] == "coll"]
+    assert len(done) == 2 * 4 * 3 and all(r["iface"] == f"v{version}" for r in done)
+    for rank in ("0", "1"):
+        seqs = sorted(int(r["seq"]) for r in done if r["rank"] == rank)
+        assert seqs == list(range(12)), seqs

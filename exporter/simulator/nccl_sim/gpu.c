@@ -637,6 +637,35 @@ static void prof_enqueue(ncclComm_t c, gpu_op_t *ops, int n) {
   free(api);
 }
 
+/* NCCL_SIM_GPU_GRAPH_REPLAYS=N: every collective call is captured into a CUDA
+ * graph and the graph replayed N times. A captured plan's profiler events
+ * come at each replay, from its host-function node (hostStreamPlanTask):
+ * a Group, then the Coll with no CollApi parent (no API call at a replay);
+ * none at the capture. NCCL bumps seqNumber for a persistent plan only when
+ * the plugin gave a Group or CollApi handle and KernelCh is on (v2.28.9-1
+ * src/plugin/profiler.cc:419-427): a plugin that returns NULL for both sees
+ * every replay with the same seqNumber. */
+static void prof_replay(ncclComm_t c, gpu_op_t *o) {
+  collargs_t *a = &o->a;
+  o->h = NULL;
+  if (!g_prof || !c->prof_inited || c->nranks == 1) return;
+  sim_descr_t d;
+  d_init(&d, EV_GROUP, NULL, 0);
+  void *grp = p_start(c, &d);
+  a->seq = c->coll_seq[a->kind & 15];
+  a->enq_mono = now_ns(CLOCK_MONOTONIC);
+  d_init(&d, EV_COLL, g_prof_ver == 4 ? grp : NULL, c->rank);
+  d.coll.seqNumber = a->seq; d.coll.func = func_name(a->kind); d.coll.sendBuff = a->sb; d.coll.recvBuff = a->rb;
+  d.coll.count = a->count; d.coll.root = a->root; d.coll.datatype = dt_name(a->dt); d.coll.nChannels = (uint8_t)o->nch;
+  d.coll.nWarps = 16; d.coll.algo = "RING"; d.coll.proto = "SIMPLE";
+  if (g_prof_ver >= 5) d.coll.parentGroup = grp;
+  if (g_prof_ver >= 7) { d.coll.kernelVariant = "default"; d.coll.isSymColl = false; d.coll.userTag = 0; }
+  o->h = p_start(c, &d);
+  p_stop(o->h);
+  if (grp && (__atomic_load_n(&g_prof_mask, __ATOMIC_RELAXED) & EV_KERNEL_CH)) c->coll_seq[a->kind & 15]++;
+  p_stop(grp);
+}
+
 ncclResult_t gpu_enqueue(collargs_t *q, int qn) {
   int qmax = env_int("NCCL_SIM_GPU_QUEUE", 1024);
   for (int i = 0; i < qn; i++) {
@@ -652,6 +681,27 @@ ncclResult_t gpu_enqueue(collargs_t *q, int qn) {
     for (int j = i, k = 0; j < qn; j++) if (q[j].comm == c) { w->ops[k].a = q[j]; w->ops[k].nch = env_int("NCCL_SIM_GPU_CHANNELS", 2); k++; }
     sim_stream_t *s = stream_of(c);
     if (!s) { free(w); return ncclSystemError; }
+    int replays = env_int("NCCL_SIM_GPU_GRAPH_REPLAYS", 0);
+    if (replays > 0 && n == 1 && !is_p2p(w->ops[0].a.kind)) {
+      c->coll_seq[w->ops[0].a.kind & 15]--; /* the capture: no seqNumber (profiler.cc:419-427 runs at replays) */
+      for (int r = 0; r < replays; r++) {
+        gpu_work_t *wr = malloc(sizeof(gpu_work_t) + sizeof(gpu_op_t));
+        if (!wr) break;
+        memcpy(wr, w, sizeof(gpu_work_t) + sizeof(gpu_op_t));
+        wr->next = NULL;
+        prof_replay(c, &wr->ops[0]);
+        pthread_mutex_lock(&s->mu);
+        while (s->qlen >= qmax && !s->abort) pthread_cond_wait(&s->cv, &s->mu);
+        if (s->abort) { pthread_mutex_unlock(&s->mu); free(wr); break; }
+        if (s->tail) s->tail->next = wr; else s->head = wr;
+        s->tail = wr;
+        s->qlen++;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+      }
+      free(w);
+      continue;
+    }
     prof_enqueue(c, w->ops, n);
     pthread_mutex_lock(&s->mu);
     while (s->qlen >= qmax && !s->abort) pthread_cond_wait(&s->cv, &s->mu);  /* a full launch queue blocks the host */
