@@ -61,6 +61,8 @@
                                                      NCCL <= 2.30, counts-only mask): done at its enqueue, counted */
 #define NCCL_EXPORTER_F_CHANNELS_UNKNOWN 0x200000 /* NCCL announced 0 channels (CollNet, NVLS): done once every \
                                                      KernelCh started so far stopped */
+#define NCCL_EXPORTER_F_SHARED 0x400000           /* its GPU interval is the one of the operation done before it \
+                                                     on this communicator (one batch): count it once */
 
 struct nccl_exporter_record {
   uint32_t version;            /*   0 NCCL_EXPORTER_RECORD_VERSION */

@@ -45,10 +45,20 @@
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
 
-/* What we ask NCCL for.  Never KernelPhase (bit 15, v7): on NCCL 2.31 it
- * costs 4-13 % of GPU time (NVIDIA/nccl#2355); a chained plugin that asks
- * for it gets it, with one WARN line (merge_masks). */
+/* What we ask NCCL for (NCCL_EXPORTER_PROFILER_MASK, docs/plugin.md "The
+ * activation mask"): `counts` Coll|P2p only (no GPU intervals); `gpu` adds
+ * KernelCh; `net` (the default with proxy accounting on) adds ProxyOp and
+ * ProxyStep. Never KernelPhase (bit 15, v7). What KernelCh costs NCCL:
+ * a profiler proxy op in every plan, so a captured graph runs a host callback
+ * at every replay (NCCL v2.28.9-1 src/enqueue.cc:1519-1531) and, up to 2.30,
+ * our KernelCh hooks run on NCCL's proxy progress thread; on NCCL 2.31.2
+ * asking for KernelCh alone also turns on the kernels' KernelPhase timestamp
+ * writes and a system fence, the 4-13 % of GPU time measured in
+ * NVIDIA/nccl#2355/#2357 (so our mask pays it, although it never asks for
+ * KernelPhase). A chained plugin that asks for KernelPhase gets it, with one
+ * WARN line (merge_masks). */
 #define OUR_MASK (NXP_EV_COLL | NXP_EV_P2P | NXP_EV_KERNEL_CH)
+#define COUNTS_MASK (NXP_EV_COLL | NXP_EV_P2P)
 _Static_assert((OUR_MASK & NXP_EV_KERNEL_PHASE) == 0, "never ask for KernelPhase events");
 /* ...and with proxy accounting on (NCCL_EXPORTER_PROFILER_PROXY, the default;
  * docs/plugin.md "Network time per peer"), the network steps too. */
@@ -128,6 +138,7 @@ struct ctx {
   void *chain_ctx;      /* the chained plugin's context for this comm */
   int chain_ok;         /* chained init succeeded */
   struct clk clk;
+  _Atomic uint64_t batch_a, batch_b; /* the last done interval not shared (shared_with_last) */
   _Atomic uint64_t *p2p_seq; /* [2 * p2p_n]: per (peer, send/recv) order */
   uint32_t p2p_n;
 };
@@ -471,6 +482,25 @@ static void log_record(const struct nccl_exporter_record *r) {
 
 static void net_fill(struct slot *s, struct nccl_exporter_net *out);
 
+/* Batched collectives share one interval: the kernel writes one start and one
+ * stop timer for all the work items of a batch on a channel, read in one loop
+ * (NCCL v2.28.9-1 src/device/common.h:309-327), so N collectives of one batch
+ * report the same interval, within the loop's few ns. A done interval whose
+ * start and stop both lie within SHARED_NS of the communicator's last
+ * unshared done interval is that one's: flagged F_SHARED, it counts once (the
+ * agent leaves it out of sums and histograms). Two operations run one after
+ * the other cannot match unless the first lasted under SHARED_NS. */
+#define SHARED_NS 1000
+static int shared_with_last(struct ctx *c, uint64_t a, uint64_t b) {
+  if (!a || !b) return 0;
+  uint64_t pa = atomic_load_explicit(&c->batch_a, memory_order_relaxed);
+  uint64_t pb = atomic_load_explicit(&c->batch_b, memory_order_relaxed);
+  if (pa && (a > pa ? a - pa : pa - a) <= SHARED_NS && (b > pb ? b - pb : pb - b) <= SHARED_NS) return 1;
+  atomic_store_explicit(&c->batch_a, a, memory_order_relaxed);
+  atomic_store_explicit(&c->batch_b, b, memory_order_relaxed);
+  return 0;
+}
+
 /* Emit done/abandoned exactly once.  With proxy accounting on, a done record
  * carries the network part (struct nccl_exporter_done). */
 static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t now) {
@@ -485,6 +515,8 @@ static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t
     if (fsh && !(extra_flags & NCCL_EXPORTER_F_REJECTED) && r.gpu_stop_timer > r.gpu_start_timer &&
         (now - fsh) + 20000 < r.gpu_stop_timer - r.gpu_start_timer)
       r.flags |= NCCL_EXPORTER_F_START_LATE;
+    if (!(r.flags & NCCL_EXPORTER_F_REJECTED) && shared_with_last(s->ctx, r.gpu_start_timer, r.gpu_stop_timer))
+      r.flags |= NCCL_EXPORTER_F_SHARED;
     atomic_fetch_add_explicit(&G.completed, 1, memory_order_relaxed);
     if (G.proxy_on) {
       net_fill(s, &d.net);
@@ -568,11 +600,14 @@ struct ev {               /* the fields we use, read from any version */
 
 static void *ours_start_op(struct ctx *c, const struct ev *e) {
   if (UNLIKELY(atomic_load_explicit(&G.disabled, memory_order_relaxed) || !G.slots)) return NULL;
-  /* Without KernelCh events (e.g. a RAS override) nothing would complete. */
-  if (UNLIKELY(G.nccl_mask && !(__atomic_load_n(G.nccl_mask, __ATOMIC_RELAXED) & NXP_EV_KERNEL_CH))) return NULL;
   unsigned nch = e->nchannels;
   uint32_t fl = 0;
-  if (e->type == NXP_EV_P2P && e->root_or_peer == c->rank && c->iface <= 6) {
+  /* Without KernelCh events (the counts mask, or a RAS override of NCCL's
+   * mask) no GPU interval can come: counted, untimed, done at its enqueue. */
+  if (UNLIKELY(G.nccl_mask && !(__atomic_load_n(G.nccl_mask, __ATOMIC_RELAXED) & NXP_EV_KERNEL_CH))) {
+    nch = 0;
+    fl = NCCL_EXPORTER_F_UNTIMED;
+  } else if (e->type == NXP_EV_P2P && e->root_or_peer == c->rank && c->iface <= 6) {
     /* NCCL <= 2.30 (interface <= v6): a rank's Send/Recv to itself gets no
      * proxy op, hence no profiler proxy op and no KernelCh events (v2.28.9-1
      * src/enqueue.cc:805 nProxyOps = selfSend ? 0 : 2; :1010-1019). Counted,
@@ -1439,6 +1474,16 @@ static void global_init(nxp_logger_t logfn) {
   G.pid = (int)getpid();
   G.our_mask = OUR_MASK;
   G.proxy_on = G.slots && env_u64("NCCL_EXPORTER_PROFILER_PROXY", 1, 0, 1);
+  const char *m = getenv("NCCL_EXPORTER_PROFILER_MASK");
+  if (m && !strcmp(m, "counts")) {
+    G.our_mask = COUNTS_MASK;
+    G.proxy_on = 0;
+  } else if (m && !strcmp(m, "gpu")) {
+    G.proxy_on = 0;
+  } else if (m && *m && strcmp(m, "net") && strcmp(m, "auto")) {
+    logmsg(NXP_LOG_WARN, "nccl-exporter profiler: NCCL_EXPORTER_PROFILER_MASK=%s is not counts, gpu or net; "
+           "using the default", m);
+  }
   if (G.proxy_on) {
     G.npops = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_PROXY_POOL", 8192, 16, MAX_POOL);
     G.pop_cap = G.slot_cap > G.nslots ? 2 * G.slot_cap : G.npops;
@@ -1614,6 +1659,10 @@ static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mas
   if (first)
     logmsg(NXP_LOG_INFO, "nccl-exporter profiler: v%d, mask 0x%x, pool %u, proxy %s (pool %u), log %s, chain %s", ver,
            *mask, G.nslots, G.proxy_on ? "on" : "off", G.npops, G.log_fd >= 0 ? "on" : "off", G.chain ? "on" : "off");
+  if (first && ver >= 7 && (G.our_mask & NXP_EV_KERNEL_CH))
+    logmsg(NXP_LOG_INFO, "nccl-exporter profiler: NCCL >= 2.31 (interface v7) also writes KernelPhase timestamps in "
+           "its kernels when KernelCh is asked for (NVIDIA/nccl#2355: 4-13 %% GPU time on 2.31.2); "
+           "NCCL_EXPORTER_PROFILER_MASK=counts asks for no KernelCh (operation counts, no GPU intervals)");
   struct nccl_exporter_comm ci = comm_record(c);
   hook_comm_init(&ci);
   if (G.log_fd >= 0) {

@@ -254,3 +254,101 @@ def test_graph_replays_have_their_own_seq(lib, plugin, tmp_path, version):
     for rank in ("0", "1"):
         seqs = sorted(int(r["seq"]) for r in done if r["rank"] == rank)
         assert seqs == list(range(12)), seqs
+
+
+# -------------------------------------------------------- batched collectives --
+BATCH = r"""
+import ctypes, sys
+L = ctypes.CDLL(sys.argv[1])
+c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+L.ncclAllReduce.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
+L.ncclAllGather.argtypes = [c_p, c_p, c_sz, c_i, c_p, c_p]
+L.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
+L.ncclCommDestroy.argtypes = [c_p]
+L.simStreamSynchronize.argtypes = [c_p]
+n, iters = 2, int(sys.argv[2])
+comms = (c_p * n)()
+assert L.ncclCommInitAll(comms, n, None) == 0
+keep = []
+for it in range(iters):
+    b = [[(ctypes.c_float * 128)() for _ in range(4)] for r in range(n)]
+    keep.append(b)
+    assert L.ncclGroupStart() == 0
+    for r in range(n):    # three collectives of one group on each communicator
+        assert L.ncclAllReduce(b[r][0], b[r][1], 64, 7, 0, comms[r], None) == 0
+        assert L.ncclAllReduce(b[r][2], b[r][2], 64, 7, 0, comms[r], None) == 0
+        assert L.ncclAllGather(b[r][0], b[r][3], 32, 7, comms[r], None) == 0
+    assert L.ncclGroupEnd() == 0
+for r in range(n):
+    assert L.simStreamSynchronize(comms[r]) == 0
+    assert L.ncclCommDestroy(comms[r]) == 0
+print("batch ok")
+"""
+F_SHARED = 0x400000
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("batch", ["1", "0"])
+def test_batched_collectives_share_one_interval_counted_once(lib, plugin, tmp_path, version, batch):
+    """NCCL_SIM_GPU_BATCH=1: three collectives of one group on a communicator
+    run as one kernel writing one start/stop per channel (NCCL v2.28.9-1
+    src/device/common.h:309-327). Each gets its done record with the batch's
+    interval; every one after the first is flagged SHARED, so the interval
+    counts once. Without batching (separate kernels) none is."""
+    script = tmp_path / "batch.py"
+    script.write_text(BATCH)
+    plog = tmp_path / "plugin.log"
+    e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_GPU_KERNEL_US="200", NCCL_PROFILER_PLUGIN=str(plugin),
+             NCCL_EXPORTER_PROFILER_LOG=str(plog), NCCL_SIM_GPU_BATCH=batch, NCCL_SIM_GPU_LATE_EVERY="0",
+             NCCL_SIM_GPU_PROFILER_VERSION=str(version), NCCL_SIM_TRUTH=str(tmp_path / "truth.jsonl"))
+    p = subprocess.run([sys.executable, str(script), str(lib), "5"], env=e, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "batch ok" in p.stdout, p.stdout + p.stderr
+    done = [r for r in log_records(plog) if r["event"] == "done" and r["kind"] == "coll"]
+    assert len(done) == 2 * 5 * 3
+    by_interval: dict = {}
+    for r in done:
+        by_interval.setdefault((r["rank"], r["gpu_start_timer"], r["gpu_stop_timer"]), []).append(r)
+    shared = [r for r in done if int(r["flags"], 16) & F_SHARED]
+    if batch == "1":
+        assert len(by_interval) == 2 * 5 and all(len(g) == 3 for g in by_interval.values())
+        for g in by_interval.values():   # one of each batch carries the interval, the other two are flagged
+            assert sum(1 for r in g if not int(r["flags"], 16) & F_SHARED) == 1, g
+        assert len(shared) == 2 * 5 * 2
+    else:
+        assert len(by_interval) == len(done) and not shared
+
+
+# ------------------------------------------------------------------- the mask --
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("mode,mask", [("counts", 0x6), ("gpu", 0x46), ("net", 0x5e), ("", 0x5e)])
+def test_activation_mask_is_configurable(plugin, version, mode, mask, tmp_path):
+    """NCCL_EXPORTER_PROFILER_MASK: counts (Coll|P2p: operations counted, no
+    KernelCh asked for, so no GPU interval and none of KernelCh's cost to
+    NCCL), gpu (+KernelCh), net (+ProxyOp|ProxyStep, the default). In counts
+    mode each operation is done at its enqueue, flagged UNTIMED."""
+    log = tmp_path / "log"
+    out = play(plugin, version, """
+        ctx = P.init(nranks=4, rank=0)
+        out["mask"] = P.mask.value
+        for i in range(5):
+            h = P.coll(ctx, seq=i, nch=2); P.stop(h)
+            ks = [P.kch(ctx, h, c, GPU_T0 + i * 1_000_000) for c in range(2)]
+            for k in ks:
+                P.kch_stop(k, GPU_T0 + i * 1_000_000 + 5000)
+        out.update(P.stats())
+        P.finalize(ctx)
+    """, env={"NCCL_EXPORTER_PROFILER_MASK": mode, "NCCL_EXPORTER_PROFILER_LOG": str(log)})
+    assert out["mask"] == mask and out["completed"] == 5 and out["slots_used"] == 0 and out["abandoned"] == 0, out
+    done = [r for r in log_records(log) if r["event"] == "done"]
+    assert len(done) == 5
+    untimed = mode == "counts"
+    assert all(bool(int(r["flags"], 16) & F_UNTIMED) == untimed and (r["gpu_ns"] == "0") == untimed for r in done)
+
+
+def test_sim_counts_mask_counts_every_collective(lib, plugin, tmp_path):
+    """The simulator with the counts mask: NCCL sends no KernelCh events (its
+    gating), every AllReduce is still counted, done and untimed."""
+    recs, log, _ = inproc(lib, tmp_path, plugin=plugin, env={"NCCL_EXPORTER_PROFILER_MASK": "counts"})
+    done = [r for r in log if r["event"] == "done" and r["kind"] == "coll"]
+    assert len(done) == 12 and all(int(r["flags"], 16) & F_UNTIMED for r in done), log
+    assert not [r for r in log if r["event"] == "abandoned"]

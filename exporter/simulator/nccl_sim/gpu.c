@@ -424,9 +424,12 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   if (back && c->nkern > back) pts = c->kts[old];
   if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, pts);
   ncclResult_t res;
-  if (n == 1 && !is_p2p(ops[0].a.kind)) {
-    tl_net_parent = ops[0].h; tl_net_kind = ops[0].a.kind; tl_net_seq = ops[0].a.seq;
-    res = exec_coll(&ops[0].a);
+  if (!is_p2p(ops[0].a.kind)) {   /* one collective, or a batch of them (NCCL_SIM_GPU_BATCH) */
+    res = ncclSuccess;
+    for (int i = 0; i < n && res == ncclSuccess; i++) {
+      tl_net_parent = ops[i].h; tl_net_kind = ops[i].a.kind; tl_net_seq = ops[i].a.seq;
+      res = exec_coll(&ops[i].a);
+    }
     tl_net_parent = NULL; tl_net_kind = 0; tl_net_seq = 0;
   } else {
     p2p_t *p = malloc(sizeof(p2p_t) * (size_t)n);
@@ -512,11 +515,20 @@ static void *stream_main(void *arg) {
     int err = s->comm->async_err != ncclSuccess;
     /* collectives in call order, then the p2p ops together (as the blocking mode does) */
     int np = 0;
+    /* NCCL_SIM_GPU_BATCH=1: the collectives of one group on a communicator run
+     * as one kernel, whose every channel writes one start and one stop timer
+     * for all of them (NCCL v2.28.9-1 src/device/common.h:309-327): each
+     * Coll's KernelCh events carry the same timers. */
+    int batch = env_int("NCCL_SIM_GPU_BATCH", 0), nc = 0;
+    gpu_op_t *colls = batch ? malloc(sizeof(gpu_op_t) * (size_t)w->n) : NULL;
     for (int i = 0; i < w->n; i++) {
       if (is_p2p(w->ops[i].a.kind)) { np++; continue; }
       if (err) { gpu_truth(s->comm, &w->ops[i], 0, 0, 0, "skipped", 0); continue; }
-      run_kernel(s, &w->ops[i], 1);
+      if (colls) colls[nc++] = w->ops[i];
+      else run_kernel(s, &w->ops[i], 1);
     }
+    if (nc) run_kernel(s, colls, nc);
+    free(colls);
     if (np) {
       gpu_op_t *p = malloc(sizeof(gpu_op_t) * (size_t)np);
       int k = 0;
