@@ -444,7 +444,7 @@ static void net(void *dl, int n, int nch, int steps, int spin) {
     if (late) for (int ch = 0; ch < nch; ch++) { stop(po[ch][0]); stop(po[ch][1]); }
   }
   uint64_t t1 = mono();
-  printf("netbench ns_per_step_event=%.1f events=%lld n=%d nch=%d steps=%d\n",
+  printf("netbench ns_per_step_event=%.3f events=%lld n=%d nch=%d steps=%d\n",
          (double)(t1 - t0) / (double)(events ? events : 1), events, n, nch, steps);
   for (int dir = 0; dir < 2; dir++)
     printf("net expect peer=%d direction=%s bytes=%lld wall_ns=%llu,%llu,%llu step_ns=%llu,%llu,%llu\n",
