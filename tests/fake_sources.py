@@ -208,6 +208,9 @@ class FakePlugin(FakeProgram):
     def rejected(self):
         return {"longer_than_host": 2, "start_before_enqueue": 0, "stop_before_start": 0}
 
+    def shared(self):
+        return 3
+
 
 class FakeSpans:
     """SpanSink's surface: exemplars and span counts."""
