@@ -1660,8 +1660,8 @@ static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mas
     logmsg(NXP_LOG_INFO, "nccl-exporter profiler: v%d, mask 0x%x, pool %u, proxy %s (pool %u), log %s, chain %s", ver,
            *mask, G.nslots, G.proxy_on ? "on" : "off", G.npops, G.log_fd >= 0 ? "on" : "off", G.chain ? "on" : "off");
   if (first && ver >= 7 && (G.our_mask & NXP_EV_KERNEL_CH))
-    logmsg(NXP_LOG_INFO, "nccl-exporter profiler: NCCL >= 2.31 (interface v7) also writes KernelPhase timestamps in "
-           "its kernels when KernelCh is asked for (NVIDIA/nccl#2355: 4-13 %% GPU time on 2.31.2); "
+    logmsg(NXP_LOG_INFO, "nccl-exporter profiler: NCCL >= 2.31 (interface v7) also makes its kernels write "
+           "per-phase timestamps and a fence when KernelCh is asked for (NVIDIA/nccl#2355: 4-13 %% GPU time on 2.31.2); "
            "NCCL_EXPORTER_PROFILER_MASK=counts asks for no KernelCh (operation counts, no GPU intervals)");
   struct nccl_exporter_comm ci = comm_record(c);
   hook_comm_init(&ci);

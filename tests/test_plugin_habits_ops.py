@@ -352,3 +352,45 @@ def test_sim_counts_mask_counts_every_collective(lib, plugin, tmp_path):
     done = [r for r in log if r["event"] == "done" and r["kind"] == "coll"]
     assert len(done) == 12 and all(int(r["flags"], 16) & F_UNTIMED for r in done), log
     assert not [r for r in log if r["event"] == "abandoned"]
+
+
+def test_agent_counts_a_batch_interval_once(plugin, bpf, tmp_path):
+    """The agent (bpf/plugin.c): of a batch of three collectives sharing one
+    interval, the histogram and its sum hold the interval once; the other two
+    are counted in nccl_exporter_gpu_intervals_shared_total."""
+    import shutil
+
+    from exporter.sources.nccl.probes import NcclProbes
+    from exporter.sources.plugin.source import PluginSource
+
+    copy = tmp_path / "libnccl-profiler-habits.so"   # its own inode: other jobs' uprobes stay apart
+    shutil.copy2(plugin, copy)
+    probes = NcclProbes()
+    src = None
+    try:
+        src = PluginSource()
+        assert src.attach(str(copy))
+        play(copy, 7, """
+            ctx = P.init(nranks=4, rank=1, comm_hash=0x7777000011112222)
+            t = GPU_T0
+            for i in range(10):            # ten batches of three: one interval of 30 us each
+                hs = [P.coll(ctx, seq=3 * i + j, nch=2) for j in range(3)]
+                for h in hs: P.stop(h)
+                t += 1_000_000
+                ks = [P.kch(ctx, h, c, t) for h in hs for c in range(2)]
+                for k in ks: P.kch_stop(k, t + 30_000)
+            for i in range(5):             # five alone: 50 us each
+                h = P.coll(ctx, seq=30 + i, nch=2); P.stop(h)
+                t += 1_000_000
+                ks = [P.kch(ctx, h, c, t) for c in range(2)]
+                for k in ks: P.kch_stop(k, t + 50_000)
+            P.finalize(ctx)
+        """, env={"NCCL_EXPORTER_PROFILER_PROXY": "0"})
+        series = [s for s in src.series() if s.nccl_hash == 0x7777000011112222]
+        assert len(series) == 1 and series[0].op == "ALL_REDUCE"
+        assert series[0].calls == 15 and series[0].sum_ns == 10 * 30_000 + 5 * 50_000, series
+        assert src.shared() == 20
+    finally:
+        if src is not None:
+            src.close()
+        probes.close()
