@@ -537,7 +537,16 @@ static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t
 static void release(struct slot *s, uint32_t abandon_flags, uint64_t now) {
   uint32_t live = SLOT_LIVE;
   if (!atomic_compare_exchange_strong(&s->state, &live, SLOT_CLOSING)) return;
-  if (!atomic_load(&s->finished)) finish(s, NCCL_EXPORTER_STATE_ABANDONED, abandon_flags, now ? now : mono_ns());
+  if (!atomic_load(&s->finished)) {
+    /* A CHANNELS_UNKNOWN operation (CollNet/NVLS) that aged out without one
+     * KernelCh ran where NCCL gave it none to time: counted, untimed, not
+     * abandoned (docs/plugin.md, "NCCL habits": CollNet/SHARP, NVLS). */
+    if ((abandon_flags & NCCL_EXPORTER_F_AGED) && (s->rec.flags & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) &&
+        !atomic_load(&s->started))
+      finish(s, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_UNTIMED, now ? now : mono_ns());
+    else
+      finish(s, NCCL_EXPORTER_STATE_ABANDONED, abandon_flags, now ? now : mono_ns());
+  }
   atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
   atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
 }

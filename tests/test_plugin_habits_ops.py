@@ -394,3 +394,21 @@ def test_agent_counts_a_batch_interval_once(plugin, bpf, tmp_path):
         if src is not None:
             src.close()
         probes.close()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_collnet_collective_without_kernelch_ages_out_untimed(plugin, version, tmp_path):
+    """A Coll of 0 channels that never gets a KernelCh (nothing NCCL can time
+    for it) is reclaimed by age as done and UNTIMED, not abandoned."""
+    log = tmp_path / "log"
+    out = play(plugin, version, """
+        ctx = P.init(nranks=2, rank=0)
+        h = P.coll(ctx, seq=0, nch=0); P.stop(h)
+        time.sleep(1.2)                                  # older than MAX_AGE_S
+        hs = [P.coll(ctx, seq=1 + i, nch=1) for i in range(20)]   # a full pool reclaims by age
+        out.update(P.stats())
+    """, env={"NCCL_EXPORTER_PROFILER_LOG": str(log), "NCCL_EXPORTER_PROFILER_MAX_AGE_S": "1",
+              "NCCL_EXPORTER_PROFILER_POOL": "16", "NCCL_EXPORTER_PROFILER_POOL_MAX": "16"})
+    first = [r for r in log_records(log) if r.get("seq") == "0" and r["event"] in ("done", "abandoned")]
+    assert len(first) == 1 and first[0]["event"] == "done", first
+    assert int(first[0]["flags"], 16) & F_UNTIMED and int(first[0]["flags"], 16) & F_CHANNELS_UNKNOWN
