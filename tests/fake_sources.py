@@ -211,6 +211,9 @@ class FakePlugin(FakeProgram):
     def shared(self):
         return 3
 
+    def untimed(self):
+        return 4
+
 
 class FakeSpans:
     """SpanSink's surface: exemplars and span counts."""

@@ -207,6 +207,12 @@ EXPORTER_GPU_INTERVALS_SHARED = _m(
     "for a batch of collectives, so the batch's interval is counted once in "
     "nccl_collective_gpu_duration_seconds, under the operation that finished first, and these "
     "are left out.")
+EXPORTER_GPU_OPERATIONS_UNTIMED = _m(
+    "nccl_exporter_gpu_operations_untimed_total", "counter", ("node",),
+    "GPU operations of the NCCL profiler plugin done with no GPU interval, so not in "
+    "nccl_collective_gpu_duration_seconds: NCCL gives none to time (a rank's Send/Recv to itself "
+    "on NCCL <= 2.30, a CollNet/NVLS collective with no KernelCh event) or the plugin's mask "
+    "asks for none (NCCL_EXPORTER_PROFILER_MASK=counts).")
 EXPORTER_RECORDING_DROPPED = _m(
     "nccl_exporter_recording_dropped_total", "counter", ("node", "reason"),
     "Events `run --db` did not write to its recording, by reason: queue_full (the writer was "

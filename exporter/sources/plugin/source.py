@@ -283,6 +283,10 @@ class PluginSource(Program):
         them in a batch (docs/metrics.md): counted once, not histogrammed."""
         return self.drops()["shared"]
 
+    def untimed(self) -> int:
+        """Done records with no GPU interval (docs/metrics.md)."""
+        return self.drops()["no_gpu_time"]
+
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop in-flight entries and process entries of processes that are gone."""
         return (forget_dead(self["gpu_inflight"], proc) + forget_dead(self["plugin_procs"], proc)
