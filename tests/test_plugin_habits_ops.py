@@ -72,7 +72,8 @@ def test_nccl_closing_the_plugin_under_a_live_communicator_crashes_nothing(plugi
     assert out == {"ok": 1}
 
 
-def test_sim_failed_init_unload_leaves_the_job_running(lib, plugin, tmp_path):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sim_failed_init_unload_leaves_the_job_running(lib, plugin, tmp_path, version):
     """The simulator's NCCL_SIM_GPU_UNLOAD=1 keeps NCCL's load count and
     NCCL_SIM_GPU_FAILED_INIT=2 plays two failed communicators' commFree after
     the first profiler init (ncclCommInitAll's two communicators run their
@@ -80,7 +81,8 @@ def test_sim_failed_init_unload_leaves_the_job_running(lib, plugin, tmp_path):
     the job goes on (without profiler events, as NCCL does)."""
     recs, log, p = inproc(lib, tmp_path, nranks=2, iters=4, plugin=plugin,
                           env={"NCCL_SIM_GPU_UNLOAD": "1", "NCCL_SIM_GPU_FAILED_INIT": "2",
-                               "NCCL_EXPORTER_PROFILER_ANNOUNCE_MS": "5", "NCCL_SIM_GPU_KERNEL_US": "20000"})
+                               "NCCL_EXPORTER_PROFILER_ANNOUNCE_MS": "5", "NCCL_SIM_GPU_KERNEL_US": "20000",
+                               "NCCL_SIM_GPU_PROFILER_VERSION": str(version)})
     assert any(r.get("op") == "FAILED_COMM_FREE" for r in recs)
     assert p.returncode == 0
 
@@ -196,12 +198,14 @@ def test_collnet_collective_with_no_channel_count_is_timed(plugin, version, tmp_
         assert r["channels"] == "4/4/0", r
 
 
-def test_sim_collnet_collectives_are_all_counted(lib, plugin, tmp_path):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sim_collnet_collectives_are_all_counted(lib, plugin, tmp_path, version):
     """The simulator's NCCL_SIM_GPU_COLLNET=1: every Coll says 0 channels, its
     KernelCh events still come; every AllReduce has its done record, timed."""
-    recs, log, _ = inproc(lib, tmp_path, plugin=plugin, env={"NCCL_SIM_GPU_COLLNET": "1"})
+    recs, log, _ = inproc(lib, tmp_path, plugin=plugin, env={"NCCL_SIM_GPU_COLLNET": "1",
+                                                             "NCCL_SIM_GPU_PROFILER_VERSION": str(version)})
     done = [r for r in log if r["event"] == "done" and r["kind"] == "coll"]
-    assert len(done) == 12, log
+    assert len(done) == 12 and all(r["iface"] == f"v{version}" for r in done), log
     assert all(int(r["flags"], 16) & F_CHANNELS_UNKNOWN and int(r["gpu_ns"]) > 0 for r in done), done
     assert not [r for r in log if r["event"] == "abandoned"]
 
@@ -345,12 +349,14 @@ def test_activation_mask_is_configurable(plugin, version, mode, mask, tmp_path):
     assert all(bool(int(r["flags"], 16) & F_UNTIMED) == untimed and (r["gpu_ns"] == "0") == untimed for r in done)
 
 
-def test_sim_counts_mask_counts_every_collective(lib, plugin, tmp_path):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sim_counts_mask_counts_every_collective(lib, plugin, tmp_path, version):
     """The simulator with the counts mask: NCCL sends no KernelCh events (its
     gating), every AllReduce is still counted, done and untimed."""
-    recs, log, _ = inproc(lib, tmp_path, plugin=plugin, env={"NCCL_EXPORTER_PROFILER_MASK": "counts"})
+    recs, log, _ = inproc(lib, tmp_path, plugin=plugin, env={"NCCL_EXPORTER_PROFILER_MASK": "counts",
+                                                             "NCCL_SIM_GPU_PROFILER_VERSION": str(version)})
     done = [r for r in log if r["event"] == "done" and r["kind"] == "coll"]
-    assert len(done) == 12 and all(int(r["flags"], 16) & F_UNTIMED for r in done), log
+    assert len(done) == 12 and all(r["iface"] == f"v{version}" for r in done) and all(int(r["flags"], 16) & F_UNTIMED for r in done), log
     assert not [r for r in log if r["event"] == "abandoned"]
 
 
