@@ -418,3 +418,54 @@ def test_collnet_collective_without_kernelch_ages_out_untimed(plugin, version, t
     first = [r for r in log_records(log) if r.get("seq") == "0" and r["event"] in ("done", "abandoned")]
     assert len(first) == 1 and first[0]["event"] == "done", first
     assert int(first[0]["flags"], 16) & F_UNTIMED and int(first[0]["flags"], 16) & F_CHANNELS_UNKNOWN
+
+
+A2A = r"""
+import ctypes, sys
+L = ctypes.CDLL(sys.argv[1])
+c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+L.ncclAlltoAll.argtypes = [c_p, c_p, c_sz, c_i, c_p, c_p]
+L.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
+L.ncclCommDestroy.argtypes = [c_p]
+L.simStreamSynchronize.argtypes = [c_p]
+n, iters = 3, int(sys.argv[2])
+comms = (c_p * n)()
+assert L.ncclCommInitAll(comms, n, None) == 0
+keep = []
+for it in range(iters):
+    sb = [(ctypes.c_float * (16 * n))(*range(16 * n)) for r in range(n)]
+    rb = [(ctypes.c_float * (16 * n))() for r in range(n)]
+    keep.append((sb, rb))
+    assert L.ncclGroupStart() == 0
+    for r in range(n):
+        assert L.ncclAlltoAll(sb[r], rb[r], 16, 7, comms[r], None) == 0
+    assert L.ncclGroupEnd() == 0
+for r in range(n):
+    assert L.simStreamSynchronize(comms[r]) == 0
+    assert L.ncclCommDestroy(comms[r]) == 0
+print("a2a ok")
+"""
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sim_alltoall_as_p2p_tasks_leaves_nothing_open(lib, plugin, tmp_path, version):
+    """NCCL_SIM_GPU_ALLTOALL_P2P=1: each ncclAlltoAll is 2 x nranks P2p events
+    (enqueue.cc:2585-2588), the pair to the rank itself without KernelCh on
+    NCCL <= 2.30 (v4..v6). Every one is done at once, none abandoned at the
+    destroy; the self pair untimed on v4..v6, timed on v7."""
+    script = tmp_path / "a2a.py"
+    script.write_text(A2A)
+    plog = tmp_path / "plugin.log"
+    e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_GPU_KERNEL_US="200", NCCL_PROFILER_PLUGIN=str(plugin),
+             NCCL_EXPORTER_PROFILER_LOG=str(plog), NCCL_SIM_GPU_ALLTOALL_P2P="1",
+             NCCL_SIM_GPU_PROFILER_VERSION=str(version), NCCL_SIM_TRUTH=str(tmp_path / "truth.jsonl"))
+    p = subprocess.run([sys.executable, str(script), str(lib), "4"], env=e, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "a2a ok" in p.stdout, p.stdout + p.stderr
+    recs = log_records(plog)
+    assert not [r for r in recs if r["event"] == "abandoned"]
+    done = [r for r in recs if r["event"] == "done" and r["kind"] == "p2p"]
+    assert len(done) == 3 * 4 * 2 * 3
+    for r in done:
+        self_pair = r["peer"] == r["rank"]
+        untimed = bool(int(r["flags"], 16) & F_UNTIMED)
+        assert untimed == (self_pair and version <= 6) and (r["gpu_ns"] == "0") == untimed, r

@@ -309,6 +309,8 @@ void gpu_comm_ready(ncclComm_t c) {
 typedef struct gpu_op {
   collargs_t a;
   void *h;                 /* the Coll / P2p handle (NULL: no KernelCh events) */
+  void **ph;               /* NCCL_SIM_GPU_ALLTOALL_P2P: an AlltoAll's 2 x nranks P2p handles, then their */
+  int nph;                 /*   KernelCh handles (ph[nph + j]); NULL: none */
   int nch;
 } gpu_op_t;
 typedef struct gpu_work {
@@ -407,6 +409,38 @@ static void kch_stop(gpu_op_t *o, void **kh, uint64_t te) {
   }
 }
 
+/* NCCL_SIM_GPU_ALLTOALL_P2P=1: an ncclAlltoAll is 2 x nranks P2P tasks, a
+ * Send and a Recv per peer (NCCL v2.28.9-1 src/enqueue.cc:2585-2588), each its
+ * own P2p event and KernelCh; on NCCL <= 2.30 the Send/Recv to the rank
+ * itself gets no proxy op, so no profiler proxy op and no KernelCh
+ * (enqueue.cc:805 `nProxyOps = selfSend ? 0 : 2`, :1010-1019). */
+static int alltoall_p2p(void) {
+  static int v = -1;
+  if (v < 0) v = env_int("NCCL_SIM_GPU_ALLTOALL_P2P", 0) ? 1 : 0;
+  return v;
+}
+static void a2a_kch_start(ncclComm_t c, gpu_op_t *o, uint64_t ts) {
+  for (int j = 0; j < o->nph; j++) {
+    o->ph[o->nph + j] = NULL;
+    if (!o->ph[j] || (j / 2 == c->rank && g_prof_ver <= 6)) continue;
+    sim_descr_t d;
+    d_init(&d, EV_KERNEL_CH, o->ph[j], 0);
+    d.kernelCh.channelId = 0;
+    d.kernelCh.pTimer = gpu_timer(ts);
+    o->ph[o->nph + j] = p_start(c, &d);
+  }
+}
+static void a2a_kch_stop(gpu_op_t *o, uint64_t te) {
+  for (int j = 0; j < o->nph; j++) {
+    p_record(o->ph[o->nph + j], ST_KERNEL_CH_STOP, gpu_timer(te), 0);
+    p_stop(o->ph[o->nph + j]);
+  }
+}
+static void work_free(gpu_work_t *w) {
+  for (int i = 0; i < w->n; i++) free(w->ops[i].ph);
+  free(w);
+}
+
 /* Run ops[0..n) as one "kernel" (a collective, or a batch of p2p ops run together). */
 static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   ncclComm_t c = s->comm;
@@ -422,7 +456,7 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   c->kts[kslot] = ts;
   uint64_t pts = ts, old = (kslot + 64 - back) % 64;
   if (back && c->nkern > back) pts = c->kts[old];
-  if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, pts);
+  if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) { kch_start(c, &ops[i], kh + k, pts); a2a_kch_start(c, &ops[i], pts); }
   ncclResult_t res;
   if (!is_p2p(ops[0].a.kind)) {   /* one collective, or a batch of them (NCCL_SIM_GPU_BATCH) */
     res = ncclSuccess;
@@ -470,9 +504,10 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   }
   c->kte[kslot] = te;
   uint64_t pte = (pts != ts && bcast_desync() == 1) ? c->kte[old] : te;
-  if (late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, pts);
+  if (late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) { kch_start(c, &ops[i], kh + k, pts); a2a_kch_start(c, &ops[i], pts); }
   for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) {
     kch_stop(&ops[i], kh + k, pte);
+    a2a_kch_stop(&ops[i], pte);
     gpu_truth(c, &ops[i], ts, te, late, "done", ops[i].h ? ops[i].nch : 0);
   }
   if (bcast_desync() && n == 1 && ops[0].a.kind == K_BROADCAST) c->desync++; /* the GPU ran it; the host never counted it */
@@ -537,7 +572,7 @@ static void *stream_main(void *arg) {
       else for (int i = 0; i < np; i++) gpu_truth(s->comm, &p[i], 0, 0, 0, "skipped", 0);
       free(p);
     }
-    free(w);
+    work_free(w);
     pthread_mutex_lock(&s->mu);
     s->busy = 0;
     s->ran++;
@@ -552,7 +587,7 @@ static void *stream_main(void *arg) {
       __atomic_fetch_add(&g_prof_purged_ops, 1, __ATOMIC_RELAXED);
       gpu_truth(s->comm, &w->ops[i], 0, 0, 0, "purged", 0);
     }
-    free(w);
+    work_free(w);
     pthread_mutex_lock(&s->mu);
   }
   s->tail = NULL; s->qlen = 0;
@@ -641,6 +676,23 @@ static void prof_enqueue(ncclComm_t c, gpu_op_t *ops, int n) {
       if (v7) { d.coll.kernelVariant = "default"; d.coll.isSymColl = false; d.coll.userTag = 0; }
     }
     if (bcast_desync() && a->kind == K_BROADCAST) { ops[i].h = NULL; continue; } /* no activation mask: no Coll */
+    if (alltoall_p2p() && a->kind == K_ALLTOALL) {   /* 2 x nranks P2p events, no Coll (see alltoall_p2p) */
+      ops[i].h = NULL;
+      ops[i].nph = 2 * c->nranks;
+      ops[i].ph = calloc(2 * (size_t)ops[i].nph, sizeof(void *));
+      if (!ops[i].ph) { ops[i].nph = 0; continue; }
+      for (int j = 0; j < ops[i].nph; j++) {
+        int snd = j % 2 == 0, peer = j / 2;
+        d_init(&d, EV_P2P, parent, c->rank);
+        d.p2p.func = snd ? "Send" : "Recv"; d.p2p.buff = snd ? (void *)a->sb : a->rb;
+        d.p2p.datatype = dt_name(a->dt); d.p2p.count = a->count; d.p2p.peer = peer; d.p2p.nChannels = 1;
+        if (g_prof_ver >= 5) d.p2p.parentGroup = grp;
+        if (v7) d.p2p.userTag = 0;
+        ops[i].ph[j] = p_start(c, &d);
+        p_stop(ops[i].ph[j]);
+      }
+      continue;
+    }
     ops[i].h = p_start(c, &d);
     p_stop(ops[i].h);          /* "enqueued", not done */
   }
@@ -717,7 +769,7 @@ ncclResult_t gpu_enqueue(collargs_t *q, int qn) {
     prof_enqueue(c, w->ops, n);
     pthread_mutex_lock(&s->mu);
     while (s->qlen >= qmax && !s->abort) pthread_cond_wait(&s->cv, &s->mu);  /* a full launch queue blocks the host */
-    if (s->abort) { pthread_mutex_unlock(&s->mu); free(w); return ncclInvalidUsage; }
+    if (s->abort) { pthread_mutex_unlock(&s->mu); work_free(w); return ncclInvalidUsage; }
     if (s->tail) s->tail->next = w; else s->head = w;
     s->tail = w;
     s->qlen++;
