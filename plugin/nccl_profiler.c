@@ -1428,7 +1428,7 @@ static void pin_self(void) {
 
 /* The pools (record slots and their network tables, ProxyOps, chain
  * wrappers) are reserved at the first init for their largest size
- * (NCCL_EXPORTER_PROFILER_POOL_MAX records, default 262,144: address space
+ * (NCCL_EXPORTER_PROFILER_POOL_MAX records, default 65,536: address space
  * only, MAP_NORESERVE; a page costs memory once a slot on it is first used)
  * and used up to a size that grows at each communicator's init, off the
  * event path (pools_grow). Readers see the size grow, never shrink. */
@@ -1468,7 +1468,7 @@ static void global_init(nxp_logger_t logfn) {
   G.clock_err_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US", 1000 + G.window_ns / 1000000ull, 1,
                            3600000000ull) * 1000ull;
   G.nslots = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL", 4096, 16, MAX_POOL);
-  G.slot_cap = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL_MAX", 1u << 18, 16, MAX_POOL);
+  G.slot_cap = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL_MAX", 1u << 16, 16, MAX_POOL);
   if (G.slot_cap < G.nslots) G.slot_cap = G.nslots;
   G.slots = pool_reserve(G.slot_cap, sizeof *G.slots);
   if (!G.slots) { /* no address space for the reserve: the initial size, never grown */
