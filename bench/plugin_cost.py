@@ -32,6 +32,15 @@ the KernelCh events, and prints ns per step event (5 per step). Rows: noop
 (given the proxy events too), plugin-noproxy (NCCL_EXPORTER_PROFILER_PROXY=0:
 NCCL would send no proxy events, the driver sends them anyway), plugin
 (proxy accounting on). The goal is <= 100 ns per step event above noop.
+
+Then the activation masks (NCCL_EXPORTER_PROFILER_MASK, docs/plugin.md "The
+activation mask"): the driver's `netbench` sequence gated by the mask the
+plugin asked for, as NCCL gates it (no KernelCh events under `counts`, no
+ProxyOp/ProxyStep under `counts` and `gpu`), ns per collective: none (no
+plugin), counts (Coll only: Coll|P2p), gpu (Coll|P2p|KernelCh), net
+(+ProxyOp/ProxyStep, the default). Host cost on the calling and proxy threads
+only: what KernelCh costs inside NCCL's kernels (KernelPhase writes on 2.31)
+needs a GPU.
 """
 
 from __future__ import annotations
@@ -99,6 +108,17 @@ def run_net(drv: Path, lib: str, n: int, ch: int, steps: int, env_extra: dict) -
     return float(line.split("ns_per_step_event=")[1].split()[0])
 
 
+def run_mask(drv: Path, lib: str, n: int, ch: int, steps: int, mode: str) -> float:
+    """ns per collective of the netbench sequence under the mask the plugin asks for with `mode`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_EXPORTER_")}
+    env["NCCL_EXPORTER_PROFILER_MASK"] = mode
+    out = subprocess.run([str(drv), lib, "7", "netbench", str(n), str(ch), str(steps)], capture_output=True,
+                         text=True, env=env, check=True).stdout
+    line = next(l for l in out.splitlines() if l.startswith("netbench "))
+    f = dict(kv.split("=", 1) for kv in line.split()[1:])
+    return float(f["ns_per_step_event"]) * int(f["events"]) / int(f["n"])
+
+
 def attach_agent(lib: Path):
     from bcc import BPF as Bpf  # noqa: N811
     b = Bpf(text=BPF)
@@ -117,6 +137,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="network steps per ProxyOp (netbench)")
     ap.add_argument("--net-n", type=int, default=20000, help="collectives per timed netbench run")
     ap.add_argument("--net-only", action="store_true", help="only the network-step rows")
+    ap.add_argument("--masks-only", action="store_true", help="only the activation-mask rows")
     a = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="plugin-cost."))
@@ -145,6 +166,21 @@ def main() -> int:
                 configs["agent-real"] = str(real_copy)
             except Exception as e:
                 print(f"agent-real row skipped: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        masks = {"none": "none", "counts": str(plugin), "gpu": str(plugin), "net": str(plugin)}
+        for ch in a.channels:
+            res_m: dict[str, list[float]] = {k: [] for k in masks}
+            names = list(masks)
+            for r in range(a.reps):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    res_m[name].append(run_mask(drv, masks[name], a.net_n, ch, a.steps, name))
+            med = {k: statistics.median(v) for k, v in res_m.items()}
+            print(f"\nactivation masks: {ch} channels x 2 ProxyOps x {a.steps} steps, {a.net_n} collectives x "
+                  f"{a.reps} reps (median ns per collective [min..max]):")
+            for k in names:
+                extra = "" if k == "none" else f"  (+{med[k] - med['none']:.1f} ns over none)"
+                print(f"  {k:8s} {med[k]:10.1f} ns  [{min(res_m[k]):.1f}..{max(res_m[k]):.1f}]{extra}")
+        if a.masks_only:
+            return 0
         net = {"noop": (str(noop), {"DRIVER_PROXY_MASK": "1"}),
                "plugin-noproxy": (str(plugin), {"DRIVER_PROXY_MASK": "1", "NCCL_EXPORTER_PROFILER_PROXY": "0"}),
                "plugin": (str(plugin), {})}

@@ -47,6 +47,7 @@
 #define NX_F_REJECT_LONG 0x80
 #define NX_F_REJECT_EARLY 0x100
 #define NX_F_REJECT_REVERSED 0x200
+#define NX_F_SHARED 0x400000  // NCCL_EXPORTER_F_SHARED
 
 // struct nccl_exporter_record, version 1 (plugin/nccl_exporter_plugin.h).
 // Offsets relied on are commented; the struct is the plugin's byte for byte
@@ -206,7 +207,8 @@ struct plugin_comm {
 #define PD_REJECT_REVERSED 7
 #define PD_COMMS_FULL 8
 #define PD_NET_FULL 9         // net_series full even for the "other" entry
-#define PD_SLOTS 10
+#define PD_SHARED 10          // done records whose GPU interval is another's (a batch): not histogrammed
+#define PD_SLOTS 11
 
 BPF_HASH(gpu_series, struct gpu_key, struct gpu_hist, GPU_MAX_SERIES);
 BPF_HASH(gpu_inflight, struct gpu_flight_key, struct gpu_flight, GPU_MAX_INFLIGHT);
@@ -469,10 +471,16 @@ int on_gpu_done(struct pt_regs *ctx) {
     u32 b = bucket_of(d);
     if (b >= HIST_SLOTS)
         b = HIST_SLOTS - 1;
-    __sync_fetch_and_add(&h->count, 1);
-    __sync_fetch_and_add(&h->sum_ns, d);
-    __sync_fetch_and_add(&h->bytes, r.bytes);
-    __sync_fetch_and_add(&h->buckets[b], 1);
+    if (r.flags & NX_F_SHARED) {
+        // One start/stop for a batch of collectives (docs/metrics.md): its
+        // interval is in the histogram once, with the batch's first record.
+        drop(PD_SHARED);
+    } else {
+        __sync_fetch_and_add(&h->count, 1);
+        __sync_fetch_and_add(&h->sum_ns, d);
+        __sync_fetch_and_add(&h->bytes, r.bytes);
+        __sync_fetch_and_add(&h->buckets[b], 1);
+    }
 
     u32 op = r.op;
     u64 *slow = gpu_config.lookup(&op);

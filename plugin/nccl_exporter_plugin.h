@@ -55,6 +55,14 @@
 #define NCCL_EXPORTER_F_REJECT_REVERSED 0x200 /* latest stop timer before the earliest start timer */
 #define NCCL_EXPORTER_F_REJECTED \
   (NCCL_EXPORTER_F_REJECT_LONG | NCCL_EXPORTER_F_REJECT_EARLY | NCCL_EXPORTER_F_REJECT_REVERSED)
+/* NCCL habits (docs/plugin.md, "NCCL habits"); high bits, so that flags other
+ * habits add below them stay apart. */
+#define NCCL_EXPORTER_F_UNTIMED 0x100000          /* no GPU interval exists for it (a rank's Send/Recv to itself on \
+                                                     NCCL <= 2.30, counts-only mask): done at its enqueue, counted */
+#define NCCL_EXPORTER_F_CHANNELS_UNKNOWN 0x200000 /* NCCL announced 0 channels (CollNet, NVLS): done once every \
+                                                     KernelCh started so far stopped */
+#define NCCL_EXPORTER_F_SHARED 0x400000           /* its GPU interval is the one of the operation done before it \
+                                                     on this communicator (one batch): count it once */
 
 struct nccl_exporter_record {
   uint32_t version;            /*   0 NCCL_EXPORTER_RECORD_VERSION */

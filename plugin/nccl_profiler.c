@@ -35,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -45,10 +46,20 @@
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
 
-/* What we ask NCCL for.  Never KernelPhase (bit 15, v7): on NCCL 2.31 it
- * costs 4-13 % of GPU time (NVIDIA/nccl#2355); a chained plugin that asks
- * for it gets it, with one WARN line (merge_masks). */
+/* What we ask NCCL for (NCCL_EXPORTER_PROFILER_MASK, docs/plugin.md "The
+ * activation mask"): `counts` Coll|P2p only (no GPU intervals); `gpu` adds
+ * KernelCh; `net` (the default with proxy accounting on) adds ProxyOp and
+ * ProxyStep. Never KernelPhase (bit 15, v7). What KernelCh costs NCCL:
+ * a profiler proxy op in every plan, so a captured graph runs a host callback
+ * at every replay (NCCL v2.28.9-1 src/enqueue.cc:1519-1531) and, up to 2.30,
+ * our KernelCh hooks run on NCCL's proxy progress thread; on NCCL 2.31.2
+ * asking for KernelCh alone also turns on the kernels' KernelPhase timestamp
+ * writes and a system fence, the 4-13 % of GPU time measured in
+ * NVIDIA/nccl#2355/#2357 (so our mask pays it, although it never asks for
+ * KernelPhase). A chained plugin that asks for KernelPhase gets it, with one
+ * WARN line (merge_masks). */
 #define OUR_MASK (NXP_EV_COLL | NXP_EV_P2P | NXP_EV_KERNEL_CH)
+#define COUNTS_MASK (NXP_EV_COLL | NXP_EV_P2P)
 _Static_assert((OUR_MASK & NXP_EV_KERNEL_PHASE) == 0, "never ask for KernelPhase events");
 /* ...and with proxy accounting on (NCCL_EXPORTER_PROFILER_PROXY, the default;
  * docs/plugin.md "Network time per peer"), the network steps too. */
@@ -128,6 +139,7 @@ struct ctx {
   void *chain_ctx;      /* the chained plugin's context for this comm */
   int chain_ok;         /* chained init succeeded */
   struct clk clk;
+  _Atomic uint64_t batch_a, batch_b; /* the last done interval not shared (shared_with_last) */
   _Atomic uint64_t *p2p_seq; /* [2 * p2p_n]: per (peer, send/recv) order */
   uint32_t p2p_n;
 };
@@ -149,6 +161,7 @@ struct slot {
   _Atomic int32_t proxy_open;   /* ProxyOps started and not stopped */
   _Atomic uint32_t kch_done;    /* every expected KernelCh stopped */
   _Atomic uint32_t net_used;    /* G.nets[this slot] holds this operation's figures */
+  _Atomic uint32_t pending_ch;  /* F_CHANNELS_UNKNOWN: holds a reference until its channels stopped */
   uint32_t done_reject;         /* judge()'s verdict at the last KernelCh stop */
   uint64_t done_now;            /* and when */
   struct nccl_exporter_record rec; /* the static part, filled at start */
@@ -169,7 +182,10 @@ static struct {
   nxp_logger_t logfn;
   int *nccl_mask;           /* NCCL's process-wide activation mask */
   struct slot *slots;
-  uint32_t nslots;
+  uint32_t nslots;          /* in use; grows at init up to slot_cap (pools_grow) */
+  uint32_t slot_cap;        /* reserved: slots[], nets[] */
+  uint32_t pop_cap;         /* reserved: pops[] */
+  uint32_t wrap_cap;        /* reserved: wraps[] */
   _Atomic uint32_t cursor;
   struct wrap *wraps;
   uint32_t nwraps;
@@ -186,6 +202,7 @@ static struct {
   int our_mask;             /* OUR_MASK, | PROXY_MASK with proxy accounting on */
   int proxy_on;
   int pid;                  /* ours: a ProxyOp of another pid (PXN) is not ours */
+  int pinned;               /* RTLD_NODELETE took: the announcer may run (pin_self) */
   struct net_tab *nets;     /* [nslots]: per operation, by slot index (proxy on) */
   struct pop *pops;         /* ProxyOp pool (proxy on) */
   uint32_t npops;
@@ -349,6 +366,15 @@ static inline void *h_make(uint32_t idx, uint32_t gen, uint32_t sub) {
 }
 static inline int h_is_proxy(void *h) { return ((uintptr_t)h & (H_OURS | H_PROXY)) == (H_OURS | H_PROXY); }
 static inline int h_is_ours(void *h) { return ((uintptr_t)h & H_OURS) != 0; }
+/* What we return for a Group event: one constant, never a slot (index beyond
+ * MAX_POOL), ignored at its stop. NCCL bumps seqNumber for a graph-captured
+ * plan only when the plugin gave it a Group or CollApi handle (v2.28.9-1
+ * src/plugin/profiler.cc:419-427); with NULL every replay of a captured
+ * collective came with the same seqNumber as the replay before. With a handle
+ * each replay has its own number, the same on every rank (KernelCh makes
+ * NCCL run the plan's host callback at every replay on every rank). */
+#define H_GROUP ((void *)(uintptr_t)(H_OURS | (0x7fffffull << 9)))
+_Static_assert(MAX_POOL <= 0x7fffff, "the Group handle's index is beyond any slot");
 
 /* The live slot a handle refers to, or NULL (stale/foreign). */
 static inline struct slot *h_slot(void *h, uint32_t *sub) {
@@ -457,6 +483,25 @@ static void log_record(const struct nccl_exporter_record *r) {
 
 static void net_fill(struct slot *s, struct nccl_exporter_net *out);
 
+/* Batched collectives share one interval: the kernel writes one start and one
+ * stop timer for all the work items of a batch on a channel, read in one loop
+ * (NCCL v2.28.9-1 src/device/common.h:309-327), so N collectives of one batch
+ * report the same interval, within the loop's few ns. A done interval whose
+ * start and stop both lie within SHARED_NS of the communicator's last
+ * unshared done interval is that one's: flagged F_SHARED, it counts once (the
+ * agent leaves it out of sums and histograms). Two operations run one after
+ * the other cannot match unless the first lasted under SHARED_NS. */
+#define SHARED_NS 1000
+static int shared_with_last(struct ctx *c, uint64_t a, uint64_t b) {
+  if (!a || !b) return 0;
+  uint64_t pa = atomic_load_explicit(&c->batch_a, memory_order_relaxed);
+  uint64_t pb = atomic_load_explicit(&c->batch_b, memory_order_relaxed);
+  if (pa && (a > pa ? a - pa : pa - a) <= SHARED_NS && (b > pb ? b - pb : pb - b) <= SHARED_NS) return 1;
+  atomic_store_explicit(&c->batch_a, a, memory_order_relaxed);
+  atomic_store_explicit(&c->batch_b, b, memory_order_relaxed);
+  return 0;
+}
+
 /* Emit done/abandoned exactly once.  With proxy accounting on, a done record
  * carries the network part (struct nccl_exporter_done). */
 static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t now) {
@@ -471,6 +516,8 @@ static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t
     if (fsh && !(extra_flags & NCCL_EXPORTER_F_REJECTED) && r.gpu_stop_timer > r.gpu_start_timer &&
         (now - fsh) + 20000 < r.gpu_stop_timer - r.gpu_start_timer)
       r.flags |= NCCL_EXPORTER_F_START_LATE;
+    if (!(r.flags & NCCL_EXPORTER_F_REJECTED) && shared_with_last(s->ctx, r.gpu_start_timer, r.gpu_stop_timer))
+      r.flags |= NCCL_EXPORTER_F_SHARED;
     atomic_fetch_add_explicit(&G.completed, 1, memory_order_relaxed);
     if (G.proxy_on) {
       net_fill(s, &d.net);
@@ -491,7 +538,16 @@ static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t
 static void release(struct slot *s, uint32_t abandon_flags, uint64_t now) {
   uint32_t live = SLOT_LIVE;
   if (!atomic_compare_exchange_strong(&s->state, &live, SLOT_CLOSING)) return;
-  if (!atomic_load(&s->finished)) finish(s, NCCL_EXPORTER_STATE_ABANDONED, abandon_flags, now ? now : mono_ns());
+  if (!atomic_load(&s->finished)) {
+    /* A CHANNELS_UNKNOWN operation (CollNet/NVLS) that aged out without one
+     * KernelCh ran where NCCL gave it none to time: counted, untimed, not
+     * abandoned (docs/plugin.md, "NCCL habits": CollNet/SHARP, NVLS). */
+    if ((abandon_flags & NCCL_EXPORTER_F_AGED) && (s->rec.flags & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) &&
+        !atomic_load(&s->started))
+      finish(s, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_UNTIMED, now ? now : mono_ns());
+    else
+      finish(s, NCCL_EXPORTER_STATE_ABANDONED, abandon_flags, now ? now : mono_ns());
+  }
   atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
   atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
 }
@@ -554,10 +610,27 @@ struct ev {               /* the fields we use, read from any version */
 
 static void *ours_start_op(struct ctx *c, const struct ev *e) {
   if (UNLIKELY(atomic_load_explicit(&G.disabled, memory_order_relaxed) || !G.slots)) return NULL;
-  /* Without KernelCh events (e.g. a RAS override) nothing would complete. */
-  if (UNLIKELY(G.nccl_mask && !(__atomic_load_n(G.nccl_mask, __ATOMIC_RELAXED) & NXP_EV_KERNEL_CH))) return NULL;
   unsigned nch = e->nchannels;
-  if (nch == 0) return NULL; /* no kernel work (e.g. copy-engine path): nothing to time */
+  uint32_t fl = 0;
+  /* Without KernelCh events (the counts mask, or a RAS override of NCCL's
+   * mask) no GPU interval can come: counted, untimed, done at its enqueue. */
+  if (UNLIKELY(G.nccl_mask && !(__atomic_load_n(G.nccl_mask, __ATOMIC_RELAXED) & NXP_EV_KERNEL_CH))) {
+    nch = 0;
+    fl = NCCL_EXPORTER_F_UNTIMED;
+  } else if (e->type == NXP_EV_P2P && e->root_or_peer == c->rank && c->iface <= 6) {
+    /* NCCL <= 2.30 (interface <= v6): a rank's Send/Recv to itself gets no
+     * proxy op, hence no profiler proxy op and no KernelCh events (v2.28.9-1
+     * src/enqueue.cc:805 nProxyOps = selfSend ? 0 : 2; :1010-1019). Counted,
+     * untimed, done at its enqueue: it must not stay in flight. */
+    nch = 0;
+    fl = NCCL_EXPORTER_F_UNTIMED;
+  } else if (nch == 0) {
+    /* CollNet (and NVLS): NCCL never sets the task's nChannels (v2.28.9-1
+     * src/enqueue.cc:568-597), yet adds a profiler proxy op per channel whose
+     * KernelCh events take this handle as parent: count the channels as they
+     * come; done once every one started so far stopped. */
+    fl = NCCL_EXPORTER_F_CHANNELS_UNKNOWN;
+  }
   uint64_t now = mono_ns();
   uint32_t idx;
   struct slot *s = slot_alloc(now, &idx);
@@ -567,7 +640,10 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   s->ctx = c;
   s->theirs = NULL;
   s->created = now;
-  atomic_store_explicit(&s->refs, 1 + (int32_t)nch, memory_order_relaxed);
+  /* CHANNELS_UNKNOWN: one reference for the channels to come (pending_ch) */
+  atomic_store_explicit(&s->refs, 1 + (int32_t)nch + ((fl & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) ? 1 : 0),
+                        memory_order_relaxed);
+  atomic_store_explicit(&s->pending_ch, (fl & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) ? 1 : 0, memory_order_relaxed);
   atomic_store_explicit(&s->started, 0, memory_order_relaxed);
   atomic_store_explicit(&s->stopped, 0, memory_order_relaxed);
   atomic_store_explicit(&s->finished, 0, memory_order_relaxed);
@@ -592,7 +668,6 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   r->nchannels = (uint8_t)nch;
   r->count = e->count;
   r->host_enqueue_mono_ns = now;
-  uint32_t fl = 0;
   unsigned esize = 0;
   r->datatype = dtype_code_cached(e->datatype, &esize, &fl);
   r->bytes = (uint64_t)e->count * esize;
@@ -633,7 +708,7 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
   }
   uint32_t n = atomic_fetch_add_explicit(&s->started, 1, memory_order_acq_rel);
   if (n >= s->rec.nchannels) { /* more children than announced: keep the slot for them too */
-    atomic_fetch_or_explicit(&s->flags, NCCL_EXPORTER_F_EXTRA_CHANNELS, memory_order_relaxed);
+    if (s->rec.nchannels) atomic_fetch_or_explicit(&s->flags, NCCL_EXPORTER_F_EXTRA_CHANNELS, memory_order_relaxed);
     atomic_fetch_add_explicit(&s->refs, 1, memory_order_acq_rel);
   }
   if (n == 0) {
@@ -723,6 +798,8 @@ static void ours_kch_stop_state(void *h, uint64_t ptimer) {
     s->done_now = now;
     atomic_store(&s->kch_done, 1);
     if (atomic_load(&s->proxy_open) == 0) finish(s, NCCL_EXPORTER_STATE_DONE, reject, now);
+    /* CHANNELS_UNKNOWN: channels starting after this are not waited for (a stale handle, counted) */
+    if (atomic_exchange(&s->pending_ch, 0)) unref(s);
   }
 }
 
@@ -736,7 +813,8 @@ static void ours_stop(void *h) {
   uint32_t sub;
   struct slot *s = h_slot(h, &sub);
   if (!s) return;
-  (void)sub;
+  if (sub == 0 && (s->rec.flags & NCCL_EXPORTER_F_UNTIMED)) /* no KernelCh will come: done when enqueued */
+    finish(s, NCCL_EXPORTER_STATE_DONE, 0, mono_ns());
   unref(s);
 }
 
@@ -875,7 +953,9 @@ static void *proxy_start_op(const struct ev *e) {
     }
   }
   if (!p) {
-    atomic_fetch_add_explicit(&G.proxy_dropped, 1, memory_order_relaxed);
+    if (atomic_fetch_add_explicit(&G.proxy_dropped, 1, memory_order_relaxed) == 0)
+      logmsg(NXP_LOG_WARN, "nccl-exporter profiler: ProxyOp pool (%u) exhausted; network figures of operations are "
+             "dropped and counted (NCCL_EXPORTER_PROFILER_PROXY_POOL)", G.npops);
     proxy_close(s);
     unref(s);
     return NULL;
@@ -1210,6 +1290,7 @@ static nxp_result_t common_start(int ver, void *context, void **eHandle, const v
     else if (e->type == NXP_EV_KERNEL_CH) *eHandle = ours_start_kch(c, e);
     else if (e->type == NXP_EV_PROXY_OP) *eHandle = proxy_start_op(e);
     else if (e->type == NXP_EV_COLL || e->type == NXP_EV_P2P) *eHandle = ours_start_op(c, e);
+    else if (e->type == NXP_EV_GROUP) *eHandle = H_GROUP;
     return NXP_SUCCESS;
   }
 
@@ -1223,6 +1304,7 @@ static nxp_result_t common_start(int ver, void *context, void **eHandle, const v
   else if (e->type == NXP_EV_COLL || e->type == NXP_EV_P2P) ours = ours_start_op(c, &e2);
   else if (G.proxy_on && e->type == NXP_EV_PROXY_OP) ours = proxy_start_op(&e2); /* pid checked first */
   else if (G.proxy_on && e->type == NXP_EV_PROXY_STEP) ours = parent_ours ? proxy_start_step(&e2) : NULL;
+  else if (e->type == NXP_EV_GROUP) ours = H_GROUP;
 
   void *theirs = NULL;
   if (c->chain_ok && (atomic_load_explicit(&G.chain_types, memory_order_relaxed) & (int)e->type)) {
@@ -1327,30 +1409,100 @@ static void load_chain(void) {
   dlclose(dl);
 }
 
+/* Pin the library: never unmapped while the process lives. NCCL dlcloses the
+ * plugin when its load count reaches 0 (v2.28.9-1 src/plugin/profiler.cc:107-119),
+ * and that count can fall to 0 under live communicators: commFree unloads
+ * also for a communicator whose init failed before the plugin was loaded
+ * (init.cc:336 vs :1251), and 2.30.x unloads twice after an init error
+ * (v2.30.7-1 profiler.cc:253, :268). Our announcer thread would then run in
+ * unmapped code. The link flag -z nodelete (exporter/sources/plugin/build.py)
+ * does the same for our build; this covers any other build of these sources. */
+static void pin_self(void) {
+  Dl_info self;
+  if (!dladdr((void *)&pin_self, &self) || !self.dli_fname ||
+      !dlopen(self.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE)) {
+    const char *err = dlerror();
+    logmsg(NXP_LOG_WARN, "nccl-exporter profiler: cannot pin the plugin in memory (%s); its announcer thread is "
+           "off", err ? err : "dladdr");
+  } else G.pinned = 1;
+}
+
+/* The pools (record slots and their network tables, ProxyOps, chain
+ * wrappers) are reserved at the first init for their largest size
+ * (NCCL_EXPORTER_PROFILER_POOL_MAX records, default 65,536: address space
+ * only, MAP_NORESERVE; a page costs memory once a slot on it is first used)
+ * and used up to a size that grows at each communicator's init, off the
+ * event path (pools_grow). Readers see the size grow, never shrink. */
+static void *pool_reserve(size_t n, size_t size) {
+  if (!n) return NULL;
+  void *p = mmap(NULL, n * size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? NULL : p;
+}
+static void pool_free(void *p, size_t n, size_t size) {
+  if (p) munmap(p, n * size);
+}
+
+/* One ncclAlltoAll is 2 x nranks P2P tasks (NCCL v2.28.9-1 src/enqueue.cc:2585-2588),
+ * each a record with one ProxyOp per channel and direction it uses: room for
+ * two of them enqueued ahead of the GPU, 8 x nranks records and twice as many
+ * ProxyOps (at least the configured sizes). Under G.lock. */
+static void pools_grow(int nranks) {
+  if (nranks <= 0 || !G.slots) return;
+  uint64_t want = 8ull * (uint64_t)nranks;
+  if (want > G.slot_cap) want = G.slot_cap;
+  if (want > G.nslots) {
+    logmsg(NXP_LOG_INFO, "nccl-exporter profiler: record pool %u -> %u for %d ranks", G.nslots, (uint32_t)want, nranks);
+    __atomic_store_n(&G.nslots, (uint32_t)want, __ATOMIC_RELEASE);
+  }
+  if (G.pops && 2ull * G.nslots > G.npops)
+    __atomic_store_n(&G.npops, 2 * G.nslots > G.pop_cap ? G.pop_cap : 2 * G.nslots, __ATOMIC_RELEASE);
+  if (G.wraps && 4ull * G.nslots > G.nwraps)
+    __atomic_store_n(&G.nwraps, 4 * G.nslots > G.wrap_cap ? G.wrap_cap : 4 * G.nslots, __ATOMIC_RELEASE);
+}
+
 static void global_init(nxp_logger_t logfn) {
   G.logfn = logfn;
+  pin_self();
   G.max_age_ns = env_u64("NCCL_EXPORTER_PROFILER_MAX_AGE_S", 300, 1, 86400 * 365) * 1000000000ull;
   G.window_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_WINDOW_MS", 200, 10, 3600000) * 1000000ull;
   /* 1 ms (the enqueue time's lateness, timer resolution) + 2 windows of 500 ppm drift */
   G.clock_err_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US", 1000 + G.window_ns / 1000000ull, 1,
                            3600000000ull) * 1000ull;
   G.nslots = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL", 4096, 16, MAX_POOL);
-  G.slots = calloc(G.nslots, sizeof *G.slots);
+  G.slot_cap = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL_MAX", 1u << 16, 16, MAX_POOL);
+  if (G.slot_cap < G.nslots) G.slot_cap = G.nslots;
+  G.slots = pool_reserve(G.slot_cap, sizeof *G.slots);
+  if (!G.slots) { /* no address space for the reserve: the initial size, never grown */
+    G.slot_cap = G.nslots;
+    G.slots = pool_reserve(G.slot_cap, sizeof *G.slots);
+  }
   if (!G.slots) {
-    G.nslots = 0;
+    G.nslots = G.slot_cap = 0;
     disable("cannot allocate the record pool");
   }
   atomic_store(&G.next_id, 1);
   G.pid = (int)getpid();
   G.our_mask = OUR_MASK;
   G.proxy_on = G.slots && env_u64("NCCL_EXPORTER_PROFILER_PROXY", 1, 0, 1);
+  const char *m = getenv("NCCL_EXPORTER_PROFILER_MASK");
+  if (m && !strcmp(m, "counts")) {
+    G.our_mask = COUNTS_MASK;
+    G.proxy_on = 0;
+  } else if (m && !strcmp(m, "gpu")) {
+    G.proxy_on = 0;
+  } else if (m && *m && strcmp(m, "net") && strcmp(m, "auto")) {
+    logmsg(NXP_LOG_WARN, "nccl-exporter profiler: NCCL_EXPORTER_PROFILER_MASK=%s is not counts, gpu or net; "
+           "using the default", m);
+  }
   if (G.proxy_on) {
     G.npops = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_PROXY_POOL", 8192, 16, MAX_POOL);
-    G.nets = calloc(G.nslots, sizeof *G.nets);
-    G.pops = calloc(G.npops, sizeof *G.pops);
+    G.pop_cap = G.slot_cap > G.nslots ? 2 * G.slot_cap : G.npops;
+    if (G.pop_cap < G.npops) G.pop_cap = G.npops;
+    G.nets = pool_reserve(G.slot_cap, sizeof *G.nets);
+    G.pops = pool_reserve(G.pop_cap, sizeof *G.pops);
     if (!G.nets || !G.pops) {
-      free(G.nets);
-      free(G.pops);
+      pool_free(G.nets, G.slot_cap, sizeof *G.nets);
+      pool_free(G.pops, G.pop_cap, sizeof *G.pops);
       G.nets = NULL;
       G.pops = NULL;
       G.npops = 0;
@@ -1363,8 +1515,9 @@ static void global_init(nxp_logger_t logfn) {
   load_chain();
   if (G.chain) {
     G.nwraps = G.nslots ? 4 * G.nslots : 4096;
-    G.wraps = calloc(G.nwraps, sizeof *G.wraps);
-    if (!G.wraps) G.nwraps = 0;
+    G.wrap_cap = G.slot_cap ? 4 * G.slot_cap : G.nwraps;
+    G.wraps = pool_reserve(G.wrap_cap, sizeof *G.wraps);
+    if (!G.wraps) G.nwraps = G.wrap_cap = 0;
   }
   G.initialized = 1;
 }
@@ -1438,7 +1591,7 @@ static void announce_add(struct ctx *c) {
     pthread_atfork(NULL, NULL, announce_forked);
   }
   if (A.n < ANNOUNCE_MAX) A.live[A.n++] = c;
-  if (!A.running && A.period_ms) {
+  if (!A.running && A.period_ms && G.pinned) {
     /* the job's signals stay with the job's threads */
     sigset_t all, old;
     sigfillset(&all);
@@ -1478,6 +1631,7 @@ static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mas
   if (!context || !mask) return NXP_SUCCESS;
   pthread_mutex_lock(&G.lock);
   if (!G.initialized) global_init(logfn);
+  pools_grow(nranks);
   G.nccl_mask = mask;
   struct ctx *c = calloc(1, sizeof *c);
   if (!c) {
@@ -1515,6 +1669,10 @@ static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mas
   if (first)
     logmsg(NXP_LOG_INFO, "nccl-exporter profiler: v%d, mask 0x%x, pool %u, proxy %s (pool %u), log %s, chain %s", ver,
            *mask, G.nslots, G.proxy_on ? "on" : "off", G.npops, G.log_fd >= 0 ? "on" : "off", G.chain ? "on" : "off");
+  if (first && ver >= 7 && (G.our_mask & NXP_EV_KERNEL_CH))
+    logmsg(NXP_LOG_INFO, "nccl-exporter profiler: NCCL >= 2.31 (interface v7) also makes its kernels write "
+           "per-phase timestamps and a fence when KernelCh is asked for (NVIDIA/nccl#2355: 4-13 %% GPU time on 2.31.2); "
+           "NCCL_EXPORTER_PROFILER_MASK=counts asks for no KernelCh (operation counts, no GPU intervals)");
   struct nccl_exporter_comm ci = comm_record(c);
   hook_comm_init(&ci);
   if (G.log_fd >= 0) {
@@ -1596,7 +1754,7 @@ INIT_V(7)
     struct ev e;                                                                                                    \
     e.type = (TYPEEXPR);                                                                                            \
     e.parent = d->parentObj;                                                                                        \
-    if (LIKELY(!G.chain) && !(e.type & (uint64_t)G.our_mask)) { *h = NULL; return NXP_SUCCESS; }                   \
+    if (LIKELY(!G.chain) && !(e.type & ((uint64_t)G.our_mask | NXP_EV_GROUP))) { *h = NULL; return NXP_SUCCESS; } \
     if (e.type == NXP_EV_COLL) {                                                                                    \
       e.seq = d->coll.seqNumber; e.func = d->coll.func; e.datatype = d->coll.datatype;                              \
       e.count = d->coll.count; e.root_or_peer = d->coll.root; e.nchannels = d->coll.nChannels;                     \
@@ -1662,16 +1820,16 @@ EXPORT void nccl_exporter_profiler_pools(uint64_t out[8]) {
 /* dlclose by NCCL after the last communicator: give the memory back. */
 __attribute__((destructor)) static void nxp_unload(void) {
   if (G.ncomms > 0) return; /* process exit with live comms: leave everything */
-  free(G.slots);
-  free(G.wraps);
-  free(G.nets);
-  free(G.pops);
+  pool_free(G.slots, G.slot_cap, sizeof *G.slots);
+  pool_free(G.wraps, G.wrap_cap, sizeof *G.wraps);
+  pool_free(G.nets, G.slot_cap, sizeof *G.nets);
+  pool_free(G.pops, G.pop_cap, sizeof *G.pops);
   G.nets = NULL;
   G.pops = NULL;
   G.npops = 0;
   G.slots = NULL;
   G.wraps = NULL;
-  G.nslots = G.nwraps = 0;
+  G.nslots = G.nwraps = G.slot_cap = G.pop_cap = G.wrap_cap = 0;
   if (G.log_fd >= 0) close(G.log_fd);
   G.log_fd = -1;
   if (G.chain_dl) dlclose(G.chain_dl);

@@ -208,6 +208,12 @@ class FakePlugin(FakeProgram):
     def rejected(self):
         return {"longer_than_host": 2, "start_before_enqueue": 0, "stop_before_start": 0}
 
+    def shared(self):
+        return 3
+
+    def untimed(self):
+        return 4
+
 
 class FakeSpans:
     """SpanSink's surface: exemplars and span counts."""

@@ -66,7 +66,7 @@ def build_plugin(work: Path) -> Path:
     src = REPO / "plugin"
     subprocess.run(["gcc", "-O2", "-g", "-fPIC", "-shared", "-pthread", "-std=gnu11", "-Wall", "-fvisibility=hidden",
                     "-fno-semantic-interposition", "-I", str(src), "-o", str(out), str(src / "nccl_profiler.c"),
-                    "-ldl"], check=True, capture_output=True, text=True)
+                    "-ldl", "-Wl,-z,nodelete"], check=True, capture_output=True, text=True)
     return out
 
 

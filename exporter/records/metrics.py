@@ -200,6 +200,19 @@ EXPORTER_GPU_INTERVALS_REJECTED = _m(
     "enqueue to delivery), start_before_enqueue (started before the host enqueued it, beyond the "
     "clock error), stop_before_start. NCCL >= 2.29 produces them after a Broadcast on the "
     "AllGatherV path (NCCL_ALLGATHERV_ENABLE=1, the default).")
+EXPORTER_GPU_INTERVALS_SHARED = _m(
+    "nccl_exporter_gpu_intervals_shared_total", "counter", ("node",),
+    "GPU operations of the NCCL profiler plugin whose interval is the one of the operation "
+    "done before them on the same communicator: NCCL's kernel writes one start and one stop "
+    "for a batch of collectives, so the batch's interval is counted once in "
+    "nccl_collective_gpu_duration_seconds, under the operation that finished first, and these "
+    "are left out.")
+EXPORTER_GPU_OPERATIONS_UNTIMED = _m(
+    "nccl_exporter_gpu_operations_untimed_total", "counter", ("node",),
+    "GPU operations of the NCCL profiler plugin done with no GPU interval, so not in "
+    "nccl_collective_gpu_duration_seconds: NCCL gives none to time (a rank's Send/Recv to itself "
+    "on NCCL <= 2.30, a CollNet/NVLS collective with no KernelCh event) or the plugin's mask "
+    "asks for none (NCCL_EXPORTER_PROFILER_MASK=counts).")
 EXPORTER_RECORDING_DROPPED = _m(
     "nccl_exporter_recording_dropped_total", "counter", ("node", "reason"),
     "Events `run --db` did not write to its recording, by reason: queue_full (the writer was "

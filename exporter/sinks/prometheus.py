@@ -325,6 +325,8 @@ class NcclCollector:
         if self.plugin is not None:
             yield family_of(metrics.EXPORTER_GPU_INTERVALS_REJECTED,
                          {(node, reason): n for reason, n in self.plugin.rejected().items()})
+            yield family_of(metrics.EXPORTER_GPU_INTERVALS_SHARED, {(node,): self.plugin.shared()})
+            yield family_of(metrics.EXPORTER_GPU_OPERATIONS_UNTIMED, {(node,): self.plugin.untimed()})
         yield family_of(metrics.EXPORTER_EVENTS_LOST,
                      {(node, source): counters[c] for c, source in contract.EVENTS_LOST_COUNTERS})
         yield family_of(metrics.EXPORTER_BPF_MISSES, misses)

@@ -126,11 +126,13 @@ static void sim_logger(int level, unsigned long flags, const char *file, int lin
   fprintf(stderr, "NCCL %s %s\n", level <= 2 ? "WARN" : "INFO", buf);
 }
 
+static void *g_prof_dl;
 static void prof_load(void) {
   const char *p = getenv("NCCL_PROFILER_PLUGIN");
   if (!gpu_on() || !p || !*p) return;
   void *dl = dlopen(p, RTLD_NOW | RTLD_LOCAL);
   if (!dl) { sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: Could not find: %s (%s)", p, dlerror()); return; }
+  g_prof_dl = dl;
   int maxv = env_int("NCCL_SIM_GPU_PROFILER_VERSION", 7);
   for (int v = 7; v >= 4; v--) {      /* newest first, as NCCL does */
     if (v > maxv) continue;
@@ -141,6 +143,42 @@ static void prof_load(void) {
   }
   if (g_prof) sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: Loaded %s (v%d)", g_prof->name ? g_prof->name : "?", g_prof_ver);
   else sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: %s has no ncclProfiler_v4..v%d", p, maxv);
+}
+
+/* NCCL's load count (NCCL_SIM_GPU_UNLOAD=1; without it the plugin is loaded
+ * once and never closed). NCCL v2.28.9-1 src/plugin/profiler.cc:107-119
+ * (ncclProfilerPluginUnload): every ncclProfilerPluginFinalize (:201-211)
+ * drops the count and at 0 dlcloses the plugin and forgets it; init.cc:336
+ * (commFree) calls that finalize for every communicator, also one whose init
+ * failed before ncclProfilerPluginInit (init.cc:1251) and so never loaded it:
+ * the count goes out of balance and NCCL closes the plugin under live
+ * communicators. NCCL_SIM_GPU_FAILED_INIT=N plays N such communicators'
+ * commFree, after the first profiler init. On 2.30.x an init that
+ * returns an error unloads at once (v2.30.7-1 profiler.cc:253) and again in
+ * commFree (:268): NCCL_SIM_GPU_INIT_ERROR_UNLOADS=1. */
+static pthread_mutex_t g_prof_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_prof_refs;
+static int prof_unload_on(void) {
+  static int v = -1;
+  if (v < 0) v = env_int("NCCL_SIM_GPU_UNLOAD", 0) ? 1 : 0;
+  return v;
+}
+static void prof_acquire(void) {
+  if (!prof_unload_on()) { pthread_once(&g_prof_once, prof_load); return; }
+  pthread_mutex_lock(&g_prof_mu);
+  if (g_prof_refs++ == 0 && !g_prof) prof_load();
+  pthread_mutex_unlock(&g_prof_mu);
+}
+static void prof_release(void) {
+  if (!prof_unload_on()) return;
+  pthread_mutex_lock(&g_prof_mu);
+  if (--g_prof_refs == 0 && g_prof_dl) {
+    sim_logger(3, 0, __FILE__, __LINE__, "PROFILER/Plugin: Closing profiler plugin %s", g_prof && g_prof->name ? g_prof->name : "?");
+    g_prof = NULL;
+    dlclose(g_prof_dl);
+    g_prof_dl = NULL;
+  }
+  pthread_mutex_unlock(&g_prof_mu);
 }
 
 /* NCCL's gating: is an event of type t started, given the mask? */
@@ -240,7 +278,7 @@ static void gpu_truth_simple(const char *fn, const char *op, ncclComm_t c, const
 void gpu_comm_ready(ncclComm_t c) {
   if (!gpu_on() || !c) return;
   if (!c->p2p_seq) c->p2p_seq = calloc(2 * (size_t)c->nranks, sizeof(uint64_t));
-  pthread_once(&g_prof_once, prof_load);
+  prof_acquire();
   char extra[160];
   snprintf(extra, sizeof extra, ",\"comm_hash\":\"%016llx\"", (unsigned long long)c->nccl_hash);
   gpu_truth_simple("gpuCommReady", "GPU_COMM_READY", c, extra);
@@ -249,8 +287,19 @@ void gpu_comm_ready(ncclComm_t c) {
   int nnodes = env_int("NCCL_SIM_GPU_NNODES", c->nranks);
   if (g_prof_ver == 4) r = ((prof_init_v4_t)g_prof->init)(&c->prof_ctx, &g_prof_mask, NULL, c->nccl_hash, nnodes, c->nranks, c->rank, sim_logger);
   else r = ((prof_init_v5_t)g_prof->init)(&c->prof_ctx, c->nccl_hash, &g_prof_mask, NULL, nnodes, c->nranks, c->rank, sim_logger);
-  if (r != 0) { sim_logger(2, 0, __FILE__, __LINE__, "PROFILER/Plugin: init failed (%d)", r); return; }
+  if (r != 0) {
+    sim_logger(2, 0, __FILE__, __LINE__, "PROFILER/Plugin: init failed (%d)", r);
+    if (env_int("NCCL_SIM_GPU_INIT_ERROR_UNLOADS", 0)) prof_release(); /* 2.30.x; commFree unloads again */
+    return;
+  }
   c->prof_inited = 1;
+  static int failed_once;
+  int nfailed = env_int("NCCL_SIM_GPU_FAILED_INIT", 0);
+  if (nfailed > 0 && !__atomic_exchange_n(&failed_once, 1, __ATOMIC_RELAXED))
+    for (int i = 0; i < nfailed; i++) {
+      gpu_truth_simple("failedCommFree", "FAILED_COMM_FREE", c, "");
+      prof_release(); /* a communicator that never loaded the plugin unloads it (init.cc:336) */
+    }
   snprintf(extra, sizeof extra, ",\"comm_hash\":\"%016llx\",\"iface\":%d,\"mask\":%d", (unsigned long long)c->nccl_hash,
            g_prof_ver, __atomic_load_n(&g_prof_mask, __ATOMIC_RELAXED));
   gpu_truth_simple("profilerInit", "PROFILER_INIT", c, extra);
@@ -260,6 +309,8 @@ void gpu_comm_ready(ncclComm_t c) {
 typedef struct gpu_op {
   collargs_t a;
   void *h;                 /* the Coll / P2p handle (NULL: no KernelCh events) */
+  void **ph;               /* NCCL_SIM_GPU_ALLTOALL_P2P: an AlltoAll's 2 x nranks P2p handles, then their */
+  int nph;                 /*   KernelCh handles (ph[nph + j]); NULL: none */
   int nch;
 } gpu_op_t;
 typedef struct gpu_work {
@@ -358,6 +409,38 @@ static void kch_stop(gpu_op_t *o, void **kh, uint64_t te) {
   }
 }
 
+/* NCCL_SIM_GPU_ALLTOALL_P2P=1: an ncclAlltoAll is 2 x nranks P2P tasks, a
+ * Send and a Recv per peer (NCCL v2.28.9-1 src/enqueue.cc:2585-2588), each its
+ * own P2p event and KernelCh; on NCCL <= 2.30 the Send/Recv to the rank
+ * itself gets no proxy op, so no profiler proxy op and no KernelCh
+ * (enqueue.cc:805 `nProxyOps = selfSend ? 0 : 2`, :1010-1019). */
+static int alltoall_p2p(void) {
+  static int v = -1;
+  if (v < 0) v = env_int("NCCL_SIM_GPU_ALLTOALL_P2P", 0) ? 1 : 0;
+  return v;
+}
+static void a2a_kch_start(ncclComm_t c, gpu_op_t *o, uint64_t ts) {
+  for (int j = 0; j < o->nph; j++) {
+    o->ph[o->nph + j] = NULL;
+    if (!o->ph[j] || (j / 2 == c->rank && g_prof_ver <= 6)) continue;
+    sim_descr_t d;
+    d_init(&d, EV_KERNEL_CH, o->ph[j], 0);
+    d.kernelCh.channelId = 0;
+    d.kernelCh.pTimer = gpu_timer(ts);
+    o->ph[o->nph + j] = p_start(c, &d);
+  }
+}
+static void a2a_kch_stop(gpu_op_t *o, uint64_t te) {
+  for (int j = 0; j < o->nph; j++) {
+    p_record(o->ph[o->nph + j], ST_KERNEL_CH_STOP, gpu_timer(te), 0);
+    p_stop(o->ph[o->nph + j]);
+  }
+}
+static void work_free(gpu_work_t *w) {
+  for (int i = 0; i < w->n; i++) free(w->ops[i].ph);
+  free(w);
+}
+
 /* Run ops[0..n) as one "kernel" (a collective, or a batch of p2p ops run together). */
 static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   ncclComm_t c = s->comm;
@@ -373,11 +456,14 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   c->kts[kslot] = ts;
   uint64_t pts = ts, old = (kslot + 64 - back) % 64;
   if (back && c->nkern > back) pts = c->kts[old];
-  if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, pts);
+  if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) { kch_start(c, &ops[i], kh + k, pts); a2a_kch_start(c, &ops[i], pts); }
   ncclResult_t res;
-  if (n == 1 && !is_p2p(ops[0].a.kind)) {
-    tl_net_parent = ops[0].h; tl_net_kind = ops[0].a.kind; tl_net_seq = ops[0].a.seq;
-    res = exec_coll(&ops[0].a);
+  if (!is_p2p(ops[0].a.kind)) {   /* one collective, or a batch of them (NCCL_SIM_GPU_BATCH) */
+    res = ncclSuccess;
+    for (int i = 0; i < n && res == ncclSuccess; i++) {
+      tl_net_parent = ops[i].h; tl_net_kind = ops[i].a.kind; tl_net_seq = ops[i].a.seq;
+      res = exec_coll(&ops[i].a);
+    }
     tl_net_parent = NULL; tl_net_kind = 0; tl_net_seq = 0;
   } else {
     p2p_t *p = malloc(sizeof(p2p_t) * (size_t)n);
@@ -418,9 +504,10 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   }
   c->kte[kslot] = te;
   uint64_t pte = (pts != ts && bcast_desync() == 1) ? c->kte[old] : te;
-  if (late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, pts);
+  if (late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) { kch_start(c, &ops[i], kh + k, pts); a2a_kch_start(c, &ops[i], pts); }
   for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) {
     kch_stop(&ops[i], kh + k, pte);
+    a2a_kch_stop(&ops[i], pte);
     gpu_truth(c, &ops[i], ts, te, late, "done", ops[i].h ? ops[i].nch : 0);
   }
   if (bcast_desync() && n == 1 && ops[0].a.kind == K_BROADCAST) c->desync++; /* the GPU ran it; the host never counted it */
@@ -463,11 +550,20 @@ static void *stream_main(void *arg) {
     int err = s->comm->async_err != ncclSuccess;
     /* collectives in call order, then the p2p ops together (as the blocking mode does) */
     int np = 0;
+    /* NCCL_SIM_GPU_BATCH=1: the collectives of one group on a communicator run
+     * as one kernel, whose every channel writes one start and one stop timer
+     * for all of them (NCCL v2.28.9-1 src/device/common.h:309-327): each
+     * Coll's KernelCh events carry the same timers. */
+    int batch = env_int("NCCL_SIM_GPU_BATCH", 0), nc = 0;
+    gpu_op_t *colls = batch ? malloc(sizeof(gpu_op_t) * (size_t)w->n) : NULL;
     for (int i = 0; i < w->n; i++) {
       if (is_p2p(w->ops[i].a.kind)) { np++; continue; }
       if (err) { gpu_truth(s->comm, &w->ops[i], 0, 0, 0, "skipped", 0); continue; }
-      run_kernel(s, &w->ops[i], 1);
+      if (colls) colls[nc++] = w->ops[i];
+      else run_kernel(s, &w->ops[i], 1);
     }
+    if (nc) run_kernel(s, colls, nc);
+    free(colls);
     if (np) {
       gpu_op_t *p = malloc(sizeof(gpu_op_t) * (size_t)np);
       int k = 0;
@@ -476,7 +572,7 @@ static void *stream_main(void *arg) {
       else for (int i = 0; i < np; i++) gpu_truth(s->comm, &p[i], 0, 0, 0, "skipped", 0);
       free(p);
     }
-    free(w);
+    work_free(w);
     pthread_mutex_lock(&s->mu);
     s->busy = 0;
     s->ran++;
@@ -491,7 +587,7 @@ static void *stream_main(void *arg) {
       __atomic_fetch_add(&g_prof_purged_ops, 1, __ATOMIC_RELAXED);
       gpu_truth(s->comm, &w->ops[i], 0, 0, 0, "purged", 0);
     }
-    free(w);
+    work_free(w);
     pthread_mutex_lock(&s->mu);
   }
   s->tail = NULL; s->qlen = 0;
@@ -569,17 +665,69 @@ static void prof_enqueue(ncclComm_t c, gpu_op_t *ops, int n) {
       d_init(&d, EV_COLL, parent, c->rank);
       d.coll.seqNumber = a->seq; d.coll.func = func_name(a->kind); d.coll.sendBuff = a->sb; d.coll.recvBuff = a->rb;
       d.coll.count = a->count; d.coll.root = a->root; d.coll.datatype = dt_name(a->dt); d.coll.nChannels = (uint8_t)nch;
+      /* NCCL_SIM_GPU_COLLNET=1: CollNet/NVLS collectives. NCCL never sets the
+       * task's nChannels for them (v2.28.9-1 src/enqueue.cc:568-597: the
+       * CollNet branch uses nMaxChannels and adds a profiler proxy op per
+       * channel), so the Coll says 0 channels and its KernelCh events still
+       * come, one per channel, with the Coll's handle as parent. */
+      if (env_int("NCCL_SIM_GPU_COLLNET", 0)) d.coll.nChannels = 0;
       d.coll.nWarps = 16; d.coll.algo = "RING"; d.coll.proto = "SIMPLE";
       if (g_prof_ver >= 5) d.coll.parentGroup = grp;
       if (v7) { d.coll.kernelVariant = "default"; d.coll.isSymColl = false; d.coll.userTag = 0; }
     }
     if (bcast_desync() && a->kind == K_BROADCAST) { ops[i].h = NULL; continue; } /* no activation mask: no Coll */
+    if (alltoall_p2p() && a->kind == K_ALLTOALL) {   /* 2 x nranks P2p events, no Coll (see alltoall_p2p) */
+      ops[i].h = NULL;
+      ops[i].nph = 2 * c->nranks;
+      ops[i].ph = calloc(2 * (size_t)ops[i].nph, sizeof(void *));
+      if (!ops[i].ph) { ops[i].nph = 0; continue; }
+      for (int j = 0; j < ops[i].nph; j++) {
+        int snd = j % 2 == 0, peer = j / 2;
+        d_init(&d, EV_P2P, parent, c->rank);
+        d.p2p.func = snd ? "Send" : "Recv"; d.p2p.buff = snd ? (void *)a->sb : a->rb;
+        d.p2p.datatype = dt_name(a->dt); d.p2p.count = a->count; d.p2p.peer = peer; d.p2p.nChannels = 1;
+        if (g_prof_ver >= 5) d.p2p.parentGroup = grp;
+        if (v7) d.p2p.userTag = 0;
+        ops[i].ph[j] = p_start(c, &d);
+        p_stop(ops[i].ph[j]);
+      }
+      continue;
+    }
     ops[i].h = p_start(c, &d);
     p_stop(ops[i].h);          /* "enqueued", not done */
   }
   p_stop(grp);
   p_stop(gapi);
   free(api);
+}
+
+/* NCCL_SIM_GPU_GRAPH_REPLAYS=N: every collective call is captured into a CUDA
+ * graph and the graph replayed N times. A captured plan's profiler events
+ * come at each replay, from its host-function node (hostStreamPlanTask):
+ * a Group, then the Coll with no CollApi parent (no API call at a replay);
+ * none at the capture. NCCL bumps seqNumber for a persistent plan only when
+ * the plugin gave a Group or CollApi handle and KernelCh is on (v2.28.9-1
+ * src/plugin/profiler.cc:419-427): a plugin that returns NULL for both sees
+ * every replay with the same seqNumber. */
+static void prof_replay(ncclComm_t c, gpu_op_t *o) {
+  collargs_t *a = &o->a;
+  o->h = NULL;
+  if (!g_prof || !c->prof_inited || c->nranks == 1) return;
+  sim_descr_t d;
+  d_init(&d, EV_GROUP, NULL, 0);
+  void *grp = p_start(c, &d);
+  a->seq = c->coll_seq[a->kind & 15];
+  a->enq_mono = now_ns(CLOCK_MONOTONIC);
+  d_init(&d, EV_COLL, g_prof_ver == 4 ? grp : NULL, c->rank);
+  d.coll.seqNumber = a->seq; d.coll.func = func_name(a->kind); d.coll.sendBuff = a->sb; d.coll.recvBuff = a->rb;
+  d.coll.count = a->count; d.coll.root = a->root; d.coll.datatype = dt_name(a->dt); d.coll.nChannels = (uint8_t)o->nch;
+  d.coll.nWarps = 16; d.coll.algo = "RING"; d.coll.proto = "SIMPLE";
+  if (g_prof_ver >= 5) d.coll.parentGroup = grp;
+  if (g_prof_ver >= 7) { d.coll.kernelVariant = "default"; d.coll.isSymColl = false; d.coll.userTag = 0; }
+  o->h = p_start(c, &d);
+  p_stop(o->h);
+  if (grp && (__atomic_load_n(&g_prof_mask, __ATOMIC_RELAXED) & EV_KERNEL_CH)) c->coll_seq[a->kind & 15]++;
+  p_stop(grp);
 }
 
 ncclResult_t gpu_enqueue(collargs_t *q, int qn) {
@@ -597,10 +745,31 @@ ncclResult_t gpu_enqueue(collargs_t *q, int qn) {
     for (int j = i, k = 0; j < qn; j++) if (q[j].comm == c) { w->ops[k].a = q[j]; w->ops[k].nch = env_int("NCCL_SIM_GPU_CHANNELS", 2); k++; }
     sim_stream_t *s = stream_of(c);
     if (!s) { free(w); return ncclSystemError; }
+    int replays = env_int("NCCL_SIM_GPU_GRAPH_REPLAYS", 0);
+    if (replays > 0 && n == 1 && !is_p2p(w->ops[0].a.kind)) {
+      c->coll_seq[w->ops[0].a.kind & 15]--; /* the capture: no seqNumber (profiler.cc:419-427 runs at replays) */
+      for (int r = 0; r < replays; r++) {
+        gpu_work_t *wr = malloc(sizeof(gpu_work_t) + sizeof(gpu_op_t));
+        if (!wr) break;
+        memcpy(wr, w, sizeof(gpu_work_t) + sizeof(gpu_op_t));
+        wr->next = NULL;
+        prof_replay(c, &wr->ops[0]);
+        pthread_mutex_lock(&s->mu);
+        while (s->qlen >= qmax && !s->abort) pthread_cond_wait(&s->cv, &s->mu);
+        if (s->abort) { pthread_mutex_unlock(&s->mu); free(wr); break; }
+        if (s->tail) s->tail->next = wr; else s->head = wr;
+        s->tail = wr;
+        s->qlen++;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+      }
+      free(w);
+      continue;
+    }
     prof_enqueue(c, w->ops, n);
     pthread_mutex_lock(&s->mu);
     while (s->qlen >= qmax && !s->abort) pthread_cond_wait(&s->cv, &s->mu);  /* a full launch queue blocks the host */
-    if (s->abort) { pthread_mutex_unlock(&s->mu); free(w); return ncclInvalidUsage; }
+    if (s->abort) { pthread_mutex_unlock(&s->mu); work_free(w); return ncclInvalidUsage; }
     if (s->tail) s->tail->next = w; else s->head = w;
     s->tail = w;
     s->qlen++;
@@ -653,8 +822,9 @@ void gpu_comm_teardown(ncclComm_t c, int abort) {
              "\"purged_kernelch\":%lld,\"purged_ops\":%lld", (unsigned long long)c->nccl_hash, abort,
              __atomic_load_n(&g_prof_starts, __ATOMIC_RELAXED), __atomic_load_n(&g_prof_nulls, __ATOMIC_RELAXED),
              __atomic_load_n(&g_prof_purged_kch, __ATOMIC_RELAXED), __atomic_load_n(&g_prof_purged_ops, __ATOMIC_RELAXED));
-    g_prof->finalize(c->prof_ctx);
+    if (g_prof) g_prof->finalize(c->prof_ctx); /* NCCL: only while it holds the plugin */
     c->prof_ctx = NULL;
     gpu_truth_simple("profilerFinalize", "PROFILER_FINALIZE", c, extra);
   }
+  prof_release(); /* commFree: always (init.cc:336) */
 }

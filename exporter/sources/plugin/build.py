@@ -30,7 +30,9 @@ CFLAGS = ["-O2", "-g", "-fPIC", "-shared", "-pthread", "-std=gnu11", "-Wall",
 # on this glibc (>= 2.34 has both in libc.so.6): where the plugin loads
 # under a glibc before 2.34, dlopen and pthread_create are defined there
 # (plugin/glibc_floor.h).
-LIBS = ["-Wl,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-Wl,--as-needed"]
+# -z nodelete: NCCL may dlclose the plugin while its thread runs (docs/plugin.md,
+# "NCCL habits").
+LIBS = ["-Wl,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-Wl,--as-needed", "-Wl,-z,nodelete"]
 # The architectures the plugin builds for, with the compiler of each when it
 # is not the host's: Debian's cross gcc (scripts/setup-system.sh installs it).
 CROSS_CC = {"aarch64": "aarch64-linux-gnu-gcc", "x86_64": "x86_64-linux-gnu-gcc"}

@@ -39,7 +39,7 @@ KINDS = {1: "coll", 2: "p2p"}  # NCCL_EXPORTER_KIND_* (plugin/nccl_exporter_plug
 # Slots of plugin_drops (PD_* in bpf/plugin.c)
 DROPS = {"gpu_series_full": 0, "gpu_inflight_full": 1, "bad_record": 2, "plugin_procs_full": 3,
          "no_gpu_time": 4, **{f"rejected_{reason}": 5 + i for i, reason in enumerate(contract.GPU_REJECT_REASONS)},
-         "plugin_comms_full": 8, "net_series_full": 9}
+         "plugin_comms_full": 8, "net_series_full": 9, "shared": 10}
 DIRECTIONS = ("send", "recv")  # NCCL_EXPORTER_NET_SEND / _RECV
 # Capacity of each map this program owns, for nccl_exporter_map_capacity.
 MAP_CAPACITY = {
@@ -277,6 +277,15 @@ class PluginSource(Program):
         (contract.GPU_REJECT_REASONS)."""
         drops = self.drops()
         return {reason: drops[f"rejected_{reason}"] for reason in contract.GPU_REJECT_REASONS}
+
+    def shared(self) -> int:
+        """Done records whose GPU interval is the one of the operation before
+        them in a batch (docs/metrics.md): counted once, not histogrammed."""
+        return self.drops()["shared"]
+
+    def untimed(self) -> int:
+        """Done records with no GPU interval (docs/metrics.md)."""
+        return self.drops()["no_gpu_time"]
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop in-flight entries and process entries of processes that are gone."""
