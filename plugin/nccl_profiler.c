@@ -836,10 +836,7 @@ static inline void ph_enter(struct net_ent *e, struct pstep *st, uint8_t p, uint
 }
 
 static void *proxy_start_op(const struct ev *e) {
-  if (e->pid != G.pid) { /* PXN: another process's op; its parentObj is not ours: never look at it */
-    atomic_fetch_add_explicit(&G.proxy_foreign, 1, memory_order_relaxed);
-    return NULL;
-  }
+  if (e->pid != G.pid) return NULL; /* PXN: counted in common_start */
   uint32_t sub;
   struct slot *s = h_slot(e->parent, &sub);
   int32_t refs = s && sub == 0 ? atomic_load(&s->refs) : 0;
@@ -1192,14 +1189,63 @@ static void *combine(struct ctx *c, uint64_t type, void *ours, void *theirs) {
 /* ------------------------------------------------------------------------ */
 /* Common entry points                                                     */
 
+/* Contexts live in one array of ours (ctx_alloc), so that a context pointer
+ * NCCL passes can be checked before it is read: a ProxyOp or ProxyStep that
+ * another process posted through PXN carries *that* process's context
+ * (NCCL 2.28.9 src/enqueue.cc:1275, src/proxy.cc:385, src/plugin/profiler.cc:493
+ * and 516-541), an address that may be unmapped here. */
+#define CTX_MAX 4096 /* live communicators per process; more: their init gets no context */
+static struct ctx *ctx_arena;          /* [CTX_MAX], allocated at the first init, kept until unload */
+static uint32_t ctx_free_n;            /* ctx_free_list[0..n): reusable entries (G.lock) */
+static uint32_t ctx_used;              /* entries handed out at least once (G.lock) */
+static uint32_t *ctx_free_list;
+
 static struct ctx *as_ctx(void *p) {
+  uintptr_t a = (uintptr_t)p, base = (uintptr_t)ctx_arena;
+  if (!p || !base || a < base || a >= base + CTX_MAX * sizeof(struct ctx) || (a - base) % sizeof(struct ctx))
+    return NULL; /* not one of ours: never read through it */
   struct ctx *c = p;
-  return (c && c->magic == CTX_MAGIC) ? c : NULL;
+  return c->magic == CTX_MAGIC ? c : NULL;
+}
+
+/* Under G.lock. */
+static struct ctx *ctx_alloc(void) {
+  if (!ctx_arena) {
+    ctx_arena = calloc(CTX_MAX, sizeof *ctx_arena);
+    ctx_free_list = calloc(CTX_MAX, sizeof *ctx_free_list);
+    if (!ctx_arena || !ctx_free_list) {
+      free(ctx_arena);
+      free(ctx_free_list);
+      ctx_arena = NULL;
+      ctx_free_list = NULL;
+      return NULL;
+    }
+  }
+  struct ctx *c = NULL;
+  if (ctx_free_n) c = &ctx_arena[ctx_free_list[--ctx_free_n]];
+  else if (ctx_used < CTX_MAX) c = &ctx_arena[ctx_used++];
+  if (c) memset(c, 0, sizeof *c);
+  return c;
+}
+
+static void ctx_release(struct ctx *c) {
+  pthread_mutex_lock(&G.lock);
+  c->magic = 0;
+  ctx_free_list[ctx_free_n++] = (uint32_t)(c - ctx_arena);
+  pthread_mutex_unlock(&G.lock);
 }
 
 static nxp_result_t common_start(int ver, void *context, void **eHandle, const void *descr, const struct ev *e) {
-  struct ctx *c = as_ctx(context);
   *eHandle = NULL; /* always written: NCCL may reuse the slot otherwise */
+  /* PXN: another process's ProxyOp; its context and parentObj are that
+   * process's: decided from the pid before anything is read through them.
+   * Its ProxySteps come with the NULL we returned as their parent. */
+  if (e->type == NXP_EV_PROXY_OP && e->pid != G.pid) {
+    atomic_fetch_add_explicit(&G.proxy_foreign, 1, memory_order_relaxed);
+    return NXP_SUCCESS;
+  }
+  if (e->type == NXP_EV_PROXY_STEP && !e->parent) return NXP_SUCCESS;
+  struct ctx *c = as_ctx(context);
   if (UNLIKELY(!c)) return NXP_SUCCESS;
   void *ours = NULL, *parent_theirs = NULL;
   struct ev e2 = *e;
@@ -1478,10 +1524,13 @@ static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mas
   pthread_mutex_lock(&G.lock);
   if (!G.initialized) global_init(logfn);
   G.nccl_mask = mask;
-  struct ctx *c = calloc(1, sizeof *c);
+  struct ctx *c = ctx_alloc();
   if (!c) {
+    int full = ctx_arena != NULL;
     pthread_mutex_unlock(&G.lock);
-    disable("cannot allocate a communicator context");
+    if (full) logmsg(NXP_LOG_WARN, "nccl-exporter profiler: more than %d live communicators; comm 0x%" PRIx64
+                     " is not profiled", CTX_MAX, hash);
+    else disable("cannot allocate a communicator context");
     return NXP_SUCCESS; /* NULL context: NCCL sends nothing, calls no finalize */
   }
   c->magic = CTX_MAGIC;
@@ -1564,9 +1613,9 @@ static nxp_result_t common_finalize(void *context) {
   pthread_mutex_lock(&G.lock);
   G.ncomms--;
   pthread_mutex_unlock(&G.lock);
-  c->magic = 0;
   free((void *)c->p2p_seq);
-  free(c);
+  c->p2p_seq = NULL;
+  ctx_release(c);
   return NXP_SUCCESS;
 }
 
@@ -1675,5 +1724,10 @@ __attribute__((destructor)) static void nxp_unload(void) {
   G.log_fd = -1;
   if (G.chain_dl) dlclose(G.chain_dl);
   G.chain_dl = NULL;
+  free(ctx_arena);
+  free(ctx_free_list);
+  ctx_arena = NULL;
+  ctx_free_list = NULL;
+  ctx_free_n = ctx_used = 0;
   G.chain = NULL;
 }

@@ -166,16 +166,18 @@ static void d_init(sim_descr_t *d, uint64_t type, void *parent, int rank) {
 }
 static uint64_t d_type(const sim_descr_t *d) { return g_prof_ver == 4 ? *(const uint8_t *)d : d->type; }
 
-static void *p_start(ncclComm_t c, sim_descr_t *d) {
+/* startEvent with the given context: the communicator's own, or (PXN) another process's */
+static void *p_start_ctx(ncclComm_t c, void *ctx, sim_descr_t *d) {
   uint64_t t = d_type(d);
   if (!g_prof || !c->prof_inited || !prof_gated(t)) return NULL;
   if (g_prof_ver == 4 && (t & (EV_GROUP_API | EV_COLL_API | EV_P2P_API | EV_KERNEL_LAUNCH))) return NULL;
   void *h = (void *)0xdeadbeef; /* NCCL's slot may hold a stale value: the plugin must write it */
   __atomic_fetch_add(&g_prof_starts, 1, __ATOMIC_RELAXED);
-  g_prof->startEvent(c->prof_ctx, &h, d);
+  g_prof->startEvent(ctx, &h, d);
   if (!h) __atomic_fetch_add(&g_prof_nulls, 1, __ATOMIC_RELAXED);
   return h;                     /* NULL: NCCL makes no further call for this event */
 }
+static void *p_start(ncclComm_t c, sim_descr_t *d) { return p_start_ctx(c, c->prof_ctx, d); }
 static void p_stop(void *h) { if (g_prof && h) g_prof->stopEvent(h); }
 static void p_record(void *h, int st, uint64_t ptimer, int null_args) {
   if (!g_prof || !h) return;
@@ -219,6 +221,42 @@ void *gpu_proxy_step_start(ncclComm_t c, void *op, int step) {
   d_init(&d, EV_PROXY_STEP, op, c->rank);
   d.proxyStep.step = step;
   return p_start(c, &d);
+}
+/* PXN (NCCL_SIM_GPU_PXN=1): a ProxyOp that another process posted into this
+ * process's proxy carries that process's profiler context and parent handle
+ * (NCCL 2.28.9: the sender sets op->profilerContext, src/enqueue.cc:1275; it
+ * travels in the shared proxy pool, src/proxy.cc:385 `sub->profilerContext =
+ * op->profilerContext`; ncclProfilerStartProxyOpEvent passes it to
+ * startEvent, src/plugin/profiler.cc:493). Its ProxySteps follow even when
+ * the ProxyOp start returned NULL: parentObj = sub->opEventHandle (NULL) and
+ * the same foreign context (src/plugin/profiler.cc:516-541). Here the foreign
+ * context is an address of an inaccessible page: a plugin that reads through
+ * it crashes, as it would on a real node. */
+static void *g_foreign_ctx;
+static pthread_once_t g_foreign_once = PTHREAD_ONCE_INIT;
+static void foreign_setup(void) {
+  void *p = mmap(NULL, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  g_foreign_ctx = p == MAP_FAILED ? (void *)(uintptr_t)0x10 : p;
+}
+void *gpu_foreign_ctx(void) {
+  pthread_once(&g_foreign_once, foreign_setup);
+  return g_foreign_ctx;
+}
+void *gpu_proxy_op_start_ctx(ncclComm_t c, void *ctx, void *parent, int pid, int ch, int peer, int nsteps, int chunk,
+                             int is_send) {
+  if (!g_prof || !c->prof_inited) return NULL;
+  sim_descr_t d;
+  d_init(&d, EV_PROXY_OP, parent, c->rank);
+  d.proxyOp.pid = pid; d.proxyOp.channelId = (uint8_t)ch; d.proxyOp.peer = peer; d.proxyOp.nSteps = nsteps;
+  d.proxyOp.chunkSize = chunk; d.proxyOp.isSend = is_send;
+  return p_start_ctx(c, ctx, &d);
+}
+/* A ProxyStep start whatever the ProxyOp start returned (NULL included). */
+void *gpu_proxy_step_start_ctx(ncclComm_t c, void *ctx, void *op, int step) {
+  sim_descr_t d;
+  d_init(&d, EV_PROXY_STEP, op, c->rank);
+  d.proxyStep.step = step;
+  return p_start_ctx(c, ctx, &d);
 }
 void gpu_proxy_record(void *h, int state, size_t trans_size) {
   if (!g_prof || !h) return;

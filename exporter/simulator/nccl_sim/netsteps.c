@@ -28,7 +28,8 @@
  *       (a compute straggler: RANK's send_gpu_wait grows, and its receivers'
  *       recv_wait, which includes the sender being late);
  *   NCCL_SIM_GPU_PXN=1  each batch also gets a ProxyOp of another pid (a PXN
- *       proxy's op), whose parentObj is no handle of the plugin's.
+ *       proxy's op) with that process's context and a parent shaped like the
+ *       plugin's handles, and its steps (pxn_op).
  * NCCL_SIM_GPU_STEP_TRUTH=1 writes one truth line per step (fn "proxyStep"):
  * when it entered each of its three states and stopped, as this thread saw it. */
 #include "nccl_sim.h"
@@ -106,6 +107,25 @@ static void finish_step(ncclComm_t c, xfer_t *x, slot_t *s, int nch) {
   x->done++;
 }
 
+/* NCCL_SIM_GPU_PXN=1: a ProxyOp another process posted (gpu.c, gpu_proxy_op_start_ctx):
+ * that process's context (an inaccessible address here) and parent handle
+ * (its plugin's handle, shaped like ours: here this batch's own), its pid,
+ * and its steps with each state, whatever the ProxyOp start returned
+ * (NCCL 2.28.9 src/plugin/profiler.cc:493, 516-541; src/transport/net.cc
+ * records the states and stops through the step handles it got). */
+static void pxn_op(ncclComm_t c, p2p_t *o, int pid, int chunk) {
+  void *fctx = gpu_foreign_ctx(), *parent = o->parent ? o->parent : (void *)(uintptr_t)0x8;
+  void *op = gpu_proxy_op_start_ctx(c, fctx, parent, pid + 1, 0, o->peer, 2, chunk, 1);
+  for (int step = 0; step < 2; step++) {
+    void *h = gpu_proxy_step_start_ctx(c, fctx, op, step);
+    gpu_proxy_record(h, ST_SEND_GPU_WAIT, 0);
+    gpu_proxy_record(h, ST_SEND_PEER_WAIT, 0);
+    gpu_proxy_record(h, ST_SEND_WAIT, (size_t)chunk);
+    gpu_proxy_stop(h);
+  }
+  gpu_proxy_stop(op);
+}
+
 /* Move ops[0..n) (both directions) in steps, with the profiler's proxy events. */
 ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n) {
   int nch = env_int("NCCL_SIM_GPU_CHANNELS", 2);
@@ -119,8 +139,7 @@ ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n) {
   int *idx = malloc(sizeof(int) * (size_t)(n ? n : 1));
   if (!x || !pfds || !idx) { free(x); free(pfds); free(idx); return ncclSystemError; }
   int pid = (int)getpid();
-  if (env_int("NCCL_SIM_GPU_PXN", 0) && n) /* another process's op (PXN): not one of the plugin's handles */
-    gpu_proxy_stop(gpu_proxy_op_start(c, (void *)(uintptr_t)0x8, pid + 1, 0, ops[0].peer, 1, (int)chunk, 1));
+  if (env_int("NCCL_SIM_GPU_PXN", 0) && n) pxn_op(c, &ops[0], pid, (int)chunk);
   for (int i = 0; i < n; i++) {
     xfer_t *t = &x[i];
     t->o = &ops[i];
