@@ -422,11 +422,11 @@ static void log_net(const struct nccl_exporter_record *r, const struct nccl_expo
                      "nccl-exporter-profiler event=peer_wait op=%s comm=0x%016" PRIx64 " rank=%d seq=%" PRIu64
                      " id=%" PRIu64 " peer=%s direction=%s bytes=%" PRIu64
                      " %s_wall_ns=%" PRIu64 " %s_wall_ns=%" PRIu64 " %s_wall_ns=%" PRIu64
-                     " %s_step_ns=%" PRIu64 " %s_step_ns=%" PRIu64 " %s_step_ns=%" PRIu64 " pid=%d\n",
+                     " %s_step_ns=%" PRIu64 " %s_step_ns=%" PRIu64 " %s_step_ns=%" PRIu64 " net_flags=0x%x pid=%d\n",
                      r->op_name[0] ? r->op_name : "?", r->comm_hash, r->rank, r->seq, r->id,
                      peer, w->direction ? "recv" : "send", w->bytes,
                      ph[0], w->wall_ns[0], ph[1], w->wall_ns[1], ph[2], w->wall_ns[2],
-                     ph[0], w->step_ns[0], ph[1], w->step_ns[1], ph[2], w->step_ns[2], (int)getpid());
+                     ph[0], w->step_ns[0], ph[1], w->step_ns[1], ph[2], w->step_ns[2], net->flags, (int)getpid());
     if (n > 0 && write(G.log_fd, line, (size_t)(n < (int)sizeof line ? n : (int)sizeof line - 1)) < 0) { /* best effort */ }
   }
 }
@@ -455,6 +455,7 @@ static void log_record(const struct nccl_exporter_record *r) {
 }
 
 static void net_fill(struct slot *s, struct nccl_exporter_net *out);
+static void net_clear(uint32_t idx);
 
 /* Emit done/abandoned exactly once.  With proxy accounting on, a done record
  * carries the network part (struct nccl_exporter_done). */
@@ -578,6 +579,7 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   atomic_store_explicit(&s->proxy_open, 0, memory_order_relaxed);
   atomic_store_explicit(&s->kch_done, 0, memory_order_relaxed);
   atomic_store_explicit(&s->net_used, 0, memory_order_relaxed);
+  if (G.proxy_on) net_clear(idx); /* here, before any ProxyOp: several proxy threads may fill it (net_entry) */
 
   struct nccl_exporter_record *r = &s->rec;
   memset(r, 0, sizeof *r);
@@ -753,25 +755,30 @@ static void ours_stop(void *h) {
 /* transition.  Per step: no allocation, no lock, no syscall; one           */
 /* clock_gettime (vDSO) per state and one at the stop.                      */
 /*                                                                          */
-/* Single writer: every ProxyOp/ProxyStep callback of a communicator comes  */
-/* from its proxy progress thread (NCCL src/proxy.cc), so one operation's    */
-/* net_tab and one ProxyOp's steps have one writer and need no atomics; the */
-/* done record reads the table only after the last ProxyOp stopped          */
-/* (proxy_open, a seq_cst counter, orders it).                              */
+/* Writers: one ProxyOp's steps have one writer, the proxy thread that     */
+/* progresses it. One operation's net_tab can have several: a process that  */
+/* drives several GPUs (JAX-style) with PXN has its ProxyOps started by     */
+/* another communicator's proxy thread, with our own pid and our handle as  */
+/* parent (NCCL 2.28.9 src/proxy.cc:385). So the table's entries are        */
+/* claimed with a CAS on their key and every figure is a relaxed atomic:    */
+/* never more than NET_TAB entries, whatever the interleaving. The done     */
+/* record reads the table only after the last ProxyOp stopped (proxy_open,  */
+/* a seq_cst counter, orders it).                                           */
 
 #define NET_TAB 8     /* (peer, direction) pairs kept by name per operation */
 #define PH_NONE 0xff
 #define POP_STEPS 8   /* NCCL_STEPS: open steps per ProxyOp, indexed step % 8 */
 
 struct net_ent {
+  _Atomic uint64_t key; /* 0: free; else net_key(peer, dir) (the over[] entries: unused) */
   int32_t peer;       /* -1: the pairs beyond NET_TAB, summed */
   uint32_t dir;       /* NCCL_EXPORTER_NET_SEND / _RECV */
-  uint32_t nin[NCCL_EXPORTER_NET_PHASES];   /* steps in each phase now */
-  uint64_t since[NCCL_EXPORTER_NET_PHASES]; /* when nin[p] went 0 -> 1 */
-  uint64_t wall[NCCL_EXPORTER_NET_PHASES], step[NCCL_EXPORTER_NET_PHASES], bytes;
+  _Atomic uint32_t nin[NCCL_EXPORTER_NET_PHASES];   /* steps in each phase now */
+  _Atomic uint64_t since[NCCL_EXPORTER_NET_PHASES]; /* when nin[p] went 0 -> 1 */
+  _Atomic uint64_t wall[NCCL_EXPORTER_NET_PHASES], step[NCCL_EXPORTER_NET_PHASES], bytes;
 };
 struct net_tab {
-  uint32_t n, flags, nops;
+  _Atomic uint32_t n, flags, nops;
   struct net_ent e[NET_TAB];
   struct net_ent over[2];   /* per direction: pairs beyond NET_TAB */
 };
@@ -784,6 +791,8 @@ struct pop {
   _Atomic uint32_t state;   /* SLOT_FREE / SLOT_LIVE */
   _Atomic uint32_t gen;
   struct slot *s;
+  uint32_t sgen;            /* s->gen when this ProxyOp started: finalize or age-out may reclaim the
+                               slot for another operation under it (pop_slot) */
   struct net_ent *ent;
   struct net_tab *tab;
   uint32_t is_send;
@@ -796,17 +805,43 @@ static void proxy_close(struct slot *s) {
     finish(s, NCCL_EXPORTER_STATE_DONE, s->done_reject, s->done_now);
 }
 
+static inline uint64_t net_key(int peer, uint32_t dir) { return (((uint64_t)(uint32_t)peer << 1) | (dir & 1)) + 1; }
+
+/* The (peer, direction) entry, claimed by CAS if new: safe with several writers. */
 static struct net_ent *net_entry(struct net_tab *t, int peer, uint32_t dir) {
-  for (uint32_t i = 0; i < t->n; i++)
-    if (t->e[i].peer == peer && t->e[i].dir == dir) return &t->e[i];
-  if (t->n < NET_TAB) {
-    struct net_ent *e = &t->e[t->n++];
-    e->peer = peer;
-    e->dir = dir;
-    return e;
+  uint64_t k = net_key(peer, dir);
+  for (uint32_t i = 0; i < NET_TAB; i++) {
+    uint64_t cur = atomic_load_explicit(&t->e[i].key, memory_order_acquire);
+    if (cur == k) return &t->e[i];
+    if (cur == 0) {
+      if (atomic_compare_exchange_strong(&t->e[i].key, &cur, k)) {
+        t->e[i].peer = peer;
+        t->e[i].dir = dir;
+        atomic_fetch_add_explicit(&t->n, 1, memory_order_relaxed);
+        return &t->e[i];
+      }
+      if (cur == k) return &t->e[i]; /* another thread claimed it for the same pair */
+    }
   }
-  t->flags |= NCCL_EXPORTER_NET_F_TABLE_FULL;
-  return &t->over[dir];
+  atomic_fetch_or_explicit(&t->flags, NCCL_EXPORTER_NET_F_TABLE_FULL, memory_order_relaxed);
+  return &t->over[dir & 1];
+}
+
+static void net_clear(uint32_t idx) {
+  struct net_tab *t = &G.nets[idx];
+  memset(t, 0, sizeof *t);
+  t->over[0].peer = t->over[1].peer = -1;
+  t->over[NCCL_EXPORTER_NET_RECV].dir = NCCL_EXPORTER_NET_RECV;
+}
+
+/* The live slot of a ProxyOp's operation, or NULL when the slot was reclaimed
+ * (finalize, age-out) since the ProxyOp started: then it must not touch it. */
+static inline struct slot *pop_slot(struct pop *p) {
+  struct slot *s = p->s;
+  if (!s || (atomic_load_explicit(&s->gen, memory_order_acquire) & H_GEN) != p->sgen ||
+      atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE)
+    return NULL;
+  return s;
 }
 
 static inline struct pop *pop_of(void *h, uint32_t *sub) {
@@ -821,16 +856,23 @@ static inline struct pop *pop_of(void *h, uint32_t *sub) {
   return p;
 }
 
+/* Relaxed atomics: several proxy threads may share an entry (see above). Two
+ * threads crossing 0 at the same moment can misplace one wall interval by the
+ * time between their two transitions; never more, never negative. */
 static inline void ph_leave(struct net_ent *e, struct pstep *st, uint64_t now) {
   uint8_t p = st->phase;
   if (p == PH_NONE) return;
-  e->step[p] += now - st->t;
-  if (--e->nin[p] == 0) e->wall[p] += now - e->since[p];
+  atomic_fetch_add_explicit(&e->step[p], now - st->t, memory_order_relaxed);
+  if (atomic_fetch_sub_explicit(&e->nin[p], 1, memory_order_relaxed) == 1) {
+    uint64_t since = atomic_load_explicit(&e->since[p], memory_order_relaxed);
+    if (now > since) atomic_fetch_add_explicit(&e->wall[p], now - since, memory_order_relaxed);
+  }
   st->phase = PH_NONE;
 }
 
 static inline void ph_enter(struct net_ent *e, struct pstep *st, uint8_t p, uint64_t now) {
-  if (e->nin[p]++ == 0) e->since[p] = now;
+  if (atomic_fetch_add_explicit(&e->nin[p], 1, memory_order_relaxed) == 0)
+    atomic_store_explicit(&e->since[p], now, memory_order_relaxed);
   st->phase = p;
   st->t = now;
 }
@@ -876,15 +918,11 @@ static void *proxy_start_op(const struct ev *e) {
     unref(s);
     return NULL;
   }
-  struct net_tab *t = &G.nets[s - G.slots];
-  if (!atomic_load_explicit(&s->net_used, memory_order_relaxed)) {
-    memset(t, 0, sizeof *t);
-    t->over[0].peer = t->over[1].peer = -1;
-    t->over[NCCL_EXPORTER_NET_RECV].dir = NCCL_EXPORTER_NET_RECV;
-    atomic_store_explicit(&s->net_used, 1, memory_order_release);
-  }
-  t->nops++;
+  struct net_tab *t = &G.nets[s - G.slots]; /* cleared when the operation started (ours_start_op) */
+  atomic_store_explicit(&s->net_used, 1, memory_order_release);
+  atomic_fetch_add_explicit(&t->nops, 1, memory_order_relaxed);
   p->s = s;
+  p->sgen = (uint32_t)(((uintptr_t)e->parent >> 32) & H_GEN);
   p->tab = t;
   p->is_send = e->is_send ? 1 : 0;
   p->ent = net_entry(t, e->peer, p->is_send ? NCCL_EXPORTER_NET_SEND : NCCL_EXPORTER_NET_RECV);
@@ -899,11 +937,16 @@ static void *proxy_start_op(const struct ev *e) {
 static void *proxy_start_step(const struct ev *e) {
   uint32_t sub;
   struct pop *p = h_is_proxy(e->parent) ? pop_of(e->parent, &sub) : NULL;
-  if (!p || sub != 0 || e->step < 0) return NULL;
+  if (!p || sub != 0 || e->step < 0 || !pop_slot(p)) return NULL;
   struct pstep *st = &p->st[e->step % POP_STEPS];
-  if (UNLIKELY(st->step >= 0)) { /* the step 8 before it never stopped */
+  if (UNLIKELY(st->step >= 0)) {
     ph_leave(p->ent, st, mono_ns());
-    p->tab->flags |= NCCL_EXPORTER_NET_F_STEP_REUSED;
+    /* The same step started again is NCCL restarting a receive step whose
+     * irecv was not posted yet (2.28.9 src/transport/net.cc:1432: every
+     * progress pass starts sub->posted until it is posted): not a reuse.
+     * Only the step 8 before it still open is one. */
+    if (st->step != e->step)
+      atomic_fetch_or_explicit(&p->tab->flags, NCCL_EXPORTER_NET_F_STEP_REUSED, memory_order_relaxed);
   }
   st->step = e->step;
   st->phase = PH_NONE;
@@ -930,22 +973,24 @@ static void proxy_record(void *h, int state, const nxp_state_args *a) {
     ph = state == NXP_STATE_SEND_GPU_WAIT ? 0 : state == NXP_STATE_SEND_PEER_WAIT ? 1 : state == NXP_STATE_SEND_WAIT ? 2 : -1;
   else
     ph = state == NXP_STATE_RECV_WAIT ? 0 : state == NXP_STATE_RECV_FLUSH_WAIT ? 1 : state == NXP_STATE_RECV_GPU_WAIT ? 2 : -1;
-  if (ph < 0) return;
+  if (ph < 0 || !pop_slot(p)) return;
   uint64_t now = mono_ns();
   ph_leave(p->ent, st, now);
   ph_enter(p->ent, st, (uint8_t)ph, now);
-  if (ph == (p->is_send ? 2 : 1) && a) p->ent->bytes += a->proxyStep.transSize;
+  if (ph == (p->is_send ? 2 : 1) && a)
+    atomic_fetch_add_explicit(&p->ent->bytes, a->proxyStep.transSize, memory_order_relaxed);
 }
 
 static void proxy_stop(void *h) {
   uint32_t sub;
   struct pop *p = pop_of(h, &sub);
   if (!p) return;
+  struct slot *s = pop_slot(p);
   if (sub) { /* ProxyStep */
     struct pop *q;
     struct pstep *st = proxy_step(h, &q);
     if (!st) return;
-    ph_leave(p->ent, st, mono_ns());
+    if (s) ph_leave(p->ent, st, mono_ns());
     st->step = -1;
     return;
   }
@@ -953,12 +998,15 @@ static void proxy_stop(void *h) {
   for (int k = 0; k < POP_STEPS; k++) /* steps NCCL never stopped end with their op */
     if (p->st[k].step >= 0) {
       if (!now) now = mono_ns();
-      ph_leave(p->ent, &p->st[k], now);
+      if (s) ph_leave(p->ent, &p->st[k], now);
       p->st[k].step = -1;
     }
-  struct slot *s = p->s;
   atomic_fetch_add(&p->gen, 1); /* its handles go stale */
   atomic_store_explicit(&p->state, SLOT_FREE, memory_order_release);
+  if (!s) { /* its operation was reclaimed (finalize, age-out): the slot may be another's now */
+    atomic_fetch_add_explicit(&G.proxy_orphan, 1, memory_order_relaxed);
+    return;
+  }
   proxy_close(s);
   unref(s);
 }
@@ -971,14 +1019,17 @@ static void net_fill(struct slot *s, struct nccl_exporter_net *out) {
   out->top_k = NCCL_EXPORTER_NET_TOP_K;
   out->foreign_ops = atomic_load_explicit(&G.proxy_foreign, memory_order_relaxed);
   if (!atomic_load_explicit(&s->net_used, memory_order_acquire)) return;
-  const struct net_tab *t = &G.nets[s - G.slots];
-  out->flags = t->flags;
-  out->proxy_ops = t->nops;
+  struct net_tab *t = &G.nets[s - G.slots];
+  out->flags = atomic_load_explicit(&t->flags, memory_order_relaxed);
+  out->proxy_ops = atomic_load_explicit(&t->nops, memory_order_relaxed);
+  /* entries are claimed in order (net_entry): the used ones are a prefix */
+  uint32_t tn = 0;
+  while (tn < NET_TAB && atomic_load_explicit(&t->e[tn].key, memory_order_acquire)) tn++;
   int peers[NET_TAB];
   uint64_t wait[NET_TAB];
   int np = 0;
-  for (uint32_t i = 0; i < t->n; i++) {
-    const struct net_ent *e = &t->e[i];
+  for (uint32_t i = 0; i < tn; i++) {
+    struct net_ent *e = &t->e[i];
     uint64_t w = e->wall[0] + e->wall[1] + e->wall[2];
     int j = 0;
     while (j < np && peers[j] != e->peer) j++;
@@ -998,14 +1049,14 @@ static void net_fill(struct slot *s, struct nccl_exporter_net *out) {
   memset(other, 0, sizeof other);
   int have_other[2] = {0, 0};
   uint32_t n = 0;
-  for (uint32_t i = 0; i < t->n + 2; i++) {
-    const struct net_ent *e = i < t->n ? &t->e[i] : &t->over[i - t->n];
-    if (i >= t->n && !(e->bytes || e->wall[0] || e->wall[1] || e->wall[2] || e->step[0] || e->step[1] || e->step[2]))
+  for (uint32_t i = 0; i < tn + 2; i++) {
+    struct net_ent *e = i < tn ? &t->e[i] : &t->over[i - tn];
+    if (i >= tn && !(e->bytes || e->wall[0] || e->wall[1] || e->wall[2] || e->step[0] || e->step[1] || e->step[2]))
       continue; /* an unused overflow entry */
     int j = 0;
-    while (i < t->n && peers[j] != e->peer) j++;
+    while (i < tn && j < np && peers[j] != e->peer) j++;
     struct nccl_exporter_peer_wait *w;
-    if (i < t->n && keep[j]) {
+    if (i < tn && j < np && keep[j]) {
       w = &out->e[n++];
       w->peer = e->peer;
     } else {

@@ -11,15 +11,27 @@ present (NCCL_SIM_GPU_PROFILER_VERSION: v4 as NCCL 2.27, v5 as 2.28, v6 as
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from exporter.simulator.build import build_library
 from exporter.simulator.truth import gpu_events
-from exporter.sources.plugin.build import build_plugin
+from exporter.sources.plugin.build import build_plugin, build_plugin_sanitized, sanitizer_env
 
 from test_sim_gpu import inproc
 
 VERSIONS = [4, 5, 6, 7]
+NET_ENTRIES = 10  # NCCL_EXPORTER_NET_ENTRIES: 2 x top-K named peers + "other" per direction
+NET_F_TABLE_FULL, NET_F_STEP_REUSED = 0x1, 0x2
+
+# Each habit's switch in the simulator (docs/simulator.md); the sanitizer run
+# below goes through all of them.
+HABITS = {
+    "pxn_foreign_context": {"NCCL_SIM_GPU_PXN": "1"},
+    "pxn_same_process": {"NCCL_SIM_GPU_PXN": "2"},
+    "recv_step_restarted": {"NCCL_SIM_GPU_RECV_RESTART": "1"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +71,68 @@ def test_pxn_foreign_context_is_never_read(lib, plugin, tmp_path, version):
     fin = finals(log)
     assert len(fin) == 2 and max(int(r["proxy_foreign"]) for r in fin) > 0
     assert all(r["pending"] == "0" for r in fin)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_pxn_in_one_process_two_proxy_threads_share_a_table(lib, plugin, tmp_path, version):
+    """NCCL_SIM_GPU_PXN=2: one process, several GPUs, with PXN. Another proxy
+    thread of the same process adds ProxyOps (our pid, our parent) to an
+    operation while its own proxy thread does: 2 x 16 (peer, direction) pairs
+    at the same moment. The table never holds more than its 8 named pairs (the
+    rest is "other", TABLE_FULL); no record has more than 10 entries."""
+    recs, log, _ = run(lib, plugin, tmp_path, version, {"NCCL_SIM_GPU_PXN": "2"})
+    done = [r for r in log if r["event"] == "done"]
+    assert len(done) == 24 and not [r for r in log if r["event"] == "abandoned"]
+    waits = [r for r in log if r["event"] == "peer_wait"]
+    per_op = collections.Counter(r["id"] for r in waits)
+    assert per_op and max(per_op.values()) <= NET_ENTRIES
+    full = {r["id"] for r in waits if int(r["net_flags"], 16) & NET_F_TABLE_FULL}
+    assert full and any(r["peer"] == "other" for r in waits)
+    assert all(int(r["net_flags"], 16) & NET_F_STEP_REUSED == 0 for r in waits)
+    fin = finals(log)
+    assert all(r["pending"] == "0" for r in fin) and max(int(r["proxy_ops"]) for r in fin) > 0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_pxn_in_one_process_network_table_has_no_data_race(lib, tmp_path, version):
+    """The same scenario with the plugin built with -fsanitize=thread: no data
+    race in the network accounting (a race on the table's count is what can
+    push it past its 8 entries). ThreadSanitizer sees every unsynchronised pair
+    of accesses, whether or not this run's interleaving overflowed."""
+    tsan = build_plugin_sanitized(tmp_path / "tsan", "thread")  # per test: the module's build may be older
+    _, _, proc = run(lib, tsan, tmp_path, version, dict(sanitizer_env("thread"), NCCL_SIM_GPU_PXN="2"))
+    reports = proc.stderr.split("WARNING: ThreadSanitizer")[1:]
+    net = [r for r in reports if any(f in r for f in ("net_entry", "net_fill", "ph_enter", "ph_leave", "proxy_"))]
+    assert not net, net[0][:3000]
+
+
+@pytest.fixture(scope="module")
+def sanitized(tmp_path_factory):
+    return build_plugin_sanitized(tmp_path_factory.mktemp("asan"))
+
+
+@pytest.mark.parametrize("habit", sorted(HABITS))
+def test_sanitizers_report_nothing(lib, sanitized, tmp_path, habit):
+    """The plugin built with -fsanitize=address,undefined (every report fatal)
+    runs each habit's scenario through every interface version: no report."""
+    for version in VERSIONS:
+        d = tmp_path / f"v{version}"
+        d.mkdir()
+        env = dict(sanitizer_env(), **HABITS[habit])
+        _, log, proc = run(lib, sanitized, d, version, env)
+        assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr[-4000:]
+        assert [r for r in log if r["event"] == "done"], (habit, version)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_restarted_receive_step_is_not_a_reused_step(lib, plugin, tmp_path, version):
+    """NCCL_SIM_GPU_RECV_RESTART=1: every receive step is started twice before
+    its first state (NCCL restarts it until its irecv is posted). That is the
+    same step, not the step 8 before it still open: no STEP_REUSED, and the
+    receive figures are those of one step each."""
+    _, log, _ = run(lib, plugin, tmp_path, version, {"NCCL_SIM_GPU_RECV_RESTART": "1"})
+    waits = [r for r in log if r["event"] == "peer_wait"]
+    assert [r for r in waits if r["direction"] == "recv"]
+    assert all(int(r["net_flags"], 16) & NET_F_STEP_REUSED == 0 for r in waits), waits[0]
+    sent = sum(int(r["bytes"]) for r in waits if r["direction"] == "send")
+    assert sent and sum(int(r["bytes"]) for r in waits if r["direction"] == "recv") == sent
