@@ -129,6 +129,10 @@ struct ctx {
   struct clk clk;
   _Atomic uint64_t *p2p_seq; /* [2 * p2p_n]: per (peer, send/recv) order */
   uint32_t p2p_n;
+  /* operations in start order (slot.ord), for sweep(): */
+  _Atomic uint64_t ord_next;
+  _Atomic uint64_t kch_done_ord; /* 1 + the newest ord whose every KernelCh stopped (0: none) */
+  uint64_t sweep_min_run;        /* sweep(): the oldest ord with a KernelCh running (UINT64_MAX: none) */
 };
 
 struct slot {
@@ -150,6 +154,11 @@ struct slot {
   _Atomic uint32_t net_used;    /* G.nets[this slot] holds this operation's figures */
   uint32_t done_reject;         /* judge()'s verdict at the last KernelCh stop */
   uint64_t done_now;            /* and when */
+  /* NCCL <= 2.30 can stop a KernelCh through the handle of an older operation
+   * (see sweep()): each channel's start, stop state and stopEvent count once */
+  _Atomic uint64_t ch_started[4], ch_stopped[4], ch_released[4];
+  uint64_t ord;                 /* this operation's place in its communicator's start order */
+  uint64_t lost_since;          /* sweep(): first seen with a channel that will never come (0: not) */
   struct nccl_exporter_record rec; /* the static part, filled at start */
 };
 enum { SLOT_FREE = 0, SLOT_LIVE = 1, SLOT_CLOSING = 2 };
@@ -190,6 +199,8 @@ static struct {
   uint32_t npops;
   _Atomic uint32_t pcursor;
   _Atomic uint64_t proxy_ops, proxy_foreign, proxy_orphan, proxy_late, proxy_dropped;
+  _Atomic uint64_t lost_channel, net_unfinished, proxy_reclaimed, dup_stops;
+  uint64_t settle_ns;       /* how long a stop NCCL may never send is waited for (sweep) */
   /* chain */
   void *chain_dl;
   int chain_ver;            /* 4..7, 0 = none */
@@ -198,6 +209,9 @@ static struct {
   _Atomic int chain_mask_seen;
   _Atomic int chain_types;  /* event types NCCL would send it, from its mask */
 } G = {.lock = PTHREAD_MUTEX_INITIALIZER, .log_fd = -1};
+
+static struct ctx *ctx_arena; /* the communicators' contexts (as_ctx, ctx_alloc) */
+static uint32_t ctx_used;
 
 static inline uint64_t mono_ns(void) {
   struct timespec ts;
@@ -500,16 +514,90 @@ static inline void unref(struct slot *s) {
   if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) == 1) release(s, 0, 0);
 }
 
-/* Reclaim live slots older than max_age (only when the pool is exhausted). */
-static void sweep_aged(uint64_t now) {
+static void pops_reclaim(void);
+static inline int ch_test(_Atomic uint64_t *m, unsigned ch) {
+  return (atomic_load_explicit(&m[(ch >> 6) & 3], memory_order_relaxed) >> (ch & 63)) & 1;
+}
+/* Set channel ch's bit; 1 if it was set already. */
+static inline int ch_set(_Atomic uint64_t *m, unsigned ch) {
+  uint64_t bit = 1ull << (ch & 63);
+  return (atomic_fetch_or_explicit(&m[(ch >> 6) & 3], bit, memory_order_acq_rel) & bit) != 0;
+}
+
+/* Records NCCL will never complete, found by a periodic sweep (at most every
+ * 100 ms: from an operation's start at most every 250 ms, from the announcer
+ * thread each period, and when the pool is full):
+ *  - older than NCCL_EXPORTER_PROFILER_MAX_AGE_S: abandoned (F_AGED), whatever
+ *    the pool's pressure;
+ *  - a lost channel (NCCL <= 2.30, transport/profiler.cc:35-44 in 2.28.9): in
+ *    one pass of profilerProxyProgress the start check can miss a channel's
+ *    start and the stop check, a moment later, see its stop; the stop then goes
+ *    out through sub->kernelEventHandle, which still holds the handle of the
+ *    operation that used those sub-args before (proxy.cc:358-388 never resets
+ *    it), and that args is done: the operation never gets that channel's start
+ *    or stop. The older operation's second stop is ignored (ch_stopped). An
+ *    operation is taken as lost when none of its channels runs, no older one
+ *    of its communicator runs, and either some of its channels ended or a
+ *    newer operation of its communicator had every channel stop (kernels of
+ *    one communicator end in order), all that for
+ *    NCCL_EXPORTER_PROFILER_SETTLE_MS: done with F_REJECT_LOST_CHANNEL (its
+ *    interval is partial: counted by that reason). One that lost every
+ *    channel with nothing after it in its communicator waits for MAX_AGE;
+ *  - ProxyOps never stopped (2.28.9: proxy.cc:427 starts one for every non-
+ *    profiler pattern, only transport/net.cc:1364,1635 stop them; CollNet and
+ *    the SHM/P2P copy-engine modes never do): once the last KernelCh stopped,
+ *    open ProxyOps hold the done record back for SETTLE_MS at most, then it
+ *    goes out with F_NET_UNFINISHED and the slot is reclaimed;
+ *  - ProxyOp entries whose operation was reclaimed (finalize, age-out, the
+ *    cases above) go back to their pool. */
+static void sweep(uint64_t now, int pressure) {
   uint64_t last = atomic_load(&G.last_sweep);
-  if (now - last < 100000000ull) return; /* at most every 100 ms */
+  if (now - last < 100000000ull && !(pressure && now - last >= 10000000ull)) return;
   if (!atomic_compare_exchange_strong(&G.last_sweep, &last, now)) return;
+  for (uint32_t i = 0; ctx_arena && i < ctx_used; i++) ctx_arena[i].sweep_min_run = UINT64_MAX;
+  for (uint32_t i = 0; i < G.nslots; i++) { /* the oldest running operation per communicator */
+    struct slot *s = &G.slots[i];
+    if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
+    if (atomic_load_explicit(&s->started, memory_order_relaxed) > atomic_load_explicit(&s->stopped, memory_order_relaxed) &&
+        s->ord < s->ctx->sweep_min_run)
+      s->ctx->sweep_min_run = s->ord;
+  }
   for (uint32_t i = 0; i < G.nslots; i++) {
     struct slot *s = &G.slots[i];
-    if (atomic_load_explicit(&s->state, memory_order_acquire) == SLOT_LIVE && now - s->created > G.max_age_ns)
+    if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
+    if (now - s->created > G.max_age_ns) {
       release(s, NCCL_EXPORTER_F_AGED, now);
+      continue;
+    }
+    if (atomic_load(&s->finished)) continue;
+    if (atomic_load(&s->kch_done)) {
+      if (atomic_load(&s->proxy_open) > 0 && now - s->done_now >= G.settle_ns) {
+        atomic_fetch_add_explicit(&G.net_unfinished, 1, memory_order_relaxed);
+        finish(s, NCCL_EXPORTER_STATE_DONE, s->done_reject | NCCL_EXPORTER_F_NET_UNFINISHED, now);
+        release(s, 0, now);
+      }
+      continue;
+    }
+    struct ctx *c = s->ctx;
+    uint32_t started = atomic_load_explicit(&s->started, memory_order_relaxed);
+    uint32_t stopped = atomic_load_explicit(&s->stopped, memory_order_relaxed);
+    /* nothing of it runs, nothing older of its communicator runs, and either
+     * some of its channels ended (its kernel ran) or a newer operation of its
+     * communicator ended (kernels of one communicator end in order) */
+    int lost = started <= stopped && c->sweep_min_run > s->ord &&
+               (stopped > 0 || atomic_load_explicit(&c->kch_done_ord, memory_order_relaxed) > s->ord + 1);
+    if (!lost) {
+      s->lost_since = 0;
+    } else if (!s->lost_since) {
+      s->lost_since = now;
+    } else if (now - s->lost_since >= G.settle_ns) {
+      atomic_fetch_add_explicit(&G.lost_channel, 1, memory_order_relaxed);
+      atomic_fetch_add_explicit(&G.rejected, 1, memory_order_relaxed);
+      finish(s, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_REJECT_LOST_CHANNEL, now);
+      release(s, 0, now);
+    }
   }
+  if (G.pops) pops_reclaim();
 }
 
 static struct slot *slot_alloc(uint64_t now, uint32_t *idx_out) {
@@ -525,7 +613,7 @@ static struct slot *slot_alloc(uint64_t now, uint32_t *idx_out) {
         return s; /* CLOSING until the caller publishes it LIVE */
       }
     }
-    if (pass == 0) sweep_aged(now);
+    if (pass == 0) sweep(now, 1);
   }
   if (atomic_fetch_add_explicit(&G.dropped, 1, memory_order_relaxed) == 0)
     logmsg(NXP_LOG_WARN, "nccl-exporter profiler: record pool (%u) exhausted; operations are dropped and counted "
@@ -559,6 +647,7 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   unsigned nch = e->nchannels;
   if (nch == 0) return NULL; /* no kernel work (e.g. copy-engine path): nothing to time */
   uint64_t now = mono_ns();
+  if (UNLIKELY(now - atomic_load_explicit(&G.last_sweep, memory_order_relaxed) > 250000000ull)) sweep(now, 0);
   uint32_t idx;
   struct slot *s = slot_alloc(now, &idx);
   if (!s) return NULL;
@@ -579,6 +668,13 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   atomic_store_explicit(&s->proxy_open, 0, memory_order_relaxed);
   atomic_store_explicit(&s->kch_done, 0, memory_order_relaxed);
   atomic_store_explicit(&s->net_used, 0, memory_order_relaxed);
+  for (int k = 0; k < 4; k++) {
+    atomic_store_explicit(&s->ch_started[k], 0, memory_order_relaxed);
+    atomic_store_explicit(&s->ch_stopped[k], 0, memory_order_relaxed);
+    atomic_store_explicit(&s->ch_released[k], 0, memory_order_relaxed);
+  }
+  s->ord = atomic_fetch_add_explicit(&c->ord_next, 1, memory_order_relaxed);
+  s->lost_since = 0;
   if (G.proxy_on) net_clear(idx); /* here, before any ProxyOp: several proxy threads may fill it (net_entry) */
 
   struct nccl_exporter_record *r = &s->rec;
@@ -628,6 +724,9 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
   uint32_t sub;
   struct slot *s = h_slot(e->parent, &sub);
   if (!s || sub != 0) return NULL;
+  uint32_t idx = (uint32_t)(((uintptr_t)e->parent >> 9) & 0x7fffffu);
+  void *h = h_make(idx, (uint32_t)((uintptr_t)e->parent >> 32) & H_GEN, 1 + (e->channel & 0xff));
+  if (ch_set(s->ch_started, e->channel)) return h; /* this channel started already: counted once */
   uint64_t cur = atomic_load_explicit(&s->min_start, memory_order_relaxed);
   while (e->ptimer < cur && !atomic_compare_exchange_weak_explicit(&s->min_start, &cur, e->ptimer,
                                                                    memory_order_relaxed, memory_order_relaxed)) {
@@ -650,8 +749,7 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
     r.flags &= ~NCCL_EXPORTER_F_NO_GPU_TIME;
     hook_gpu_start(&r);
   }
-  uint32_t idx = (uint32_t)(((uintptr_t)e->parent >> 9) & 0x7fffffu);
-  return h_make(idx, (uint32_t)((uintptr_t)e->parent >> 32) & H_GEN, 1 + (e->channel & 0xff));
+  return h;
 }
 
 /* Is the finished operation's GPU interval plausible against the host's own
@@ -700,6 +798,12 @@ static void ours_kch_stop_state(void *h, uint64_t ptimer) {
   uint32_t sub;
   struct slot *s = h_slot(h, &sub);
   if (!s || sub == 0) return;
+  /* A second stop of a channel is another operation's, sent through this
+   * operation's stale handle (see sweep()): never counted here. */
+  if (!ch_test(s->ch_started, sub - 1) || ch_set(s->ch_stopped, sub - 1)) {
+    atomic_fetch_add_explicit(&G.dup_stops, 1, memory_order_relaxed);
+    return;
+  }
   uint64_t cur = atomic_load_explicit(&s->max_stop, memory_order_relaxed);
   while (ptimer > cur && !atomic_compare_exchange_weak_explicit(&s->max_stop, &cur, ptimer, memory_order_relaxed,
                                                                memory_order_relaxed)) {
@@ -722,6 +826,9 @@ static void ours_kch_stop_state(void *h, uint64_t ptimer) {
      * kernel channel; the last one to stop sends it (proxy_close). */
     s->done_reject = reject;
     s->done_now = now;
+    uint64_t mine = s->ord + 1, seen = atomic_load_explicit(&s->ctx->kch_done_ord, memory_order_relaxed);
+    while (seen < mine && !atomic_compare_exchange_weak(&s->ctx->kch_done_ord, &seen, mine)) {
+    }
     atomic_store(&s->kch_done, 1);
     if (atomic_load(&s->proxy_open) == 0) finish(s, NCCL_EXPORTER_STATE_DONE, reject, now);
   }
@@ -737,7 +844,7 @@ static void ours_stop(void *h) {
   uint32_t sub;
   struct slot *s = h_slot(h, &sub);
   if (!s) return;
-  (void)sub;
+  if (sub && ch_set(s->ch_released, sub - 1)) return; /* a KernelCh's stopEvent counts once (see sweep()) */
   unref(s);
 }
 
@@ -1001,6 +1108,8 @@ static void proxy_stop(void *h) {
       if (s) ph_leave(p->ent, &p->st[k], now);
       p->st[k].step = -1;
     }
+  uint32_t live = SLOT_LIVE; /* the sweep may be reclaiming it (pops_reclaim) */
+  if (!atomic_compare_exchange_strong(&p->state, &live, SLOT_CLOSING)) return;
   atomic_fetch_add(&p->gen, 1); /* its handles go stale */
   atomic_store_explicit(&p->state, SLOT_FREE, memory_order_release);
   if (!s) { /* its operation was reclaimed (finalize, age-out): the slot may be another's now */
@@ -1009,6 +1118,21 @@ static void proxy_stop(void *h) {
   }
   proxy_close(s);
   unref(s);
+}
+
+/* ProxyOp entries whose operation was reclaimed (finalize, age-out, sweep):
+ * NCCL may never stop them (an aborted communicator; CollNet and the SHM/P2P
+ * copy-engine modes never do). Their handles go stale. */
+static void pops_reclaim(void) {
+  for (uint32_t i = 0; i < G.npops; i++) {
+    struct pop *p = &G.pops[i];
+    if (atomic_load_explicit(&p->state, memory_order_acquire) != SLOT_LIVE || pop_slot(p)) continue;
+    uint32_t live = SLOT_LIVE;
+    if (!atomic_compare_exchange_strong(&p->state, &live, SLOT_CLOSING)) continue;
+    atomic_fetch_add(&p->gen, 1);
+    atomic_store_explicit(&p->state, SLOT_FREE, memory_order_release);
+    atomic_fetch_add_explicit(&G.proxy_reclaimed, 1, memory_order_relaxed);
+  }
 }
 
 /* The done record's network part: the top K peers by wall wait (both
@@ -1021,6 +1145,7 @@ static void net_fill(struct slot *s, struct nccl_exporter_net *out) {
   if (!atomic_load_explicit(&s->net_used, memory_order_acquire)) return;
   struct net_tab *t = &G.nets[s - G.slots];
   out->flags = atomic_load_explicit(&t->flags, memory_order_relaxed);
+  if (atomic_load_explicit(&s->proxy_open, memory_order_relaxed) > 0) out->flags |= NCCL_EXPORTER_NET_F_UNFINISHED;
   out->proxy_ops = atomic_load_explicit(&t->nops, memory_order_relaxed);
   /* entries are claimed in order (net_entry): the used ones are a prefix */
   uint32_t tn = 0;
@@ -1246,9 +1371,9 @@ static void *combine(struct ctx *c, uint64_t type, void *ours, void *theirs) {
  * (NCCL 2.28.9 src/enqueue.cc:1275, src/proxy.cc:385, src/plugin/profiler.cc:493
  * and 516-541), an address that may be unmapped here. */
 #define CTX_MAX 4096 /* live communicators per process; more: their init gets no context */
-static struct ctx *ctx_arena;          /* [CTX_MAX], allocated at the first init, kept until unload */
+/* ctx_arena: [CTX_MAX], allocated at the first init, kept until unload;
+ * ctx_used: entries handed out at least once (G.lock) */
 static uint32_t ctx_free_n;            /* ctx_free_list[0..n): reusable entries (G.lock) */
-static uint32_t ctx_used;              /* entries handed out at least once (G.lock) */
 static uint32_t *ctx_free_list;
 
 static struct ctx *as_ctx(void *p) {
@@ -1430,6 +1555,7 @@ static void global_init(nxp_logger_t logfn) {
   /* 1 ms (the enqueue time's lateness, timer resolution) + 2 windows of 500 ppm drift */
   G.clock_err_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US", 1000 + G.window_ns / 1000000ull, 1,
                            3600000000ull) * 1000ull;
+  G.settle_ns = env_u64("NCCL_EXPORTER_PROFILER_SETTLE_MS", 1000, 1, 3600000) * 1000000ull;
   G.nslots = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL", 4096, 16, MAX_POOL);
   G.slots = calloc(G.nslots, sizeof *G.slots);
   if (!G.slots) {
@@ -1514,6 +1640,7 @@ static void *announcer(void *arg) {
       struct nccl_exporter_comm ci = comm_record(A.live[i]);
       hook_comm_live(&ci);
     }
+    if (G.slots) sweep(mono_ns(), 0); /* records NCCL will never complete, also while the job is idle */
   }
   pthread_mutex_unlock(&A.lock);
   return NULL;
@@ -1639,6 +1766,7 @@ static nxp_result_t common_finalize(void *context) {
       release(s, NCCL_EXPORTER_F_FINALIZED, now);
     }
   }
+  if (G.pops) pops_reclaim(); /* its ProxyOps NCCL will not stop now */
   for (uint32_t i = 0; i < G.nwraps; i++) {
     struct wrap *w = &G.wraps[i];
     if (atomic_load(&w->used) && w->ctx == c) {
@@ -1650,14 +1778,17 @@ static nxp_result_t common_finalize(void *context) {
   ci.pending = pending;
   hook_comm_fini(&ci);
   if (G.log_fd >= 0) {
-    char line[448];
+    char line[640];
     int n = snprintf(line, sizeof line, "nccl-exporter-profiler event=finalize comm=0x%016" PRIx64 " rank=%d pending=%" PRIu64
                      " completed=%" PRIu64 " abandoned=%" PRIu64 " dropped=%" PRIu64 " stale=%" PRIu64 " rejected=%" PRIu64
-                     " proxy_ops=%" PRIu64 " proxy_foreign=%" PRIu64 " proxy_late=%" PRIu64 " pid=%d\n",
+                     " proxy_ops=%" PRIu64 " proxy_foreign=%" PRIu64 " proxy_late=%" PRIu64 " lost_channel=%" PRIu64
+                     " net_unfinished=%" PRIu64 " proxy_reclaimed=%" PRIu64 " dup_stops=%" PRIu64 " pid=%d\n",
                      c->comm_hash, c->rank, pending, atomic_load(&G.completed), atomic_load(&G.abandoned),
                      atomic_load(&G.dropped), atomic_load(&G.stale), atomic_load(&G.rejected),
                      atomic_load(&G.proxy_ops), atomic_load(&G.proxy_foreign),
-                     atomic_load(&G.proxy_late) + atomic_load(&G.proxy_orphan), (int)getpid());
+                     atomic_load(&G.proxy_late) + atomic_load(&G.proxy_orphan), atomic_load(&G.lost_channel),
+                     atomic_load(&G.net_unfinished), atomic_load(&G.proxy_reclaimed), atomic_load(&G.dup_stops),
+                     (int)getpid());
     if (n > 0 && write(G.log_fd, line, (size_t)n) < 0) { /* best effort */ }
   }
   announce_remove(c); /* before it is freed: the announcer reads it */

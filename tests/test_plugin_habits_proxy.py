@@ -31,7 +31,16 @@ HABITS = {
     "pxn_foreign_context": {"NCCL_SIM_GPU_PXN": "1"},
     "pxn_same_process": {"NCCL_SIM_GPU_PXN": "2"},
     "recv_step_restarted": {"NCCL_SIM_GPU_RECV_RESTART": "1"},
+    "stale_kernelch_handle": {"NCCL_SIM_GPU_STALE_KCH": "3"},
+    "proxyops_never_stopped": {"NCCL_SIM_GPU_PROXY_NO_STOP": "1"},
+    "stale_handle_and_proxyops_never_stopped": {"NCCL_SIM_GPU_STALE_KCH": "3", "NCCL_SIM_GPU_PROXY_NO_STOP": "1"},
 }
+# The plugin's sweep, fast: each 100 ms (announcer) and a 200 ms wait for a
+# stop NCCL may never send; the job pauses before its end to let it act.
+SWEEP = {"NCCL_EXPORTER_PROFILER_ANNOUNCE_MS": "100", "NCCL_EXPORTER_PROFILER_SETTLE_MS": "200",
+         "INPROC_PAUSE_S": "1.0"}
+F_FINALIZED, F_REJECT_LOST_CHANNEL, F_NET_UNFINISHED = 0x20, 0x1000, 0x2000
+NET_F_UNFINISHED = 0x4
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +127,7 @@ def test_sanitizers_report_nothing(lib, sanitized, tmp_path, habit):
     for version in VERSIONS:
         d = tmp_path / f"v{version}"
         d.mkdir()
-        env = dict(sanitizer_env(), **HABITS[habit])
+        env = dict(sanitizer_env(), **SWEEP, **HABITS[habit])
         _, log, proc = run(lib, sanitized, d, version, env)
         assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr[-4000:]
         assert [r for r in log if r["event"] == "done"], (habit, version)
@@ -136,3 +145,65 @@ def test_restarted_receive_step_is_not_a_reused_step(lib, plugin, tmp_path, vers
     assert all(int(r["net_flags"], 16) & NET_F_STEP_REUSED == 0 for r in waits), waits[0]
     sent = sum(int(r["bytes"]) for r in waits if r["direction"] == "send")
     assert sent and sum(int(r["bytes"]) for r in waits if r["direction"] == "recv") == sent
+
+
+def flags(r):
+    return int(r["flags"], 16)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_stale_kernelch_handle_lost_channel_is_finished_and_counted(lib, plugin, tmp_path, version):
+    """NCCL_SIM_GPU_STALE_KCH=3 (NCCL <= 2.30): every third kernel of a
+    communicator loses its last channel: no KernelCh start, and the stop goes
+    out through the handle the previous kernel had on that channel. The older
+    operation counts its channel's stop once; the operation that lost it is
+    finished by the sweep (a newer one of its communicator ended, none older
+    runs) as done with F_REJECT_LOST_CHANNEL, never left in flight until the
+    communicator's end."""
+    recs, log, _ = run(lib, plugin, tmp_path, version, dict(SWEEP, NCCL_SIM_GPU_STALE_KCH="3"))
+    from exporter.simulator.truth import gpu_kernels
+    stale = [t for t in gpu_kernels(recs) if t["stale_kch"]]
+    assert stale
+    done = [r for r in log if r["event"] == "done"]
+    assert not [r for r in log if r["event"] == "abandoned"]
+    lost = [r for r in done if flags(r) & F_REJECT_LOST_CHANNEL]
+    assert len(lost) == len(stale) and len(done) == 24
+    ok = [r for r in done if not flags(r) & F_REJECT_LOST_CHANNEL]
+    assert all(r["channels"] == "2/2/2" for r in ok), [r for r in ok if r["channels"] != "2/2/2"][:2]
+    assert all(r["channels"] == "1/1/2" for r in lost)
+    fin = finals(log)
+    assert max(int(r["lost_channel"]) for r in fin) == len(lost)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_proxyops_never_stopped_do_not_hold_the_record(lib, plugin, tmp_path, version):
+    """NCCL_SIM_GPU_PROXY_NO_STOP=1 (CollNet, SHM/P2P copy-engine modes): every
+    ProxyOp is started, none is stopped. Once the kernel is done the record
+    waits at most SETTLE_MS for them, then goes out marked F_NET_UNFINISHED (its
+    network part NET_F_UNFINISHED); their pool entries are reclaimed."""
+    _, log, _ = run(lib, plugin, tmp_path, version, dict(SWEEP, NCCL_SIM_GPU_PROXY_NO_STOP="1"))
+    done = [r for r in log if r["event"] == "done"]
+    assert len(done) == 24 and not [r for r in log if r["event"] == "abandoned"]
+    assert all(flags(r) & F_NET_UNFINISHED for r in done)
+    fin = finals(log)
+    assert max(int(r["net_unfinished"]) for r in fin) == 24
+    assert max(int(r["proxy_reclaimed"]) for r in fin) == max(int(r["proxy_ops"]) for r in fin) > 0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_stale_stop_on_a_live_operation_counts_once(lib, plugin, tmp_path, version):
+    """Both habits at once: the previous operation is still held by its open
+    ProxyOps when the stale stop arrives through its handle. That second stop
+    of a channel is ignored (dup_stops), so its interval is its own."""
+    recs, log, _ = run(lib, plugin, tmp_path, version,
+                       dict(SWEEP, NCCL_SIM_GPU_STALE_KCH="3", NCCL_SIM_GPU_PROXY_NO_STOP="1"))
+    from exporter.simulator.truth import gpu_kernels
+    truth = {(r["comm_hash"], r["rank"], r["coll_op"], r["seq"]): r for r in gpu_kernels(recs)}
+    done = [r for r in log if r["event"] == "done" and r["kind"] == "coll"]
+    assert done and not [r for r in log if r["event"] == "abandoned"]
+    for r in done:
+        if flags(r) & F_REJECT_LOST_CHANNEL:
+            continue
+        t = truth[(r["comm"][2:], int(r["rank"]), "ALL_REDUCE", int(r["seq"]))]
+        assert int(r["gpu_stop_timer"]) == t["gpu_stop_timer"] and r["channels"] == "2/2/2", (r, t)
+    assert max(int(r["dup_stops"]) for r in finals(log)) > 0

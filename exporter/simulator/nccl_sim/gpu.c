@@ -299,6 +299,7 @@ typedef struct gpu_op {
   collargs_t a;
   void *h;                 /* the Coll / P2p handle (NULL: no KernelCh events) */
   int nch;
+  int stale;               /* NCCL_SIM_GPU_STALE_KCH: its last channel is lost (kch_start) */
 } gpu_op_t;
 typedef struct gpu_work {
   struct gpu_work *next;
@@ -366,11 +367,12 @@ static void gpu_truth(ncclComm_t c, const gpu_op_t *o, uint64_t ts, uint64_t te,
   snprintf(extra, sizeof extra,
            ",\"coll_fn\":\"%s\",\"coll_op\":\"%s\",\"seq\":%llu,\"comm_hash\":\"%016llx\",\"enqueue_mono_ns\":%llu,"
            "\"gpu_start_mono_ns\":%llu,\"gpu_stop_mono_ns\":%llu,\"gpu_start_timer\":%llu,\"gpu_stop_timer\":%llu,"
-           "\"nchannels\":%d,\"kernelch_started\":%d,\"late\":%d,\"profiled\":%d,\"state\":\"%s\",\"desync\":%llu",
+           "\"nchannels\":%d,\"kernelch_started\":%d,\"late\":%d,\"profiled\":%d,\"state\":\"%s\",\"desync\":%llu,"
+           "\"stale_kch\":%d",
            func_name(o->a.kind), op_name_of(o->a.kind), (unsigned long long)o->a.seq, (unsigned long long)c->nccl_hash,
            (unsigned long long)o->a.enq_mono, (unsigned long long)ts, (unsigned long long)te,
            (unsigned long long)(ts ? gpu_timer(ts) : 0), (unsigned long long)(te ? gpu_timer(te) : 0), o->nch, nstarted,
-           late, o->h != NULL, state, (unsigned long long)c->desync);
+           late, o->h != NULL, state, (unsigned long long)c->desync, o->stale);
   int64_t off = (int64_t)now_ns(CLOCK_REALTIME) - (int64_t)now_ns(CLOCK_MONOTONIC); /* wall time of the GPU interval */
   rec_t rec = {"gpuKernel", "GPU_KERNEL", (uint64_t)(uintptr_t)c, c->rank, c->nranks, o->a.count, o->a.dt, o->a.op,
                o->a.root, o->a.peer, 0, ts, te, ts ? (uint64_t)((int64_t)ts + off) : 0, te ? (uint64_t)((int64_t)te + off) : 0,
@@ -378,10 +380,28 @@ static void gpu_truth(ncclComm_t c, const gpu_op_t *o, uint64_t ts, uint64_t te,
   truth_write(&rec);
 }
 
+/* NCCL_SIM_GPU_STALE_KCH=N (NCCL <= 2.30; fixed by NVIDIA/nccl PR #2221):
+ * in one pass of profilerProxyProgress (2.28.9 src/transport/profiler.cc:35-44)
+ * the start check can miss a channel's start and the stop check, a moment
+ * later, see its stop. The stop then goes out through sub->kernelEventHandle,
+ * which still holds the handle of the operation that used those sub-args
+ * before (src/proxy.cc:358-388 never resets it), and the args is done
+ * (profiler connections are not shared, transport/profiler.cc:12-13: one sub
+ * per args), so the operation's start on that channel never comes. Here every
+ * N-th kernel of a communicator loses its last channel that way: no start,
+ * and the stop (state and stopEvent) goes to the handle the previous kernel
+ * of the communicator had on that channel. */
+static int stale_kch_every(void) {
+  static int v = -1;
+  if (v < 0) v = env_int("NCCL_SIM_GPU_STALE_KCH", 0);
+  return v;
+}
+static int stale_lost(gpu_op_t *o, int ch) { return o->stale && ch == o->nch - 1; }
+
 static void kch_start(ncclComm_t c, gpu_op_t *o, void **kh, uint64_t ts) {
   for (int ch = 0; ch < o->nch; ch++) {
     kh[ch] = NULL;
-    if (!o->h) continue;
+    if (!o->h || stale_lost(o, ch)) continue;
     sim_descr_t d;
     d_init(&d, EV_KERNEL_CH, o->h, 0);     /* NCCL does not set rank for KernelCh */
     d.kernelCh.channelId = (uint8_t)ch;
@@ -389,10 +409,13 @@ static void kch_start(ncclComm_t c, gpu_op_t *o, void **kh, uint64_t ts) {
     kh[ch] = p_start(c, &d);
   }
 }
-static void kch_stop(gpu_op_t *o, void **kh, uint64_t te) {
+static void kch_stop(ncclComm_t c, gpu_op_t *o, void **kh, uint64_t te) {
   for (int ch = o->nch - 1; ch >= 0; ch--) {
-    p_record(kh[ch], ST_KERNEL_CH_STOP, gpu_timer(te - (uint64_t)ch * 200), 0);
-    p_stop(kh[ch]);
+    void *h = kh[ch];
+    if (o->h && stale_lost(o, ch)) h = ch < 64 ? c->last_kh[ch] : NULL;  /* the previous operation's handle */
+    p_record(h, ST_KERNEL_CH_STOP, gpu_timer(te - (uint64_t)ch * 200), 0);
+    p_stop(h);
+    if (kh[ch] && ch < 64) c->last_kh[ch] = kh[ch];
   }
 }
 
@@ -411,6 +434,8 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   c->kts[kslot] = ts;
   uint64_t pts = ts, old = (kslot + 64 - back) % 64;
   if (back && c->nkern > back) pts = c->kts[old];
+  int stale = stale_kch_every() > 0 && (c->nkern % (uint64_t)stale_kch_every()) == 0;
+  for (int i = 0; i < n; i++) ops[i].stale = stale && ops[i].h;
   if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, pts);
   ncclResult_t res;
   if (n == 1 && !is_p2p(ops[0].a.kind)) {
@@ -458,7 +483,7 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   uint64_t pte = (pts != ts && bcast_desync() == 1) ? c->kte[old] : te;
   if (late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) kch_start(c, &ops[i], kh + k, pts);
   for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) {
-    kch_stop(&ops[i], kh + k, pte);
+    kch_stop(c, &ops[i], kh + k, pte);
     gpu_truth(c, &ops[i], ts, te, late, "done", ops[i].h ? ops[i].nch : 0);
   }
   if (bcast_desync() && n == 1 && ops[0].a.kind == K_BROADCAST) c->desync++; /* the GPU ran it; the host never counted it */

@@ -123,6 +123,7 @@ struct ncclComm {
   uint64_t nkern;           /*   kernels run, index into that ring */
   uint64_t desync;          /*   unprofiled Broadcasts run: how far the host's timer slots lag */
   int nshrinks;             /* ncclCommShrink calls made on this comm */
+  void *last_kh[64];        /* NCCL_SIM_GPU_STALE_KCH: the KernelCh handle last used per channel */
 };
 
 static inline size_t dt_size(int dt) {

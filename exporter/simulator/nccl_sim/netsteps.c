@@ -33,7 +33,9 @@
  *   NCCL_SIM_GPU_PXN=2  one process, several GPUs, with PXN: two threads of
  *       this process add ProxyOps to one operation at once (pxn_same_process);
  *   NCCL_SIM_GPU_RECV_RESTART=1  every receive step is started twice before
- *       its first state, as NCCL restarts a step whose irecv was not posted.
+ *       its first state, as NCCL restarts a step whose irecv was not posted;
+ *   NCCL_SIM_GPU_PROXY_NO_STOP=1  ProxyOps are started and never stopped, with
+ *       no steps (CollNet, SHM/P2P copy-engine modes).
  * NCCL_SIM_GPU_STEP_TRUTH=1 writes one truth line per step (fn "proxyStep"):
  * when it entered each of its three states and stopped, as this thread saw it. */
 #include "nccl_sim.h"
@@ -179,6 +181,7 @@ ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n) {
   if (!x || !pfds || !idx) { free(x); free(pfds); free(idx); return ncclSystemError; }
   int pid = (int)getpid();
   int recv_restart = env_int("NCCL_SIM_GPU_RECV_RESTART", 0);
+  int no_stop = env_int("NCCL_SIM_GPU_PROXY_NO_STOP", 0);
   int pxn = env_int("NCCL_SIM_GPU_PXN", 0);
   if (pxn == 1 && n) pxn_op(c, &ops[0], pid, (int)chunk);
   if (pxn == 2 && n) pxn_same_process(c, &ops[0], pid, (int)chunk);
@@ -193,6 +196,13 @@ ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n) {
     for (int ch = 0; ch < nch && ch < t->nsteps; ch++) {
       int64_t mine = (t->nsteps - ch + nch - 1) / nch;
       t->pop[ch] = gpu_proxy_op_start(c, ops[i].parent, pid, ch, ops[i].peer, (int)mine, (int)chunk, ops[i].is_send);
+      /* NCCL_SIM_GPU_PROXY_NO_STOP=1: a transport that never stops its
+       * ProxyOps nor sends steps. NCCL 2.28.9 starts a ProxyOp for every
+       * non-profiler pattern (src/proxy.cc:427) but only transport/net.cc
+       * stops one (:1364, :1635): CollNet (coll_net.cc) and SHM/P2P in their
+       * copy-engine modes (NCCL_SHM_USE_CUDA_MEMCPY=1, shm.cc:504;
+       * NCCL_P2P_USE_CUDA_MEMCPY=1, p2p.cc:1137) make no profiler call. */
+      if (no_stop) t->pop[ch] = NULL;
     }
   }
   ncclResult_t res = ncclSuccess;
