@@ -113,7 +113,9 @@ struct nccl_exporter_record {
  *   recv: 0 recv_wait, 1 recv_flush_wait, 2 recv_gpu_wait
  * wall_ns: time with at least one step of that (peer, direction) in the phase
  * (over every channel); step_ns: the same summed over steps.  bytes: the sum of
- * transSize (given at send_wait / recv_flush_wait).  For "other", each figure
+ * transSize (given at send_wait / recv_flush_wait): bytes on the wire, the size
+ * NCCL hands to isend/irecv, LL/LL128 flag lines included (NCCL 2.28.9
+ * src/transport/net.cc:1325, 1520), not the payload.  For "other", each figure
  * is the sum over the peers folded into it. */
 #define NCCL_EXPORTER_NET_VERSION 1
 #define NCCL_EXPORTER_NET_TOP_K 4

@@ -347,7 +347,7 @@ def test_network_figures_per_peer_from_proxy_steps(bins, sources, tmp_path):
             assert want_step <= s.step_ns[i] <= want_step + n * steps * nch * 50_000, (key, ph)
     assert plugin.drops()["bad_record"] == 0
     text = exposition(gpu_families("n1", plugin, [], set(), named_peers={}))
-    assert sample_value(text, "nccl_network_bytes_total", comm="000000000000feed", rank="1", peer="2",
+    assert sample_value(text, "nccl_network_wire_bytes_total", comm="000000000000feed", rank="1", peer="2",
                         direction="send") == n * nch * steps * 131072
     assert sample_value(text, "nccl_network_wait_seconds_total", comm="000000000000feed", rank="1", peer="0",
                         direction="recv", phase="recv_wait") == got[(0, "recv")].wall_ns[0] / 1e9
