@@ -886,6 +886,8 @@ struct net_ent {
 };
 struct net_tab {
   _Atomic uint32_t n, flags, nops;
+  _Atomic uint32_t shared;  /* ProxyOps of it came from more than one thread: atomic figures */
+  _Atomic uintptr_t writer; /* the thread of its first ProxyOp */
   struct net_ent e[NET_TAB];
   struct net_ent over[2];   /* per direction: pairs beyond NET_TAB */
 };
@@ -963,23 +965,41 @@ static inline struct pop *pop_of(void *h, uint32_t *sub) {
   return p;
 }
 
-/* Relaxed atomics: several proxy threads may share an entry (see above). Two
- * threads crossing 0 at the same moment can misplace one wall interval by the
- * time between their two transitions; never more, never negative. */
-static inline void ph_leave(struct net_ent *e, struct pstep *st, uint64_t now) {
+/* A figure of a table: a plain add while the table has one writer thread (no
+ * lock prefix: the common case costs what it did), an atomic one once it has
+ * several (see above). Two threads crossing a phase's 0 <-> 1 count at once can
+ * misplace one wall interval by the time between their two transitions; a
+ * transition already under way when the second thread arrives may use the
+ * plain add once. */
+static inline uint64_t nadd64(_Atomic uint64_t *a, uint64_t v, int sh) {
+  if (UNLIKELY(sh)) return atomic_fetch_add_explicit(a, v, memory_order_relaxed);
+  uint64_t old = atomic_load_explicit(a, memory_order_relaxed);
+  atomic_store_explicit(a, old + v, memory_order_relaxed);
+  return old;
+}
+static inline uint32_t nadd32(_Atomic uint32_t *a, uint32_t v, int sh) {
+  if (UNLIKELY(sh)) return atomic_fetch_add_explicit(a, v, memory_order_relaxed);
+  uint32_t old = atomic_load_explicit(a, memory_order_relaxed);
+  atomic_store_explicit(a, old + v, memory_order_relaxed);
+  return old;
+}
+static inline int tab_shared(const struct net_tab *t) {
+  return (int)atomic_load_explicit(&((struct net_tab *)t)->shared, memory_order_relaxed);
+}
+
+static inline void ph_leave(struct net_ent *e, struct pstep *st, uint64_t now, int sh) {
   uint8_t p = st->phase;
   if (p == PH_NONE) return;
-  atomic_fetch_add_explicit(&e->step[p], now - st->t, memory_order_relaxed);
-  if (atomic_fetch_sub_explicit(&e->nin[p], 1, memory_order_relaxed) == 1) {
+  nadd64(&e->step[p], now - st->t, sh);
+  if (nadd32(&e->nin[p], (uint32_t)-1, sh) == 1) {
     uint64_t since = atomic_load_explicit(&e->since[p], memory_order_relaxed);
-    if (now > since) atomic_fetch_add_explicit(&e->wall[p], now - since, memory_order_relaxed);
+    if (now > since) nadd64(&e->wall[p], now - since, sh);
   }
   st->phase = PH_NONE;
 }
 
-static inline void ph_enter(struct net_ent *e, struct pstep *st, uint8_t p, uint64_t now) {
-  if (atomic_fetch_add_explicit(&e->nin[p], 1, memory_order_relaxed) == 0)
-    atomic_store_explicit(&e->since[p], now, memory_order_relaxed);
+static inline void ph_enter(struct net_ent *e, struct pstep *st, uint8_t p, uint64_t now, int sh) {
+  if (nadd32(&e->nin[p], 1, sh) == 0) atomic_store_explicit(&e->since[p], now, memory_order_relaxed);
   st->phase = p;
   st->t = now;
 }
@@ -1028,6 +1048,8 @@ static void *proxy_start_op(const struct ev *e) {
   struct net_tab *t = &G.nets[s - G.slots]; /* cleared when the operation started (ours_start_op) */
   atomic_store_explicit(&s->net_used, 1, memory_order_release);
   atomic_fetch_add_explicit(&t->nops, 1, memory_order_relaxed);
+  uintptr_t me = (uintptr_t)pthread_self(), w = 0; /* a second proxy thread makes the table shared */
+  if (!atomic_compare_exchange_strong(&t->writer, &w, me) && w != me) atomic_store(&t->shared, 1);
   p->s = s;
   p->sgen = (uint32_t)(((uintptr_t)e->parent >> 32) & H_GEN);
   p->tab = t;
@@ -1047,7 +1069,7 @@ static void *proxy_start_step(const struct ev *e) {
   if (!p || sub != 0 || e->step < 0 || !pop_slot(p)) return NULL;
   struct pstep *st = &p->st[e->step % POP_STEPS];
   if (UNLIKELY(st->step >= 0)) {
-    ph_leave(p->ent, st, mono_ns());
+    ph_leave(p->ent, st, mono_ns(), tab_shared(p->tab));
     /* The same step started again is NCCL restarting a receive step whose
      * irecv was not posted yet (2.28.9 src/transport/net.cc:1432: every
      * progress pass starts sub->posted until it is posted): not a reuse.
@@ -1080,32 +1102,32 @@ static void proxy_record(void *h, int state, const nxp_state_args *a) {
     ph = state == NXP_STATE_SEND_GPU_WAIT ? 0 : state == NXP_STATE_SEND_PEER_WAIT ? 1 : state == NXP_STATE_SEND_WAIT ? 2 : -1;
   else
     ph = state == NXP_STATE_RECV_WAIT ? 0 : state == NXP_STATE_RECV_FLUSH_WAIT ? 1 : state == NXP_STATE_RECV_GPU_WAIT ? 2 : -1;
-  if (ph < 0 || !pop_slot(p)) return;
+  if (ph < 0) return;
   uint64_t now = mono_ns();
-  ph_leave(p->ent, st, now);
-  ph_enter(p->ent, st, (uint8_t)ph, now);
-  if (ph == (p->is_send ? 2 : 1) && a)
-    atomic_fetch_add_explicit(&p->ent->bytes, a->proxyStep.transSize, memory_order_relaxed);
+  int sh = tab_shared(p->tab);
+  ph_leave(p->ent, st, now, sh);
+  ph_enter(p->ent, st, (uint8_t)ph, now, sh);
+  if (ph == (p->is_send ? 2 : 1) && a) nadd64(&p->ent->bytes, a->proxyStep.transSize, sh);
 }
 
 static void proxy_stop(void *h) {
   uint32_t sub;
   struct pop *p = pop_of(h, &sub);
   if (!p) return;
-  struct slot *s = pop_slot(p);
   if (sub) { /* ProxyStep */
     struct pop *q;
     struct pstep *st = proxy_step(h, &q);
     if (!st) return;
-    if (s) ph_leave(p->ent, st, mono_ns());
+    ph_leave(p->ent, st, mono_ns(), tab_shared(p->tab));
     st->step = -1;
     return;
   }
+  struct slot *s = pop_slot(p);
   uint64_t now = 0;
   for (int k = 0; k < POP_STEPS; k++) /* steps NCCL never stopped end with their op */
     if (p->st[k].step >= 0) {
       if (!now) now = mono_ns();
-      if (s) ph_leave(p->ent, &p->st[k], now);
+      if (s) ph_leave(p->ent, &p->st[k], now, tab_shared(p->tab));
       p->st[k].step = -1;
     }
   uint32_t live = SLOT_LIVE; /* the sweep may be reclaiming it (pops_reclaim) */

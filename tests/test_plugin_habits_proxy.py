@@ -102,6 +102,7 @@ def test_pxn_in_one_process_two_proxy_threads_share_a_table(lib, plugin, tmp_pat
     assert all(r["pending"] == "0" for r in fin) and max(int(r["proxy_ops"]) for r in fin) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", VERSIONS)
 def test_pxn_in_one_process_network_table_has_no_data_race(lib, tmp_path, version):
     """The same scenario with the plugin built with -fsanitize=thread: no data
@@ -120,6 +121,7 @@ def sanitized(tmp_path_factory):
     return build_plugin_sanitized(tmp_path_factory.mktemp("asan"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("habit", sorted(HABITS))
 def test_sanitizers_report_nothing(lib, sanitized, tmp_path, habit):
     """The plugin built with -fsanitize=address,undefined (every report fatal)
