@@ -550,9 +550,13 @@ static inline int ch_set(_Atomic uint64_t *m, unsigned ch) {
  *    goes out with F_NET_UNFINISHED and the slot is reclaimed;
  *  - ProxyOp entries whose operation was reclaimed (finalize, age-out, the
  *    cases above) go back to their pool. */
+/* t at least d before now. Another thread may have stored t after this one
+ * read now: a t later than now is never old (unsigned now - t would wrap). */
+static inline int older_than(uint64_t now, uint64_t t, uint64_t d) { return now > t && now - t >= d; }
+
 static void sweep(uint64_t now, int pressure) {
   uint64_t last = atomic_load(&G.last_sweep);
-  if (now - last < 100000000ull && !(pressure && now - last >= 10000000ull)) return;
+  if (last >= now || (now - last < 100000000ull && !(pressure && now - last >= 10000000ull))) return;
   if (!atomic_compare_exchange_strong(&G.last_sweep, &last, now)) return;
   for (uint32_t i = 0; ctx_arena && i < ctx_used; i++) ctx_arena[i].sweep_min_run = UINT64_MAX;
   for (uint32_t i = 0; i < G.nslots; i++) { /* the oldest running operation per communicator */
@@ -565,13 +569,13 @@ static void sweep(uint64_t now, int pressure) {
   for (uint32_t i = 0; i < G.nslots; i++) {
     struct slot *s = &G.slots[i];
     if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
-    if (now - s->created > G.max_age_ns) {
+    if (older_than(now, s->created, G.max_age_ns + 1)) {
       release(s, NCCL_EXPORTER_F_AGED, now);
       continue;
     }
     if (atomic_load(&s->finished)) continue;
     if (atomic_load(&s->kch_done)) {
-      if (atomic_load(&s->proxy_open) > 0 && now - s->done_now >= G.settle_ns) {
+      if (atomic_load(&s->proxy_open) > 0 && older_than(now, s->done_now, G.settle_ns)) {
         atomic_fetch_add_explicit(&G.net_unfinished, 1, memory_order_relaxed);
         finish(s, NCCL_EXPORTER_STATE_DONE, s->done_reject | NCCL_EXPORTER_F_NET_UNFINISHED, now);
         release(s, 0, now);
@@ -590,7 +594,7 @@ static void sweep(uint64_t now, int pressure) {
       s->lost_since = 0;
     } else if (!s->lost_since) {
       s->lost_since = now;
-    } else if (now - s->lost_since >= G.settle_ns) {
+    } else if (older_than(now, s->lost_since, G.settle_ns)) {
       atomic_fetch_add_explicit(&G.lost_channel, 1, memory_order_relaxed);
       atomic_fetch_add_explicit(&G.rejected, 1, memory_order_relaxed);
       finish(s, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_REJECT_LOST_CHANNEL, now);
@@ -647,7 +651,7 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   unsigned nch = e->nchannels;
   if (nch == 0) return NULL; /* no kernel work (e.g. copy-engine path): nothing to time */
   uint64_t now = mono_ns();
-  if (UNLIKELY(now - atomic_load_explicit(&G.last_sweep, memory_order_relaxed) > 250000000ull)) sweep(now, 0);
+  if (UNLIKELY(older_than(now, atomic_load_explicit(&G.last_sweep, memory_order_relaxed), 250000000ull))) sweep(now, 0);
   uint32_t idx;
   struct slot *s = slot_alloc(now, &idx);
   if (!s) return NULL;

@@ -209,3 +209,29 @@ def test_stale_stop_on_a_live_operation_counts_once(lib, plugin, tmp_path, versi
         t = truth[(r["comm"][2:], int(r["rank"]), "ALL_REDUCE", int(r["seq"]))]
         assert int(r["gpu_stop_timer"]) == t["gpu_stop_timer"] and r["channels"] == "2/2/2", (r, t)
     assert max(int(r["dup_stops"]) for r in finals(log)) > 0
+
+
+def test_sweep_beside_running_operations_reclaims_nothing_live(plugin, tmp_path):
+    """The sweep runs on the announcer thread (here every 100 ms: a 1 ms period,
+    rate-limited) while the driver's thread finishes operations under it: times
+    that thread stores after the sweep read its clock are never taken for old
+    ones. 20,000 operations of 8 channels, every other one's ProxyOps ending
+    after its last KernelCh: nothing finished early, nothing orphaned, the pools
+    back where they started (tests/plugin/driver.c netbench)."""
+    import os
+    import subprocess
+
+    from conftest import REPO
+    drv = tmp_path / "driver"
+    subprocess.run(["gcc", "-O2", "-g", "-pthread", "-I", str(REPO / "plugin"), "-o", str(drv),
+                    str(REPO / "tests/plugin/driver.c"), "-ldl"], check=True)
+    env = dict(os.environ, NCCL_EXPORTER_PROFILER_ANNOUNCE_MS="1")
+    p = subprocess.run([str(drv), str(plugin), "7", "netbench", "20000", "8", "2"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    kv = {l.split()[1]: dict(x.split("=", 1) for x in l.split()[2:] if "=" in x)
+          for l in p.stdout.splitlines() if l.startswith("pools ")}
+    assert kv["after"]["slots"] == kv["after"]["proxy_slots"] == "0"
+    assert kv["after"]["late"] == kv["after"]["orphan"] == kv["after"]["dropped"] == "0", kv["after"]
+    stats = dict(x.split("=", 1) for x in next(l for l in p.stdout.splitlines() if l.startswith("stats ")).split()[1:])
+    assert stats["completed"] == "20000" and stats["abandoned"] == "0"
