@@ -554,6 +554,22 @@ static inline int ch_set(_Atomic uint64_t *m, unsigned ch) {
  * read now: a t later than now is never old (unsigned now - t would wrap). */
 static inline int older_than(uint64_t now, uint64_t t, uint64_t d) { return now > t && now - t >= d; }
 
+/* The sweep ends a slot it found LIVE with generation gen0: claimed by the
+ * LIVE -> CLOSING CAS, unless the operation ended and the slot went to another
+ * one meanwhile (then it is put back at once, untouched). Emits the record
+ * (state DONE or ABANDONED, with flags) unless it went out already. */
+static void sweep_end(struct slot *s, uint32_t gen0, uint8_t state, uint32_t flags, uint64_t now) {
+  uint32_t live = SLOT_LIVE;
+  if (!atomic_compare_exchange_strong(&s->state, &live, SLOT_CLOSING)) return;
+  if (atomic_load(&s->gen) != gen0) {
+    atomic_store_explicit(&s->state, SLOT_LIVE, memory_order_release);
+    return;
+  }
+  if (!atomic_load(&s->finished)) finish(s, state, flags, now);
+  atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
+  atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
+}
+
 static void sweep(uint64_t now, int pressure) {
   uint64_t last = atomic_load(&G.last_sweep);
   if (last >= now || (now - last < 100000000ull && !(pressure && now - last >= 10000000ull))) return;
@@ -568,17 +584,17 @@ static void sweep(uint64_t now, int pressure) {
   }
   for (uint32_t i = 0; i < G.nslots; i++) {
     struct slot *s = &G.slots[i];
+    uint32_t gen0 = atomic_load_explicit(&s->gen, memory_order_acquire);
     if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
     if (older_than(now, s->created, G.max_age_ns + 1)) {
-      release(s, NCCL_EXPORTER_F_AGED, now);
+      sweep_end(s, gen0, NCCL_EXPORTER_STATE_ABANDONED, NCCL_EXPORTER_F_AGED, now);
       continue;
     }
     if (atomic_load(&s->finished)) continue;
     if (atomic_load(&s->kch_done)) {
       if (atomic_load(&s->proxy_open) > 0 && older_than(now, s->done_now, G.settle_ns)) {
         atomic_fetch_add_explicit(&G.net_unfinished, 1, memory_order_relaxed);
-        finish(s, NCCL_EXPORTER_STATE_DONE, s->done_reject | NCCL_EXPORTER_F_NET_UNFINISHED, now);
-        release(s, 0, now);
+        sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, s->done_reject | NCCL_EXPORTER_F_NET_UNFINISHED, now);
       }
       continue;
     }
@@ -597,8 +613,7 @@ static void sweep(uint64_t now, int pressure) {
     } else if (older_than(now, s->lost_since, G.settle_ns)) {
       atomic_fetch_add_explicit(&G.lost_channel, 1, memory_order_relaxed);
       atomic_fetch_add_explicit(&G.rejected, 1, memory_order_relaxed);
-      finish(s, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_REJECT_LOST_CHANNEL, now);
-      release(s, 0, now);
+      sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_REJECT_LOST_CHANNEL, now);
     }
   }
   if (G.pops) pops_reclaim();
