@@ -48,6 +48,7 @@
 #define NX_F_REJECT_EARLY 0x100
 #define NX_F_REJECT_REVERSED 0x200
 #define NX_F_SHARED 0x400000  // NCCL_EXPORTER_F_SHARED
+#define NX_F_REJECT_LOST_CHANNEL 0x1000  // a KernelCh NCCL <= 2.30 never sent ("NCCL habits")
 
 // struct nccl_exporter_record, version 1 (plugin/nccl_exporter_plugin.h).
 // Offsets relied on are commented; the struct is the plugin's byte for byte
@@ -208,7 +209,8 @@ struct plugin_comm {
 #define PD_COMMS_FULL 8
 #define PD_NET_FULL 9         // net_series full even for the "other" entry
 #define PD_SHARED 10          // done records whose GPU interval is another's (a batch): not histogrammed
-#define PD_SLOTS 11
+#define PD_REJECT_LOST_CHANNEL 11  // contract.GPU_REJECT_SLOTS
+#define PD_SLOTS 12
 
 BPF_HASH(gpu_series, struct gpu_key, struct gpu_hist, GPU_MAX_SERIES);
 BPF_HASH(gpu_inflight, struct gpu_flight_key, struct gpu_flight, GPU_MAX_INFLIGHT);
@@ -442,6 +444,10 @@ int on_gpu_done(struct pt_regs *ctx) {
     }
     if (r.flags & NX_F_REJECT_EARLY) {
         drop(PD_REJECT_EARLY);
+        return 0;
+    }
+    if (r.flags & NX_F_REJECT_LOST_CHANNEL) {
+        drop(PD_REJECT_LOST_CHANNEL);
         return 0;
     }
     if ((r.flags & NX_F_REJECT_REVERSED) ||

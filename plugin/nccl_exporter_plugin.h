@@ -53,8 +53,17 @@
 #define NCCL_EXPORTER_F_REJECT_LONG 0x80     /* GPU interval longer than host enqueue .. delivery + clock error */
 #define NCCL_EXPORTER_F_REJECT_EARLY 0x100   /* GPU start before the host enqueue by more than the clock error */
 #define NCCL_EXPORTER_F_REJECT_REVERSED 0x200 /* latest stop timer before the earliest start timer */
+/* A channel whose KernelCh start and stop NCCL <= 2.30 never sends (its stop
+ * went out through an older operation's handle; docs/plugin.md "NCCL habits"):
+ * the interval lacks that channel. Counted by this reason, not histogrammed. */
+#define NCCL_EXPORTER_F_REJECT_LOST_CHANNEL 0x1000
 #define NCCL_EXPORTER_F_REJECTED \
-  (NCCL_EXPORTER_F_REJECT_LONG | NCCL_EXPORTER_F_REJECT_EARLY | NCCL_EXPORTER_F_REJECT_REVERSED)
+  (NCCL_EXPORTER_F_REJECT_LONG | NCCL_EXPORTER_F_REJECT_EARLY | NCCL_EXPORTER_F_REJECT_REVERSED | \
+   NCCL_EXPORTER_F_REJECT_LOST_CHANNEL)
+/* Done although ProxyOps of it are still open: NCCL never stops them for
+ * CollNet and the SHM/P2P copy-engine modes (docs/plugin.md "NCCL habits");
+ * the network part (if any) is what was seen until then. */
+#define NCCL_EXPORTER_F_NET_UNFINISHED 0x2000
 /* NCCL habits (docs/plugin.md, "NCCL habits"); high bits, so that flags other
  * habits add below them stay apart. */
 #define NCCL_EXPORTER_F_UNTIMED 0x100000          /* no GPU interval exists for it (a rank's Send/Recv to itself on \
@@ -112,7 +121,9 @@ struct nccl_exporter_record {
  *   recv: 0 recv_wait, 1 recv_flush_wait, 2 recv_gpu_wait
  * wall_ns: time with at least one step of that (peer, direction) in the phase
  * (over every channel); step_ns: the same summed over steps.  bytes: the sum of
- * transSize (given at send_wait / recv_flush_wait).  For "other", each figure
+ * transSize (given at send_wait / recv_flush_wait): bytes on the wire, the size
+ * NCCL hands to isend/irecv, LL/LL128 flag lines included (NCCL 2.28.9
+ * src/transport/net.cc:1325, 1520), not the payload.  For "other", each figure
  * is the sum over the peers folded into it. */
 #define NCCL_EXPORTER_NET_VERSION 1
 #define NCCL_EXPORTER_NET_TOP_K 4
@@ -123,6 +134,7 @@ struct nccl_exporter_record {
 /* net flags */
 #define NCCL_EXPORTER_NET_F_TABLE_FULL 0x1 /* more (peer, direction) pairs than the plugin tracks per op: summed as other */
 #define NCCL_EXPORTER_NET_F_STEP_REUSED 0x2 /* a step started while the step 8 before it was still open (closed then) */
+#define NCCL_EXPORTER_NET_F_UNFINISHED 0x4 /* ProxyOps still open when the record went out (F_NET_UNFINISHED) */
 
 struct nccl_exporter_peer_wait {
   int32_t peer;                /*  0 communicator rank; -1 = other */

@@ -142,6 +142,10 @@ struct ctx {
   _Atomic uint64_t batch_a, batch_b; /* the last done interval not shared (shared_with_last) */
   _Atomic uint64_t *p2p_seq; /* [2 * p2p_n]: per (peer, send/recv) order */
   uint32_t p2p_n;
+  /* operations in start order (slot.ord), for sweep(): */
+  _Atomic uint64_t ord_next;
+  _Atomic uint64_t kch_done_ord; /* 1 + the newest ord whose every KernelCh stopped (0: none) */
+  uint64_t sweep_min_run;        /* sweep(): the oldest ord with a KernelCh running (UINT64_MAX: none) */
 };
 
 struct slot {
@@ -164,6 +168,11 @@ struct slot {
   _Atomic uint32_t pending_ch;  /* F_CHANNELS_UNKNOWN: holds a reference until its channels stopped */
   uint32_t done_reject;         /* judge()'s verdict at the last KernelCh stop */
   uint64_t done_now;            /* and when */
+  /* NCCL <= 2.30 can stop a KernelCh through the handle of an older operation
+   * (see sweep()): each channel's start, stop state and stopEvent count once */
+  _Atomic uint64_t ch_started[4], ch_stopped[4], ch_released[4];
+  uint64_t ord;                 /* this operation's place in its communicator's start order */
+  uint64_t lost_since;          /* sweep(): first seen with a channel that will never come (0: not) */
   struct nccl_exporter_record rec; /* the static part, filled at start */
 };
 enum { SLOT_FREE = 0, SLOT_LIVE = 1, SLOT_CLOSING = 2 };
@@ -208,6 +217,8 @@ static struct {
   uint32_t npops;
   _Atomic uint32_t pcursor;
   _Atomic uint64_t proxy_ops, proxy_foreign, proxy_orphan, proxy_late, proxy_dropped;
+  _Atomic uint64_t lost_channel, net_unfinished, proxy_reclaimed, dup_stops;
+  uint64_t settle_ns;       /* how long a stop NCCL may never send is waited for (sweep) */
   /* chain */
   void *chain_dl;
   int chain_ver;            /* 4..7, 0 = none */
@@ -216,6 +227,9 @@ static struct {
   _Atomic int chain_mask_seen;
   _Atomic int chain_types;  /* event types NCCL would send it, from its mask */
 } G = {.lock = PTHREAD_MUTEX_INITIALIZER, .log_fd = -1};
+
+static struct ctx *ctx_arena; /* the communicators' contexts (as_ctx, ctx_alloc) */
+static uint32_t ctx_used;
 
 static inline uint64_t mono_ns(void) {
   struct timespec ts;
@@ -449,11 +463,11 @@ static void log_net(const struct nccl_exporter_record *r, const struct nccl_expo
                      "nccl-exporter-profiler event=peer_wait op=%s comm=0x%016" PRIx64 " rank=%d seq=%" PRIu64
                      " id=%" PRIu64 " peer=%s direction=%s bytes=%" PRIu64
                      " %s_wall_ns=%" PRIu64 " %s_wall_ns=%" PRIu64 " %s_wall_ns=%" PRIu64
-                     " %s_step_ns=%" PRIu64 " %s_step_ns=%" PRIu64 " %s_step_ns=%" PRIu64 " pid=%d\n",
+                     " %s_step_ns=%" PRIu64 " %s_step_ns=%" PRIu64 " %s_step_ns=%" PRIu64 " net_flags=0x%x pid=%d\n",
                      r->op_name[0] ? r->op_name : "?", r->comm_hash, r->rank, r->seq, r->id,
                      peer, w->direction ? "recv" : "send", w->bytes,
                      ph[0], w->wall_ns[0], ph[1], w->wall_ns[1], ph[2], w->wall_ns[2],
-                     ph[0], w->step_ns[0], ph[1], w->step_ns[1], ph[2], w->step_ns[2], (int)getpid());
+                     ph[0], w->step_ns[0], ph[1], w->step_ns[1], ph[2], w->step_ns[2], net->flags, (int)getpid());
     if (n > 0 && write(G.log_fd, line, (size_t)(n < (int)sizeof line ? n : (int)sizeof line - 1)) < 0) { /* best effort */ }
   }
 }
@@ -482,6 +496,7 @@ static void log_record(const struct nccl_exporter_record *r) {
 }
 
 static void net_fill(struct slot *s, struct nccl_exporter_net *out);
+static void net_clear(uint32_t idx);
 
 /* Batched collectives share one interval: the kernel writes one start and one
  * stop timer for all the work items of a batch on a channel, read in one loop
@@ -556,16 +571,109 @@ static inline void unref(struct slot *s) {
   if (atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) == 1) release(s, 0, 0);
 }
 
-/* Reclaim live slots older than max_age (only when the pool is exhausted). */
-static void sweep_aged(uint64_t now) {
+static void pops_reclaim(void);
+static inline int ch_test(_Atomic uint64_t *m, unsigned ch) {
+  return (atomic_load_explicit(&m[(ch >> 6) & 3], memory_order_relaxed) >> (ch & 63)) & 1;
+}
+/* Set channel ch's bit; 1 if it was set already. */
+static inline int ch_set(_Atomic uint64_t *m, unsigned ch) {
+  uint64_t bit = 1ull << (ch & 63);
+  return (atomic_fetch_or_explicit(&m[(ch >> 6) & 3], bit, memory_order_acq_rel) & bit) != 0;
+}
+
+/* Records NCCL will never complete, found by a periodic sweep (at most every
+ * 100 ms: from an operation's start at most every 250 ms, from the announcer
+ * thread each period, and when the pool is full):
+ *  - older than NCCL_EXPORTER_PROFILER_MAX_AGE_S: abandoned (F_AGED), whatever
+ *    the pool's pressure;
+ *  - a lost channel (NCCL <= 2.30, transport/profiler.cc:35-44 in 2.28.9): in
+ *    one pass of profilerProxyProgress the start check can miss a channel's
+ *    start and the stop check, a moment later, see its stop; the stop then goes
+ *    out through sub->kernelEventHandle, which still holds the handle of the
+ *    operation that used those sub-args before (proxy.cc:358-388 never resets
+ *    it), and that args is done: the operation never gets that channel's start
+ *    or stop. The older operation's second stop is ignored (ch_stopped). An
+ *    operation is taken as lost when none of its channels runs, no older one
+ *    of its communicator runs, and either some of its channels ended or a
+ *    newer operation of its communicator had every channel stop (kernels of
+ *    one communicator end in order), all that for
+ *    NCCL_EXPORTER_PROFILER_SETTLE_MS: done with F_REJECT_LOST_CHANNEL (its
+ *    interval is partial: counted by that reason). One that lost every
+ *    channel with nothing after it in its communicator waits for MAX_AGE;
+ *  - ProxyOps never stopped (2.28.9: proxy.cc:427 starts one for every non-
+ *    profiler pattern, only transport/net.cc:1364,1635 stop them; CollNet and
+ *    the SHM/P2P copy-engine modes never do): once the last KernelCh stopped,
+ *    open ProxyOps hold the done record back for SETTLE_MS at most, then it
+ *    goes out with F_NET_UNFINISHED and the slot is reclaimed;
+ *  - ProxyOp entries whose operation was reclaimed (finalize, age-out, the
+ *    cases above) go back to their pool. */
+/* t at least d before now. Another thread may have stored t after this one
+ * read now: a t later than now is never old (unsigned now - t would wrap). */
+static inline int older_than(uint64_t now, uint64_t t, uint64_t d) { return now > t && now - t >= d; }
+
+/* The sweep ends a slot it found LIVE with generation gen0: claimed by the
+ * LIVE -> CLOSING CAS, unless the operation ended and the slot went to another
+ * one meanwhile (then it is put back at once, untouched). Emits the record
+ * (state DONE or ABANDONED, with flags) unless it went out already. */
+static void sweep_end(struct slot *s, uint32_t gen0, uint8_t state, uint32_t flags, uint64_t now) {
+  uint32_t live = SLOT_LIVE;
+  if (!atomic_compare_exchange_strong(&s->state, &live, SLOT_CLOSING)) return;
+  if (atomic_load(&s->gen) != gen0) {
+    atomic_store_explicit(&s->state, SLOT_LIVE, memory_order_release);
+    return;
+  }
+  if (!atomic_load(&s->finished)) finish(s, state, flags, now);
+  atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
+  atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
+}
+
+static void sweep(uint64_t now, int pressure) {
   uint64_t last = atomic_load(&G.last_sweep);
-  if (now - last < 100000000ull) return; /* at most every 100 ms */
+  if (last >= now || (now - last < 100000000ull && !(pressure && now - last >= 10000000ull))) return;
   if (!atomic_compare_exchange_strong(&G.last_sweep, &last, now)) return;
+  for (uint32_t i = 0; ctx_arena && i < ctx_used; i++) ctx_arena[i].sweep_min_run = UINT64_MAX;
+  for (uint32_t i = 0; i < G.nslots; i++) { /* the oldest running operation per communicator */
+    struct slot *s = &G.slots[i];
+    if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
+    if (atomic_load_explicit(&s->started, memory_order_relaxed) > atomic_load_explicit(&s->stopped, memory_order_relaxed) &&
+        s->ord < s->ctx->sweep_min_run)
+      s->ctx->sweep_min_run = s->ord;
+  }
   for (uint32_t i = 0; i < G.nslots; i++) {
     struct slot *s = &G.slots[i];
-    if (atomic_load_explicit(&s->state, memory_order_acquire) == SLOT_LIVE && now - s->created > G.max_age_ns)
-      release(s, NCCL_EXPORTER_F_AGED, now);
+    uint32_t gen0 = atomic_load_explicit(&s->gen, memory_order_acquire);
+    if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
+    if (older_than(now, s->created, G.max_age_ns + 1)) {
+      sweep_end(s, gen0, NCCL_EXPORTER_STATE_ABANDONED, NCCL_EXPORTER_F_AGED, now);
+      continue;
+    }
+    if (atomic_load(&s->finished)) continue;
+    if (atomic_load(&s->kch_done)) {
+      if (atomic_load(&s->proxy_open) > 0 && older_than(now, s->done_now, G.settle_ns)) {
+        atomic_fetch_add_explicit(&G.net_unfinished, 1, memory_order_relaxed);
+        sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, s->done_reject | NCCL_EXPORTER_F_NET_UNFINISHED, now);
+      }
+      continue;
+    }
+    struct ctx *c = s->ctx;
+    uint32_t started = atomic_load_explicit(&s->started, memory_order_relaxed);
+    uint32_t stopped = atomic_load_explicit(&s->stopped, memory_order_relaxed);
+    /* nothing of it runs, nothing older of its communicator runs, and either
+     * some of its channels ended (its kernel ran) or a newer operation of its
+     * communicator ended (kernels of one communicator end in order) */
+    int lost = started <= stopped && c->sweep_min_run > s->ord &&
+               (stopped > 0 || atomic_load_explicit(&c->kch_done_ord, memory_order_relaxed) > s->ord + 1);
+    if (!lost) {
+      s->lost_since = 0;
+    } else if (!s->lost_since) {
+      s->lost_since = now;
+    } else if (older_than(now, s->lost_since, G.settle_ns)) {
+      atomic_fetch_add_explicit(&G.lost_channel, 1, memory_order_relaxed);
+      atomic_fetch_add_explicit(&G.rejected, 1, memory_order_relaxed);
+      sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_REJECT_LOST_CHANNEL, now);
+    }
   }
+  if (G.pops) pops_reclaim();
 }
 
 static struct slot *slot_alloc(uint64_t now, uint32_t *idx_out) {
@@ -581,7 +689,7 @@ static struct slot *slot_alloc(uint64_t now, uint32_t *idx_out) {
         return s; /* CLOSING until the caller publishes it LIVE */
       }
     }
-    if (pass == 0) sweep_aged(now);
+    if (pass == 0) sweep(now, 1);
   }
   if (atomic_fetch_add_explicit(&G.dropped, 1, memory_order_relaxed) == 0)
     logmsg(NXP_LOG_WARN, "nccl-exporter profiler: record pool (%u) exhausted; operations are dropped and counted "
@@ -632,6 +740,7 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
     fl = NCCL_EXPORTER_F_CHANNELS_UNKNOWN;
   }
   uint64_t now = mono_ns();
+  if (UNLIKELY(older_than(now, atomic_load_explicit(&G.last_sweep, memory_order_relaxed), 250000000ull))) sweep(now, 0);
   uint32_t idx;
   struct slot *s = slot_alloc(now, &idx);
   if (!s) return NULL;
@@ -655,6 +764,14 @@ static void *ours_start_op(struct ctx *c, const struct ev *e) {
   atomic_store_explicit(&s->proxy_open, 0, memory_order_relaxed);
   atomic_store_explicit(&s->kch_done, 0, memory_order_relaxed);
   atomic_store_explicit(&s->net_used, 0, memory_order_relaxed);
+  for (int k = 0; k < 4; k++) {
+    atomic_store_explicit(&s->ch_started[k], 0, memory_order_relaxed);
+    atomic_store_explicit(&s->ch_stopped[k], 0, memory_order_relaxed);
+    atomic_store_explicit(&s->ch_released[k], 0, memory_order_relaxed);
+  }
+  s->ord = atomic_fetch_add_explicit(&c->ord_next, 1, memory_order_relaxed);
+  s->lost_since = 0;
+  if (G.proxy_on) net_clear(idx); /* here, before any ProxyOp: several proxy threads may fill it (net_entry) */
 
   struct nccl_exporter_record *r = &s->rec;
   memset(r, 0, sizeof *r);
@@ -702,6 +819,9 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
   uint32_t sub;
   struct slot *s = h_slot(e->parent, &sub);
   if (!s || sub != 0) return NULL;
+  uint32_t idx = (uint32_t)(((uintptr_t)e->parent >> 9) & 0x7fffffu);
+  void *h = h_make(idx, (uint32_t)((uintptr_t)e->parent >> 32) & H_GEN, 1 + (e->channel & 0xff));
+  if (ch_set(s->ch_started, e->channel)) return h; /* this channel started already: counted once */
   uint64_t cur = atomic_load_explicit(&s->min_start, memory_order_relaxed);
   while (e->ptimer < cur && !atomic_compare_exchange_weak_explicit(&s->min_start, &cur, e->ptimer,
                                                                    memory_order_relaxed, memory_order_relaxed)) {
@@ -724,8 +844,7 @@ static void *ours_start_kch(struct ctx *c, const struct ev *e) {
     r.flags &= ~NCCL_EXPORTER_F_NO_GPU_TIME;
     hook_gpu_start(&r);
   }
-  uint32_t idx = (uint32_t)(((uintptr_t)e->parent >> 9) & 0x7fffffu);
-  return h_make(idx, (uint32_t)((uintptr_t)e->parent >> 32) & H_GEN, 1 + (e->channel & 0xff));
+  return h;
 }
 
 /* Is the finished operation's GPU interval plausible against the host's own
@@ -774,6 +893,12 @@ static void ours_kch_stop_state(void *h, uint64_t ptimer) {
   uint32_t sub;
   struct slot *s = h_slot(h, &sub);
   if (!s || sub == 0) return;
+  /* A second stop of a channel is another operation's, sent through this
+   * operation's stale handle (see sweep()): never counted here. */
+  if (!ch_test(s->ch_started, sub - 1) || ch_set(s->ch_stopped, sub - 1)) {
+    atomic_fetch_add_explicit(&G.dup_stops, 1, memory_order_relaxed);
+    return;
+  }
   uint64_t cur = atomic_load_explicit(&s->max_stop, memory_order_relaxed);
   while (ptimer > cur && !atomic_compare_exchange_weak_explicit(&s->max_stop, &cur, ptimer, memory_order_relaxed,
                                                                memory_order_relaxed)) {
@@ -796,6 +921,9 @@ static void ours_kch_stop_state(void *h, uint64_t ptimer) {
      * kernel channel; the last one to stop sends it (proxy_close). */
     s->done_reject = reject;
     s->done_now = now;
+    uint64_t mine = s->ord + 1, seen = atomic_load_explicit(&s->ctx->kch_done_ord, memory_order_relaxed);
+    while (seen < mine && !atomic_compare_exchange_weak(&s->ctx->kch_done_ord, &seen, mine)) {
+    }
     atomic_store(&s->kch_done, 1);
     if (atomic_load(&s->proxy_open) == 0) finish(s, NCCL_EXPORTER_STATE_DONE, reject, now);
     /* CHANNELS_UNKNOWN: channels starting after this are not waited for (a stale handle, counted) */
@@ -813,6 +941,7 @@ static void ours_stop(void *h) {
   uint32_t sub;
   struct slot *s = h_slot(h, &sub);
   if (!s) return;
+  if (sub && ch_set(s->ch_released, sub - 1)) return; /* a KernelCh's stopEvent counts once (see sweep()) */
   if (sub == 0 && (s->rec.flags & NCCL_EXPORTER_F_UNTIMED)) /* no KernelCh will come: done when enqueued */
     finish(s, NCCL_EXPORTER_STATE_DONE, 0, mono_ns());
   unref(s);
@@ -832,25 +961,32 @@ static void ours_stop(void *h) {
 /* transition.  Per step: no allocation, no lock, no syscall; one           */
 /* clock_gettime (vDSO) per state and one at the stop.                      */
 /*                                                                          */
-/* Single writer: every ProxyOp/ProxyStep callback of a communicator comes  */
-/* from its proxy progress thread (NCCL src/proxy.cc), so one operation's    */
-/* net_tab and one ProxyOp's steps have one writer and need no atomics; the */
-/* done record reads the table only after the last ProxyOp stopped          */
-/* (proxy_open, a seq_cst counter, orders it).                              */
+/* Writers: one ProxyOp's steps have one writer, the proxy thread that     */
+/* progresses it. One operation's net_tab can have several: a process that  */
+/* drives several GPUs (JAX-style) with PXN has its ProxyOps started by     */
+/* another communicator's proxy thread, with our own pid and our handle as  */
+/* parent (NCCL 2.28.9 src/proxy.cc:385). So the table's entries are        */
+/* claimed with a CAS on their key and every figure is a relaxed atomic:    */
+/* never more than NET_TAB entries, whatever the interleaving. The done     */
+/* record reads the table only after the last ProxyOp stopped (proxy_open,  */
+/* a seq_cst counter, orders it).                                           */
 
 #define NET_TAB 8     /* (peer, direction) pairs kept by name per operation */
 #define PH_NONE 0xff
 #define POP_STEPS 8   /* NCCL_STEPS: open steps per ProxyOp, indexed step % 8 */
 
 struct net_ent {
+  _Atomic uint64_t key; /* 0: free; else net_key(peer, dir) (the over[] entries: unused) */
   int32_t peer;       /* -1: the pairs beyond NET_TAB, summed */
   uint32_t dir;       /* NCCL_EXPORTER_NET_SEND / _RECV */
-  uint32_t nin[NCCL_EXPORTER_NET_PHASES];   /* steps in each phase now */
-  uint64_t since[NCCL_EXPORTER_NET_PHASES]; /* when nin[p] went 0 -> 1 */
-  uint64_t wall[NCCL_EXPORTER_NET_PHASES], step[NCCL_EXPORTER_NET_PHASES], bytes;
+  _Atomic uint32_t nin[NCCL_EXPORTER_NET_PHASES];   /* steps in each phase now */
+  _Atomic uint64_t since[NCCL_EXPORTER_NET_PHASES]; /* when nin[p] went 0 -> 1 */
+  _Atomic uint64_t wall[NCCL_EXPORTER_NET_PHASES], step[NCCL_EXPORTER_NET_PHASES], bytes;
 };
 struct net_tab {
-  uint32_t n, flags, nops;
+  _Atomic uint32_t n, flags, nops;
+  _Atomic uint32_t shared;  /* ProxyOps of it came from more than one thread: atomic figures */
+  _Atomic uintptr_t writer; /* the thread of its first ProxyOp */
   struct net_ent e[NET_TAB];
   struct net_ent over[2];   /* per direction: pairs beyond NET_TAB */
 };
@@ -863,6 +999,8 @@ struct pop {
   _Atomic uint32_t state;   /* SLOT_FREE / SLOT_LIVE */
   _Atomic uint32_t gen;
   struct slot *s;
+  uint32_t sgen;            /* s->gen when this ProxyOp started: finalize or age-out may reclaim the
+                               slot for another operation under it (pop_slot) */
   struct net_ent *ent;
   struct net_tab *tab;
   uint32_t is_send;
@@ -875,17 +1013,43 @@ static void proxy_close(struct slot *s) {
     finish(s, NCCL_EXPORTER_STATE_DONE, s->done_reject, s->done_now);
 }
 
+static inline uint64_t net_key(int peer, uint32_t dir) { return (((uint64_t)(uint32_t)peer << 1) | (dir & 1)) + 1; }
+
+/* The (peer, direction) entry, claimed by CAS if new: safe with several writers. */
 static struct net_ent *net_entry(struct net_tab *t, int peer, uint32_t dir) {
-  for (uint32_t i = 0; i < t->n; i++)
-    if (t->e[i].peer == peer && t->e[i].dir == dir) return &t->e[i];
-  if (t->n < NET_TAB) {
-    struct net_ent *e = &t->e[t->n++];
-    e->peer = peer;
-    e->dir = dir;
-    return e;
+  uint64_t k = net_key(peer, dir);
+  for (uint32_t i = 0; i < NET_TAB; i++) {
+    uint64_t cur = atomic_load_explicit(&t->e[i].key, memory_order_acquire);
+    if (cur == k) return &t->e[i];
+    if (cur == 0) {
+      if (atomic_compare_exchange_strong(&t->e[i].key, &cur, k)) {
+        t->e[i].peer = peer;
+        t->e[i].dir = dir;
+        atomic_fetch_add_explicit(&t->n, 1, memory_order_relaxed);
+        return &t->e[i];
+      }
+      if (cur == k) return &t->e[i]; /* another thread claimed it for the same pair */
+    }
   }
-  t->flags |= NCCL_EXPORTER_NET_F_TABLE_FULL;
-  return &t->over[dir];
+  atomic_fetch_or_explicit(&t->flags, NCCL_EXPORTER_NET_F_TABLE_FULL, memory_order_relaxed);
+  return &t->over[dir & 1];
+}
+
+static void net_clear(uint32_t idx) {
+  struct net_tab *t = &G.nets[idx];
+  memset(t, 0, sizeof *t);
+  t->over[0].peer = t->over[1].peer = -1;
+  t->over[NCCL_EXPORTER_NET_RECV].dir = NCCL_EXPORTER_NET_RECV;
+}
+
+/* The live slot of a ProxyOp's operation, or NULL when the slot was reclaimed
+ * (finalize, age-out) since the ProxyOp started: then it must not touch it. */
+static inline struct slot *pop_slot(struct pop *p) {
+  struct slot *s = p->s;
+  if (!s || (atomic_load_explicit(&s->gen, memory_order_acquire) & H_GEN) != p->sgen ||
+      atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE)
+    return NULL;
+  return s;
 }
 
 static inline struct pop *pop_of(void *h, uint32_t *sub) {
@@ -900,25 +1064,47 @@ static inline struct pop *pop_of(void *h, uint32_t *sub) {
   return p;
 }
 
-static inline void ph_leave(struct net_ent *e, struct pstep *st, uint64_t now) {
+/* A figure of a table: a plain add while the table has one writer thread (no
+ * lock prefix: the common case costs what it did), an atomic one once it has
+ * several (see above). Two threads crossing a phase's 0 <-> 1 count at once can
+ * misplace one wall interval by the time between their two transitions; a
+ * transition already under way when the second thread arrives may use the
+ * plain add once. */
+static inline uint64_t nadd64(_Atomic uint64_t *a, uint64_t v, int sh) {
+  if (UNLIKELY(sh)) return atomic_fetch_add_explicit(a, v, memory_order_relaxed);
+  uint64_t old = atomic_load_explicit(a, memory_order_relaxed);
+  atomic_store_explicit(a, old + v, memory_order_relaxed);
+  return old;
+}
+static inline uint32_t nadd32(_Atomic uint32_t *a, uint32_t v, int sh) {
+  if (UNLIKELY(sh)) return atomic_fetch_add_explicit(a, v, memory_order_relaxed);
+  uint32_t old = atomic_load_explicit(a, memory_order_relaxed);
+  atomic_store_explicit(a, old + v, memory_order_relaxed);
+  return old;
+}
+static inline int tab_shared(const struct net_tab *t) {
+  return (int)atomic_load_explicit(&((struct net_tab *)t)->shared, memory_order_relaxed);
+}
+
+static inline void ph_leave(struct net_ent *e, struct pstep *st, uint64_t now, int sh) {
   uint8_t p = st->phase;
   if (p == PH_NONE) return;
-  e->step[p] += now - st->t;
-  if (--e->nin[p] == 0) e->wall[p] += now - e->since[p];
+  nadd64(&e->step[p], now - st->t, sh);
+  if (nadd32(&e->nin[p], (uint32_t)-1, sh) == 1) {
+    uint64_t since = atomic_load_explicit(&e->since[p], memory_order_relaxed);
+    if (now > since) nadd64(&e->wall[p], now - since, sh);
+  }
   st->phase = PH_NONE;
 }
 
-static inline void ph_enter(struct net_ent *e, struct pstep *st, uint8_t p, uint64_t now) {
-  if (e->nin[p]++ == 0) e->since[p] = now;
+static inline void ph_enter(struct net_ent *e, struct pstep *st, uint8_t p, uint64_t now, int sh) {
+  if (nadd32(&e->nin[p], 1, sh) == 0) atomic_store_explicit(&e->since[p], now, memory_order_relaxed);
   st->phase = p;
   st->t = now;
 }
 
 static void *proxy_start_op(const struct ev *e) {
-  if (e->pid != G.pid) { /* PXN: another process's op; its parentObj is not ours: never look at it */
-    atomic_fetch_add_explicit(&G.proxy_foreign, 1, memory_order_relaxed);
-    return NULL;
-  }
+  if (e->pid != G.pid) return NULL; /* PXN: counted in common_start */
   uint32_t sub;
   struct slot *s = h_slot(e->parent, &sub);
   int32_t refs = s && sub == 0 ? atomic_load(&s->refs) : 0;
@@ -960,15 +1146,13 @@ static void *proxy_start_op(const struct ev *e) {
     unref(s);
     return NULL;
   }
-  struct net_tab *t = &G.nets[s - G.slots];
-  if (!atomic_load_explicit(&s->net_used, memory_order_relaxed)) {
-    memset(t, 0, sizeof *t);
-    t->over[0].peer = t->over[1].peer = -1;
-    t->over[NCCL_EXPORTER_NET_RECV].dir = NCCL_EXPORTER_NET_RECV;
-    atomic_store_explicit(&s->net_used, 1, memory_order_release);
-  }
-  t->nops++;
+  struct net_tab *t = &G.nets[s - G.slots]; /* cleared when the operation started (ours_start_op) */
+  atomic_store_explicit(&s->net_used, 1, memory_order_release);
+  atomic_fetch_add_explicit(&t->nops, 1, memory_order_relaxed);
+  uintptr_t me = (uintptr_t)pthread_self(), w = 0; /* a second proxy thread makes the table shared */
+  if (!atomic_compare_exchange_strong(&t->writer, &w, me) && w != me) atomic_store(&t->shared, 1);
   p->s = s;
+  p->sgen = (uint32_t)(((uintptr_t)e->parent >> 32) & H_GEN);
   p->tab = t;
   p->is_send = e->is_send ? 1 : 0;
   p->ent = net_entry(t, e->peer, p->is_send ? NCCL_EXPORTER_NET_SEND : NCCL_EXPORTER_NET_RECV);
@@ -983,11 +1167,16 @@ static void *proxy_start_op(const struct ev *e) {
 static void *proxy_start_step(const struct ev *e) {
   uint32_t sub;
   struct pop *p = h_is_proxy(e->parent) ? pop_of(e->parent, &sub) : NULL;
-  if (!p || sub != 0 || e->step < 0) return NULL;
+  if (!p || sub != 0 || e->step < 0 || !pop_slot(p)) return NULL;
   struct pstep *st = &p->st[e->step % POP_STEPS];
-  if (UNLIKELY(st->step >= 0)) { /* the step 8 before it never stopped */
-    ph_leave(p->ent, st, mono_ns());
-    p->tab->flags |= NCCL_EXPORTER_NET_F_STEP_REUSED;
+  if (UNLIKELY(st->step >= 0)) {
+    ph_leave(p->ent, st, mono_ns(), tab_shared(p->tab));
+    /* The same step started again is NCCL restarting a receive step whose
+     * irecv was not posted yet (2.28.9 src/transport/net.cc:1432: every
+     * progress pass starts sub->posted until it is posted): not a reuse.
+     * Only the step 8 before it still open is one. */
+    if (st->step != e->step)
+      atomic_fetch_or_explicit(&p->tab->flags, NCCL_EXPORTER_NET_F_STEP_REUSED, memory_order_relaxed);
   }
   st->step = e->step;
   st->phase = PH_NONE;
@@ -1016,9 +1205,10 @@ static void proxy_record(void *h, int state, const nxp_state_args *a) {
     ph = state == NXP_STATE_RECV_WAIT ? 0 : state == NXP_STATE_RECV_FLUSH_WAIT ? 1 : state == NXP_STATE_RECV_GPU_WAIT ? 2 : -1;
   if (ph < 0) return;
   uint64_t now = mono_ns();
-  ph_leave(p->ent, st, now);
-  ph_enter(p->ent, st, (uint8_t)ph, now);
-  if (ph == (p->is_send ? 2 : 1) && a) p->ent->bytes += a->proxyStep.transSize;
+  int sh = tab_shared(p->tab);
+  ph_leave(p->ent, st, now, sh);
+  ph_enter(p->ent, st, (uint8_t)ph, now, sh);
+  if (ph == (p->is_send ? 2 : 1) && a) nadd64(&p->ent->bytes, a->proxyStep.transSize, sh);
 }
 
 static void proxy_stop(void *h) {
@@ -1029,22 +1219,43 @@ static void proxy_stop(void *h) {
     struct pop *q;
     struct pstep *st = proxy_step(h, &q);
     if (!st) return;
-    ph_leave(p->ent, st, mono_ns());
+    ph_leave(p->ent, st, mono_ns(), tab_shared(p->tab));
     st->step = -1;
     return;
   }
+  struct slot *s = pop_slot(p);
   uint64_t now = 0;
   for (int k = 0; k < POP_STEPS; k++) /* steps NCCL never stopped end with their op */
     if (p->st[k].step >= 0) {
       if (!now) now = mono_ns();
-      ph_leave(p->ent, &p->st[k], now);
+      if (s) ph_leave(p->ent, &p->st[k], now, tab_shared(p->tab));
       p->st[k].step = -1;
     }
-  struct slot *s = p->s;
+  uint32_t live = SLOT_LIVE; /* the sweep may be reclaiming it (pops_reclaim) */
+  if (!atomic_compare_exchange_strong(&p->state, &live, SLOT_CLOSING)) return;
   atomic_fetch_add(&p->gen, 1); /* its handles go stale */
   atomic_store_explicit(&p->state, SLOT_FREE, memory_order_release);
+  if (!s) { /* its operation was reclaimed (finalize, age-out): the slot may be another's now */
+    atomic_fetch_add_explicit(&G.proxy_orphan, 1, memory_order_relaxed);
+    return;
+  }
   proxy_close(s);
   unref(s);
+}
+
+/* ProxyOp entries whose operation was reclaimed (finalize, age-out, sweep):
+ * NCCL may never stop them (an aborted communicator; CollNet and the SHM/P2P
+ * copy-engine modes never do). Their handles go stale. */
+static void pops_reclaim(void) {
+  for (uint32_t i = 0; i < G.npops; i++) {
+    struct pop *p = &G.pops[i];
+    if (atomic_load_explicit(&p->state, memory_order_acquire) != SLOT_LIVE || pop_slot(p)) continue;
+    uint32_t live = SLOT_LIVE;
+    if (!atomic_compare_exchange_strong(&p->state, &live, SLOT_CLOSING)) continue;
+    atomic_fetch_add(&p->gen, 1);
+    atomic_store_explicit(&p->state, SLOT_FREE, memory_order_release);
+    atomic_fetch_add_explicit(&G.proxy_reclaimed, 1, memory_order_relaxed);
+  }
 }
 
 /* The done record's network part: the top K peers by wall wait (both
@@ -1055,14 +1266,18 @@ static void net_fill(struct slot *s, struct nccl_exporter_net *out) {
   out->top_k = NCCL_EXPORTER_NET_TOP_K;
   out->foreign_ops = atomic_load_explicit(&G.proxy_foreign, memory_order_relaxed);
   if (!atomic_load_explicit(&s->net_used, memory_order_acquire)) return;
-  const struct net_tab *t = &G.nets[s - G.slots];
-  out->flags = t->flags;
-  out->proxy_ops = t->nops;
+  struct net_tab *t = &G.nets[s - G.slots];
+  out->flags = atomic_load_explicit(&t->flags, memory_order_relaxed);
+  if (atomic_load_explicit(&s->proxy_open, memory_order_relaxed) > 0) out->flags |= NCCL_EXPORTER_NET_F_UNFINISHED;
+  out->proxy_ops = atomic_load_explicit(&t->nops, memory_order_relaxed);
+  /* entries are claimed in order (net_entry): the used ones are a prefix */
+  uint32_t tn = 0;
+  while (tn < NET_TAB && atomic_load_explicit(&t->e[tn].key, memory_order_acquire)) tn++;
   int peers[NET_TAB];
   uint64_t wait[NET_TAB];
   int np = 0;
-  for (uint32_t i = 0; i < t->n; i++) {
-    const struct net_ent *e = &t->e[i];
+  for (uint32_t i = 0; i < tn; i++) {
+    struct net_ent *e = &t->e[i];
     uint64_t w = e->wall[0] + e->wall[1] + e->wall[2];
     int j = 0;
     while (j < np && peers[j] != e->peer) j++;
@@ -1082,14 +1297,14 @@ static void net_fill(struct slot *s, struct nccl_exporter_net *out) {
   memset(other, 0, sizeof other);
   int have_other[2] = {0, 0};
   uint32_t n = 0;
-  for (uint32_t i = 0; i < t->n + 2; i++) {
-    const struct net_ent *e = i < t->n ? &t->e[i] : &t->over[i - t->n];
-    if (i >= t->n && !(e->bytes || e->wall[0] || e->wall[1] || e->wall[2] || e->step[0] || e->step[1] || e->step[2]))
+  for (uint32_t i = 0; i < tn + 2; i++) {
+    struct net_ent *e = i < tn ? &t->e[i] : &t->over[i - tn];
+    if (i >= tn && !(e->bytes || e->wall[0] || e->wall[1] || e->wall[2] || e->step[0] || e->step[1] || e->step[2]))
       continue; /* an unused overflow entry */
     int j = 0;
-    while (i < t->n && peers[j] != e->peer) j++;
+    while (i < tn && j < np && peers[j] != e->peer) j++;
     struct nccl_exporter_peer_wait *w;
-    if (i < t->n && keep[j]) {
+    if (i < tn && j < np && keep[j]) {
       w = &out->e[n++];
       w->peer = e->peer;
     } else {
@@ -1273,14 +1488,63 @@ static void *combine(struct ctx *c, uint64_t type, void *ours, void *theirs) {
 /* ------------------------------------------------------------------------ */
 /* Common entry points                                                     */
 
+/* Contexts live in one array of ours (ctx_alloc), so that a context pointer
+ * NCCL passes can be checked before it is read: a ProxyOp or ProxyStep that
+ * another process posted through PXN carries *that* process's context
+ * (NCCL 2.28.9 src/enqueue.cc:1275, src/proxy.cc:385, src/plugin/profiler.cc:493
+ * and 516-541), an address that may be unmapped here. */
+#define CTX_MAX 4096 /* live communicators per process; more: their init gets no context */
+/* ctx_arena: [CTX_MAX], allocated at the first init, kept until unload;
+ * ctx_used: entries handed out at least once (G.lock) */
+static uint32_t ctx_free_n;            /* ctx_free_list[0..n): reusable entries (G.lock) */
+static uint32_t *ctx_free_list;
+
 static struct ctx *as_ctx(void *p) {
+  uintptr_t a = (uintptr_t)p, base = (uintptr_t)ctx_arena;
+  if (!p || !base || a < base || a >= base + CTX_MAX * sizeof(struct ctx) || (a - base) % sizeof(struct ctx))
+    return NULL; /* not one of ours: never read through it */
   struct ctx *c = p;
-  return (c && c->magic == CTX_MAGIC) ? c : NULL;
+  return c->magic == CTX_MAGIC ? c : NULL;
+}
+
+/* Under G.lock. */
+static struct ctx *ctx_alloc(void) {
+  if (!ctx_arena) {
+    ctx_arena = calloc(CTX_MAX, sizeof *ctx_arena);
+    ctx_free_list = calloc(CTX_MAX, sizeof *ctx_free_list);
+    if (!ctx_arena || !ctx_free_list) {
+      free(ctx_arena);
+      free(ctx_free_list);
+      ctx_arena = NULL;
+      ctx_free_list = NULL;
+      return NULL;
+    }
+  }
+  struct ctx *c = NULL;
+  if (ctx_free_n) c = &ctx_arena[ctx_free_list[--ctx_free_n]];
+  else if (ctx_used < CTX_MAX) c = &ctx_arena[ctx_used++];
+  if (c) memset(c, 0, sizeof *c);
+  return c;
+}
+
+static void ctx_release(struct ctx *c) {
+  pthread_mutex_lock(&G.lock);
+  c->magic = 0;
+  ctx_free_list[ctx_free_n++] = (uint32_t)(c - ctx_arena);
+  pthread_mutex_unlock(&G.lock);
 }
 
 static nxp_result_t common_start(int ver, void *context, void **eHandle, const void *descr, const struct ev *e) {
-  struct ctx *c = as_ctx(context);
   *eHandle = NULL; /* always written: NCCL may reuse the slot otherwise */
+  /* PXN: another process's ProxyOp; its context and parentObj are that
+   * process's: decided from the pid before anything is read through them.
+   * Its ProxySteps come with the NULL we returned as their parent. */
+  if (e->type == NXP_EV_PROXY_OP && e->pid != G.pid) {
+    atomic_fetch_add_explicit(&G.proxy_foreign, 1, memory_order_relaxed);
+    return NXP_SUCCESS;
+  }
+  if (e->type == NXP_EV_PROXY_STEP && !e->parent) return NXP_SUCCESS;
+  struct ctx *c = as_ctx(context);
   if (UNLIKELY(!c)) return NXP_SUCCESS;
   void *ours = NULL, *parent_theirs = NULL;
   struct ev e2 = *e;
@@ -1468,6 +1732,7 @@ static void global_init(nxp_logger_t logfn) {
   /* 1 ms (the enqueue time's lateness, timer resolution) + 2 windows of 500 ppm drift */
   G.clock_err_ns = env_u64("NCCL_EXPORTER_PROFILER_CLOCK_ERROR_US", 1000 + G.window_ns / 1000000ull, 1,
                            3600000000ull) * 1000ull;
+  G.settle_ns = env_u64("NCCL_EXPORTER_PROFILER_SETTLE_MS", 1000, 1, 3600000) * 1000000ull;
   G.nslots = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL", 4096, 16, MAX_POOL);
   G.slot_cap = (uint32_t)env_u64("NCCL_EXPORTER_PROFILER_POOL_MAX", 1u << 16, 16, MAX_POOL);
   if (G.slot_cap < G.nslots) G.slot_cap = G.nslots;
@@ -1571,6 +1836,7 @@ static void *announcer(void *arg) {
       struct nccl_exporter_comm ci = comm_record(A.live[i]);
       hook_comm_live(&ci);
     }
+    if (G.slots) sweep(mono_ns(), 0); /* records NCCL will never complete, also while the job is idle */
   }
   pthread_mutex_unlock(&A.lock);
   return NULL;
@@ -1633,10 +1899,13 @@ static nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mas
   if (!G.initialized) global_init(logfn);
   pools_grow(nranks);
   G.nccl_mask = mask;
-  struct ctx *c = calloc(1, sizeof *c);
+  struct ctx *c = ctx_alloc();
   if (!c) {
+    int full = ctx_arena != NULL;
     pthread_mutex_unlock(&G.lock);
-    disable("cannot allocate a communicator context");
+    if (full) logmsg(NXP_LOG_WARN, "nccl-exporter profiler: more than %d live communicators; comm 0x%" PRIx64
+                     " is not profiled", CTX_MAX, hash);
+    else disable("cannot allocate a communicator context");
     return NXP_SUCCESS; /* NULL context: NCCL sends nothing, calls no finalize */
   }
   c->magic = CTX_MAGIC;
@@ -1698,6 +1967,7 @@ static nxp_result_t common_finalize(void *context) {
       release(s, NCCL_EXPORTER_F_FINALIZED, now);
     }
   }
+  if (G.pops) pops_reclaim(); /* its ProxyOps NCCL will not stop now */
   for (uint32_t i = 0; i < G.nwraps; i++) {
     struct wrap *w = &G.wraps[i];
     if (atomic_load(&w->used) && w->ctx == c) {
@@ -1709,23 +1979,26 @@ static nxp_result_t common_finalize(void *context) {
   ci.pending = pending;
   hook_comm_fini(&ci);
   if (G.log_fd >= 0) {
-    char line[448];
+    char line[640];
     int n = snprintf(line, sizeof line, "nccl-exporter-profiler event=finalize comm=0x%016" PRIx64 " rank=%d pending=%" PRIu64
                      " completed=%" PRIu64 " abandoned=%" PRIu64 " dropped=%" PRIu64 " stale=%" PRIu64 " rejected=%" PRIu64
-                     " proxy_ops=%" PRIu64 " proxy_foreign=%" PRIu64 " proxy_late=%" PRIu64 " pid=%d\n",
+                     " proxy_ops=%" PRIu64 " proxy_foreign=%" PRIu64 " proxy_late=%" PRIu64 " lost_channel=%" PRIu64
+                     " net_unfinished=%" PRIu64 " proxy_reclaimed=%" PRIu64 " dup_stops=%" PRIu64 " pid=%d\n",
                      c->comm_hash, c->rank, pending, atomic_load(&G.completed), atomic_load(&G.abandoned),
                      atomic_load(&G.dropped), atomic_load(&G.stale), atomic_load(&G.rejected),
                      atomic_load(&G.proxy_ops), atomic_load(&G.proxy_foreign),
-                     atomic_load(&G.proxy_late) + atomic_load(&G.proxy_orphan), (int)getpid());
+                     atomic_load(&G.proxy_late) + atomic_load(&G.proxy_orphan), atomic_load(&G.lost_channel),
+                     atomic_load(&G.net_unfinished), atomic_load(&G.proxy_reclaimed), atomic_load(&G.dup_stops),
+                     (int)getpid());
     if (n > 0 && write(G.log_fd, line, (size_t)n) < 0) { /* best effort */ }
   }
   announce_remove(c); /* before it is freed: the announcer reads it */
   pthread_mutex_lock(&G.lock);
   G.ncomms--;
   pthread_mutex_unlock(&G.lock);
-  c->magic = 0;
   free((void *)c->p2p_seq);
-  free(c);
+  c->p2p_seq = NULL;
+  ctx_release(c);
   return NXP_SUCCESS;
 }
 
@@ -1834,5 +2107,10 @@ __attribute__((destructor)) static void nxp_unload(void) {
   G.log_fd = -1;
   if (G.chain_dl) dlclose(G.chain_dl);
   G.chain_dl = NULL;
+  free(ctx_arena);
+  free(ctx_free_list);
+  ctx_arena = NULL;
+  ctx_free_list = NULL;
+  ctx_free_n = ctx_used = 0;
   G.chain = NULL;
 }

@@ -206,7 +206,7 @@ class FakePlugin(FakeProgram):
         return {name: 0 for name in DROPS}
 
     def rejected(self):
-        return {"longer_than_host": 2, "start_before_enqueue": 0, "stop_before_start": 0}
+        return {"longer_than_host": 2, "start_before_enqueue": 0, "stop_before_start": 0, "channel_lost": 0}
 
     def shared(self):
         return 3

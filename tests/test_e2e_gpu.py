@@ -345,7 +345,7 @@ def test_broadcast_desync_intervals_are_counted_as_rejected_not_histogrammed(lib
     got = {s.labels["reason"]: s.value - before.get(s.labels["reason"], 0)
            for s in ExporterProcess.samples(families, "nccl_exporter_gpu_intervals_rejected_total")}
     assert got == {reason: flagged.get(reason, 0) for reason in
-                   ("longer_than_host", "start_before_enqueue", "stop_before_start")}
+                   ("longer_than_host", "start_before_enqueue", "stop_before_start", "channel_lost")}
     # the histograms (this agent saw only this job: it traces the test's own libnccl
     # and plugin files): the records that passed, no more
     counted = sum(sum(b) for _, b in series_by_labels(families, metrics.GPU_DURATION))

@@ -86,7 +86,7 @@ def test_at_most_k_named_peers_per_comm_and_rank_and_the_names_stick():
     assert got == {"2", "3", "4", "5", "other"}  # the four that waited most
     # "other": peers 1 and 6 plus the plugin's own other
     assert sample_value(text, "nccl_network_wait_seconds_total", peer="other", phase="recv_wait") == 0.008
-    assert sample_value(text, "nccl_network_bytes_total", peer="other", direction="recv") == 30
+    assert sample_value(text, "nccl_network_wire_bytes_total", peer="other", direction="recv") == 30
     assert sample_values(text, "nccl_network_foreign_proxy_ops_total") == [3]  # live processes only
     # later peer 1 waits most: it stays in "other" (no series moves), the named ones stay named
     later = [series(1, 500)] + first[1:]

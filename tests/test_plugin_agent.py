@@ -140,7 +140,7 @@ def test_implausible_intervals_are_counted_by_reason_not_histogrammed(bins, sour
         good += [t for t in truth if t["implausible"] == "no"]
         bad[reason] += sum(t["implausible"] == kind for t in truth)
     assert bad == {"longer_than_host": 10, "start_before_enqueue": 10, "stop_before_start": 10}
-    assert plugin.rejected() == bad
+    assert plugin.rejected() == dict(bad, channel_lost=0)
     want = expected_series(good)
     got = {(s.op, s.nccl_hash, s.rank, s.nranks): s for s in plugin.series()}
     assert {k: (s.calls, s.sum_ns) for k, s in got.items()} == \
@@ -347,7 +347,7 @@ def test_network_figures_per_peer_from_proxy_steps(bins, sources, tmp_path):
             assert want_step <= s.step_ns[i] <= want_step + n * steps * nch * 50_000, (key, ph)
     assert plugin.drops()["bad_record"] == 0
     text = exposition(gpu_families("n1", plugin, [], set(), named_peers={}))
-    assert sample_value(text, "nccl_network_bytes_total", comm="000000000000feed", rank="1", peer="2",
+    assert sample_value(text, "nccl_network_wire_bytes_total", comm="000000000000feed", rank="1", peer="2",
                         direction="send") == n * nch * steps * 131072
     assert sample_value(text, "nccl_network_wait_seconds_total", comm="000000000000feed", rank="1", peer="0",
                         direction="recv", phase="recv_wait") == got[(0, "recv")].wall_ns[0] / 1e9

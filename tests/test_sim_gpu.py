@@ -96,6 +96,7 @@ for it in range(iters):
         assert list(bufs[0][:4]) == want, (list(bufs[0][:4]), want)
 if end == "abort":
     time.sleep(0.3)
+time.sleep(float(os.environ.get("INPROC_PAUSE_S", "0")))  # the plugin's sweep may act before the end
 for r in range(n):
     assert (L.ncclCommAbort if end == "abort" else L.ncclCommDestroy)(comms[r]) == 0
 print("inproc ok")

@@ -206,12 +206,14 @@ NETWORK_PHASES = {
 }
 
 # Why a GPU interval of the profiler plugin was left out of the histograms
-# (nccl_exporter_gpu_intervals_rejected_total{reason}), in the order of the
-# plugin's record flags NCCL_EXPORTER_F_REJECT_LONG / _EARLY / _REVERSED
-# (0x80, 0x100, 0x200: plugin/nccl_exporter_plugin.h) and of bpf/plugin.c's
-# PD_REJECT_* slots (5, 6, 7). docs/plugin.md, "Implausible GPU intervals".
-GPU_REJECT_REASONS = ("longer_than_host", "start_before_enqueue", "stop_before_start")
-GPU_REJECT_FLAGS = {"longer_than_host": 0x80, "start_before_enqueue": 0x100, "stop_before_start": 0x200}
+# (nccl_exporter_gpu_intervals_rejected_total{reason}): the plugin's record
+# flags NCCL_EXPORTER_F_REJECT_LONG / _EARLY / _REVERSED / _LOST_CHANNEL
+# (plugin/nccl_exporter_plugin.h) and bpf/plugin.c's PD_REJECT_* slots.
+# docs/plugin.md, "Implausible GPU intervals" and "NCCL habits".
+GPU_REJECT_REASONS = ("longer_than_host", "start_before_enqueue", "stop_before_start", "channel_lost")
+GPU_REJECT_FLAGS = {"longer_than_host": 0x80, "start_before_enqueue": 0x100, "stop_before_start": 0x200,
+                    "channel_lost": 0x1000}
+GPU_REJECT_SLOTS = {"longer_than_host": 5, "start_before_enqueue": 6, "stop_before_start": 7, "channel_lost": 11}
 
 OP_COUNT = 64  # op codes are < 64 (a power of two); event_config[OP_COUNT] = record every call
 

@@ -129,8 +129,9 @@ NETWORK_STEP_WAIT = _m(
     "The same as nccl_network_wait_seconds_total summed over steps (up to 8 steps of a channel "
     "overlap, and there is one per channel): step-seconds, at least the wall time." + _NET_HELP)
 NETWORK_BYTES = _m(
-    "nccl_network_bytes_total", "counter", ("node", "comm", "rank", "peer", "direction"),
-    "Bytes a rank's network transfers moved with a peer (the sum of NCCL's ProxyStep transSize)."
+    "nccl_network_wire_bytes_total", "counter", ("node", "comm", "rank", "peer", "direction"),
+    "Bytes a rank's network transfers put on the wire with a peer (the sum of NCCL's ProxyStep transSize: "
+    "the network buffer sizes, LL/LL128 flag lines included, so up to 2x the payload with LL)."
     + _NET_HELP.replace(" phase: NCCL's ProxyStep state (send_gpu_wait, send_peer_wait, send_wait, "
                         "recv_wait, recv_flush_wait, recv_gpu_wait).", ""))
 NETWORK_FOREIGN_OPS = _m(

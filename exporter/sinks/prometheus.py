@@ -448,7 +448,7 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, identity=
 
 
 def network_families(node: str, plugin, comm_of, is_alive, named_peers: dict | None = None) -> list:
-    """nccl_network_{wait,step_wait}_seconds_total, nccl_network_bytes_total and
+    """nccl_network_{wait,step_wait}_seconds_total, nccl_network_wire_bytes_total and
     nccl_network_foreign_proxy_ops_total from the plugin's network series.
 
     Cardinality: per (comm, rank) at most contract.NET_TOP_K peers by name,

@@ -169,8 +169,9 @@ static void run_work(struct work *w) {
   if (w->proxy) { /* ProxyOp per channel, parent Coll, started by the proxy thread */
     for (int c = 0; c < w->nch; c++) {
       descr_init(&d, NXP_EV_PROXY_OP, w->parent, 0);
-      if (VER == 4) { d.v4.proxyOp.channelId = (uint8_t)c; d.v4.proxyOp.peer = 1; d.v4.proxyOp.nSteps = 2; }
-      else { d.v7.proxyOp.channelId = (uint8_t)c; d.v7.proxyOp.peer = 1; d.v7.proxyOp.nSteps = 2; }
+      /* NCCL always sets the pid (ncclProfilerAddPidToProxyOp): a ProxyOp of another pid is PXN's */
+      if (VER == 4) { d.v4.proxyOp.channelId = (uint8_t)c; d.v4.proxyOp.peer = 1; d.v4.proxyOp.nSteps = 2; d.v4.proxyOp.pid = (int)getpid(); }
+      else { d.v7.proxyOp.channelId = (uint8_t)c; d.v7.proxyOp.peer = 1; d.v7.proxyOp.nSteps = 2; d.v7.proxyOp.pid = (int)getpid(); }
       void *h = start(w->ctx, &d);
       record(h, 19, 0, 0);
       stop(h);

@@ -204,16 +204,18 @@ static void d_init(sim_descr_t *d, uint64_t type, void *parent, int rank) {
 }
 static uint64_t d_type(const sim_descr_t *d) { return g_prof_ver == 4 ? *(const uint8_t *)d : d->type; }
 
-static void *p_start(ncclComm_t c, sim_descr_t *d) {
+/* startEvent with the given context: the communicator's own, or (PXN) another process's */
+static void *p_start_ctx(ncclComm_t c, void *ctx, sim_descr_t *d) {
   uint64_t t = d_type(d);
   if (!g_prof || !c->prof_inited || !prof_gated(t)) return NULL;
   if (g_prof_ver == 4 && (t & (EV_GROUP_API | EV_COLL_API | EV_P2P_API | EV_KERNEL_LAUNCH))) return NULL;
   void *h = (void *)0xdeadbeef; /* NCCL's slot may hold a stale value: the plugin must write it */
   __atomic_fetch_add(&g_prof_starts, 1, __ATOMIC_RELAXED);
-  g_prof->startEvent(c->prof_ctx, &h, d);
+  g_prof->startEvent(ctx, &h, d);
   if (!h) __atomic_fetch_add(&g_prof_nulls, 1, __ATOMIC_RELAXED);
   return h;                     /* NULL: NCCL makes no further call for this event */
 }
+static void *p_start(ncclComm_t c, sim_descr_t *d) { return p_start_ctx(c, c->prof_ctx, d); }
 static void p_stop(void *h) { if (g_prof && h) g_prof->stopEvent(h); }
 static void p_record(void *h, int st, uint64_t ptimer, int null_args) {
   if (!g_prof || !h) return;
@@ -257,6 +259,42 @@ void *gpu_proxy_step_start(ncclComm_t c, void *op, int step) {
   d_init(&d, EV_PROXY_STEP, op, c->rank);
   d.proxyStep.step = step;
   return p_start(c, &d);
+}
+/* PXN (NCCL_SIM_GPU_PXN=1): a ProxyOp that another process posted into this
+ * process's proxy carries that process's profiler context and parent handle
+ * (NCCL 2.28.9: the sender sets op->profilerContext, src/enqueue.cc:1275; it
+ * travels in the shared proxy pool, src/proxy.cc:385 `sub->profilerContext =
+ * op->profilerContext`; ncclProfilerStartProxyOpEvent passes it to
+ * startEvent, src/plugin/profiler.cc:493). Its ProxySteps follow even when
+ * the ProxyOp start returned NULL: parentObj = sub->opEventHandle (NULL) and
+ * the same foreign context (src/plugin/profiler.cc:516-541). Here the foreign
+ * context is an address of an inaccessible page: a plugin that reads through
+ * it crashes, as it would on a real node. */
+static void *g_foreign_ctx;
+static pthread_once_t g_foreign_once = PTHREAD_ONCE_INIT;
+static void foreign_setup(void) {
+  void *p = mmap(NULL, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  g_foreign_ctx = p == MAP_FAILED ? (void *)(uintptr_t)0x10 : p;
+}
+void *gpu_foreign_ctx(void) {
+  pthread_once(&g_foreign_once, foreign_setup);
+  return g_foreign_ctx;
+}
+void *gpu_proxy_op_start_ctx(ncclComm_t c, void *ctx, void *parent, int pid, int ch, int peer, int nsteps, int chunk,
+                             int is_send) {
+  if (!g_prof || !c->prof_inited) return NULL;
+  sim_descr_t d;
+  d_init(&d, EV_PROXY_OP, parent, c->rank);
+  d.proxyOp.pid = pid; d.proxyOp.channelId = (uint8_t)ch; d.proxyOp.peer = peer; d.proxyOp.nSteps = nsteps;
+  d.proxyOp.chunkSize = chunk; d.proxyOp.isSend = is_send;
+  return p_start_ctx(c, ctx, &d);
+}
+/* A ProxyStep start whatever the ProxyOp start returned (NULL included). */
+void *gpu_proxy_step_start_ctx(ncclComm_t c, void *ctx, void *op, int step) {
+  sim_descr_t d;
+  d_init(&d, EV_PROXY_STEP, op, c->rank);
+  d.proxyStep.step = step;
+  return p_start_ctx(c, ctx, &d);
 }
 void gpu_proxy_record(void *h, int state, size_t trans_size) {
   if (!g_prof || !h) return;
@@ -312,6 +350,7 @@ typedef struct gpu_op {
   void **ph;               /* NCCL_SIM_GPU_ALLTOALL_P2P: an AlltoAll's 2 x nranks P2p handles, then their */
   int nph;                 /*   KernelCh handles (ph[nph + j]); NULL: none */
   int nch;
+  int stale;               /* NCCL_SIM_GPU_STALE_KCH: its last channel is lost (kch_start) */
 } gpu_op_t;
 typedef struct gpu_work {
   struct gpu_work *next;
@@ -379,11 +418,12 @@ static void gpu_truth(ncclComm_t c, const gpu_op_t *o, uint64_t ts, uint64_t te,
   snprintf(extra, sizeof extra,
            ",\"coll_fn\":\"%s\",\"coll_op\":\"%s\",\"seq\":%llu,\"comm_hash\":\"%016llx\",\"enqueue_mono_ns\":%llu,"
            "\"gpu_start_mono_ns\":%llu,\"gpu_stop_mono_ns\":%llu,\"gpu_start_timer\":%llu,\"gpu_stop_timer\":%llu,"
-           "\"nchannels\":%d,\"kernelch_started\":%d,\"late\":%d,\"profiled\":%d,\"state\":\"%s\",\"desync\":%llu",
+           "\"nchannels\":%d,\"kernelch_started\":%d,\"late\":%d,\"profiled\":%d,\"state\":\"%s\",\"desync\":%llu,"
+           "\"stale_kch\":%d",
            func_name(o->a.kind), op_name_of(o->a.kind), (unsigned long long)o->a.seq, (unsigned long long)c->nccl_hash,
            (unsigned long long)o->a.enq_mono, (unsigned long long)ts, (unsigned long long)te,
            (unsigned long long)(ts ? gpu_timer(ts) : 0), (unsigned long long)(te ? gpu_timer(te) : 0), o->nch, nstarted,
-           late, o->h != NULL, state, (unsigned long long)c->desync);
+           late, o->h != NULL, state, (unsigned long long)c->desync, o->stale);
   int64_t off = (int64_t)now_ns(CLOCK_REALTIME) - (int64_t)now_ns(CLOCK_MONOTONIC); /* wall time of the GPU interval */
   rec_t rec = {"gpuKernel", "GPU_KERNEL", (uint64_t)(uintptr_t)c, c->rank, c->nranks, o->a.count, o->a.dt, o->a.op,
                o->a.root, o->a.peer, 0, ts, te, ts ? (uint64_t)((int64_t)ts + off) : 0, te ? (uint64_t)((int64_t)te + off) : 0,
@@ -391,10 +431,28 @@ static void gpu_truth(ncclComm_t c, const gpu_op_t *o, uint64_t ts, uint64_t te,
   truth_write(&rec);
 }
 
+/* NCCL_SIM_GPU_STALE_KCH=N (NCCL <= 2.30; fixed by NVIDIA/nccl PR #2221):
+ * in one pass of profilerProxyProgress (2.28.9 src/transport/profiler.cc:35-44)
+ * the start check can miss a channel's start and the stop check, a moment
+ * later, see its stop. The stop then goes out through sub->kernelEventHandle,
+ * which still holds the handle of the operation that used those sub-args
+ * before (src/proxy.cc:358-388 never resets it), and the args is done
+ * (profiler connections are not shared, transport/profiler.cc:12-13: one sub
+ * per args), so the operation's start on that channel never comes. Here every
+ * N-th kernel of a communicator loses its last channel that way: no start,
+ * and the stop (state and stopEvent) goes to the handle the previous kernel
+ * of the communicator had on that channel. */
+static int stale_kch_every(void) {
+  static int v = -1;
+  if (v < 0) v = env_int("NCCL_SIM_GPU_STALE_KCH", 0);
+  return v;
+}
+static int stale_lost(gpu_op_t *o, int ch) { return o->stale && ch == o->nch - 1; }
+
 static void kch_start(ncclComm_t c, gpu_op_t *o, void **kh, uint64_t ts) {
   for (int ch = 0; ch < o->nch; ch++) {
     kh[ch] = NULL;
-    if (!o->h) continue;
+    if (!o->h || stale_lost(o, ch)) continue;
     sim_descr_t d;
     d_init(&d, EV_KERNEL_CH, o->h, 0);     /* NCCL does not set rank for KernelCh */
     d.kernelCh.channelId = (uint8_t)ch;
@@ -402,10 +460,13 @@ static void kch_start(ncclComm_t c, gpu_op_t *o, void **kh, uint64_t ts) {
     kh[ch] = p_start(c, &d);
   }
 }
-static void kch_stop(gpu_op_t *o, void **kh, uint64_t te) {
+static void kch_stop(ncclComm_t c, gpu_op_t *o, void **kh, uint64_t te) {
   for (int ch = o->nch - 1; ch >= 0; ch--) {
-    p_record(kh[ch], ST_KERNEL_CH_STOP, gpu_timer(te - (uint64_t)ch * 200), 0);
-    p_stop(kh[ch]);
+    void *h = kh[ch];
+    if (o->h && stale_lost(o, ch)) h = ch < 64 ? c->last_kh[ch] : NULL;  /* the previous operation's handle */
+    p_record(h, ST_KERNEL_CH_STOP, gpu_timer(te - (uint64_t)ch * 200), 0);
+    p_stop(h);
+    if (kh[ch] && ch < 64) c->last_kh[ch] = kh[ch];
   }
 }
 
@@ -456,6 +517,8 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   c->kts[kslot] = ts;
   uint64_t pts = ts, old = (kslot + 64 - back) % 64;
   if (back && c->nkern > back) pts = c->kts[old];
+  int stale = stale_kch_every() > 0 && (c->nkern % (uint64_t)stale_kch_every()) == 0;
+  for (int i = 0; i < n; i++) ops[i].stale = stale && ops[i].h;
   if (!late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) { kch_start(c, &ops[i], kh + k, pts); a2a_kch_start(c, &ops[i], pts); }
   ncclResult_t res;
   if (!is_p2p(ops[0].a.kind)) {   /* one collective, or a batch of them (NCCL_SIM_GPU_BATCH) */
@@ -506,7 +569,7 @@ static void run_kernel(sim_stream_t *s, gpu_op_t *ops, int n) {
   uint64_t pte = (pts != ts && bcast_desync() == 1) ? c->kte[old] : te;
   if (late) for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) { kch_start(c, &ops[i], kh + k, pts); a2a_kch_start(c, &ops[i], pts); }
   for (int i = 0, k = 0; i < n; k += ops[i].nch, i++) {
-    kch_stop(&ops[i], kh + k, pte);
+    kch_stop(c, &ops[i], kh + k, pte);
     a2a_kch_stop(&ops[i], pte);
     gpu_truth(c, &ops[i], ts, te, late, "done", ops[i].h ? ops[i].nch : 0);
   }

@@ -44,6 +44,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -122,6 +123,7 @@ struct ncclComm {
   uint64_t nkern;           /*   kernels run, index into that ring */
   uint64_t desync;          /*   unprofiled Broadcasts run: how far the host's timer slots lag */
   int nshrinks;             /* ncclCommShrink calls made on this comm */
+  void *last_kh[64];        /* NCCL_SIM_GPU_STALE_KCH: the KernelCh handle last used per channel */
 };
 
 static inline size_t dt_size(int dt) {
@@ -225,6 +227,10 @@ void *gpu_proxy_op_start(ncclComm_t c, void *parent, int pid, int ch, int peer, 
 void *gpu_proxy_step_start(ncclComm_t c, void *op, int step);
 void gpu_proxy_record(void *h, int state, size_t trans_size);
 void gpu_proxy_stop(void *h);
+void *gpu_foreign_ctx(void);
+void *gpu_proxy_op_start_ctx(ncclComm_t c, void *ctx, void *parent, int pid, int ch, int peer, int nsteps, int chunk,
+                             int is_send);
+void *gpu_proxy_step_start_ctx(ncclComm_t c, void *ctx, void *op, int step);
 /* netsteps.c */
 ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n);
 /* p2p.c */

@@ -28,7 +28,14 @@
  *       (a compute straggler: RANK's send_gpu_wait grows, and its receivers'
  *       recv_wait, which includes the sender being late);
  *   NCCL_SIM_GPU_PXN=1  each batch also gets a ProxyOp of another pid (a PXN
- *       proxy's op), whose parentObj is no handle of the plugin's.
+ *       proxy's op) with that process's context and a parent shaped like the
+ *       plugin's handles, and its steps (pxn_op);
+ *   NCCL_SIM_GPU_PXN=2  one process, several GPUs, with PXN: two threads of
+ *       this process add ProxyOps to one operation at once (pxn_same_process);
+ *   NCCL_SIM_GPU_RECV_RESTART=1  every receive step is started twice before
+ *       its first state, as NCCL restarts a step whose irecv was not posted;
+ *   NCCL_SIM_GPU_PROXY_NO_STOP=1  ProxyOps are started and never stopped, with
+ *       no steps (CollNet, SHM/P2P copy-engine modes).
  * NCCL_SIM_GPU_STEP_TRUTH=1 writes one truth line per step (fn "proxyStep"):
  * when it entered each of its three states and stopped, as this thread saw it. */
 #include "nccl_sim.h"
@@ -106,6 +113,60 @@ static void finish_step(ncclComm_t c, xfer_t *x, slot_t *s, int nch) {
   x->done++;
 }
 
+/* NCCL_SIM_GPU_PXN=1: a ProxyOp another process posted (gpu.c, gpu_proxy_op_start_ctx):
+ * that process's context (an inaccessible address here) and parent handle
+ * (its plugin's handle, shaped like ours: here this batch's own), its pid,
+ * and its steps with each state, whatever the ProxyOp start returned
+ * (NCCL 2.28.9 src/plugin/profiler.cc:493, 516-541; src/transport/net.cc
+ * records the states and stops through the step handles it got). */
+static void pxn_op(ncclComm_t c, p2p_t *o, int pid, int chunk) {
+  void *fctx = gpu_foreign_ctx(), *parent = o->parent ? o->parent : (void *)(uintptr_t)0x8;
+  void *op = gpu_proxy_op_start_ctx(c, fctx, parent, pid + 1, 0, o->peer, 2, chunk, 1);
+  for (int step = 0; step < 2; step++) {
+    void *h = gpu_proxy_step_start_ctx(c, fctx, op, step);
+    gpu_proxy_record(h, ST_SEND_GPU_WAIT, 0);
+    gpu_proxy_record(h, ST_SEND_PEER_WAIT, 0);
+    gpu_proxy_record(h, ST_SEND_WAIT, (size_t)chunk);
+    gpu_proxy_stop(h);
+  }
+  gpu_proxy_stop(op);
+}
+
+/* NCCL_SIM_GPU_PXN=2: one process driving several GPUs (JAX-style) with PXN.
+ * Another communicator's proxy thread of this same process moves part of this
+ * operation's data: its ProxyOps carry our pid and this operation's handle
+ * (NCCL 2.28.9 src/proxy.cc:385 copies op->pid and op->taskEventHandle into
+ * the sub-args whichever proxy progresses them), so two threads fill one
+ * operation's network table at once. Here a second thread and this one each
+ * start, at the same moment, one ProxyOp with one step per (peer, direction)
+ * for 16 peers (more than the plugin names per operation). */
+typedef struct { ncclComm_t c; void *parent; int pid, chunk, base; pthread_barrier_t *go; } burst_t;
+static void *pxn_burst(void *arg) {
+  burst_t *b = arg;
+  pthread_barrier_wait(b->go);
+  for (int k = 0; k < 16; k++) {
+    int send = k & 1;
+    void *op = gpu_proxy_op_start(b->c, b->parent, b->pid, k % 2, b->base + k, 1, b->chunk, send);
+    void *h = gpu_proxy_step_start(b->c, op, 0);
+    gpu_proxy_record(h, send ? ST_SEND_GPU_WAIT : ST_RECV_WAIT, 0);
+    gpu_proxy_record(h, send ? ST_SEND_WAIT : ST_RECV_FLUSH_WAIT, (size_t)b->chunk);
+    gpu_proxy_stop(h);
+    gpu_proxy_stop(op);
+  }
+  return NULL;
+}
+static void pxn_same_process(ncclComm_t c, p2p_t *o, int pid, int chunk) {
+  if (!o->parent) return;
+  pthread_barrier_t go;
+  pthread_barrier_init(&go, NULL, 2);
+  burst_t a = {c, o->parent, pid, chunk, 100, &go}, b = {c, o->parent, pid, chunk, 100, &go};
+  pthread_t th;
+  if (pthread_create(&th, NULL, pxn_burst, &a) != 0) { pthread_barrier_destroy(&go); return; }
+  pxn_burst(&b);
+  pthread_join(th, NULL);
+  pthread_barrier_destroy(&go);
+}
+
 /* Move ops[0..n) (both directions) in steps, with the profiler's proxy events. */
 ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n) {
   int nch = env_int("NCCL_SIM_GPU_CHANNELS", 2);
@@ -119,8 +180,11 @@ ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n) {
   int *idx = malloc(sizeof(int) * (size_t)(n ? n : 1));
   if (!x || !pfds || !idx) { free(x); free(pfds); free(idx); return ncclSystemError; }
   int pid = (int)getpid();
-  if (env_int("NCCL_SIM_GPU_PXN", 0) && n) /* another process's op (PXN): not one of the plugin's handles */
-    gpu_proxy_stop(gpu_proxy_op_start(c, (void *)(uintptr_t)0x8, pid + 1, 0, ops[0].peer, 1, (int)chunk, 1));
+  int recv_restart = env_int("NCCL_SIM_GPU_RECV_RESTART", 0);
+  int no_stop = env_int("NCCL_SIM_GPU_PROXY_NO_STOP", 0);
+  int pxn = env_int("NCCL_SIM_GPU_PXN", 0);
+  if (pxn == 1 && n) pxn_op(c, &ops[0], pid, (int)chunk);
+  if (pxn == 2 && n) pxn_same_process(c, &ops[0], pid, (int)chunk);
   for (int i = 0; i < n; i++) {
     xfer_t *t = &x[i];
     t->o = &ops[i];
@@ -132,6 +196,13 @@ ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n) {
     for (int ch = 0; ch < nch && ch < t->nsteps; ch++) {
       int64_t mine = (t->nsteps - ch + nch - 1) / nch;
       t->pop[ch] = gpu_proxy_op_start(c, ops[i].parent, pid, ch, ops[i].peer, (int)mine, (int)chunk, ops[i].is_send);
+      /* NCCL_SIM_GPU_PROXY_NO_STOP=1: a transport that never stops its
+       * ProxyOps nor sends steps. NCCL 2.28.9 starts a ProxyOp for every
+       * non-profiler pattern (src/proxy.cc:427) but only transport/net.cc
+       * stops one (:1364, :1635): CollNet (coll_net.cc) and SHM/P2P in their
+       * copy-engine modes (NCCL_SHM_USE_CUDA_MEMCPY=1, shm.cc:504;
+       * NCCL_P2P_USE_CUDA_MEMCPY=1, p2p.cc:1137) make no profiler call. */
+      if (no_stop) t->pop[ch] = NULL;
     }
   }
   ncclResult_t res = ncclSuccess;
@@ -150,6 +221,13 @@ ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n) {
         size_t lo = t->o->off + (size_t)t->posted * chunk;
         s->len = t->o->len - lo < chunk ? t->o->len - lo : chunk;
         s->h = gpu_proxy_step_start(c, t->pop[t->posted % nch], (int)(t->posted / nch));
+        /* NCCL_SIM_GPU_RECV_RESTART=1: NCCL starts a receive step at every
+         * progress pass until its irecv is posted, overwriting the step's
+         * handle without a stop (2.28.9 src/transport/net.cc:1432; the
+         * `continue` at :1443/:1453 and a NULL request at :1475 leave
+         * sub->posted where it was): here every receive step starts twice. */
+        if (!t->o->is_send && recv_restart)
+          s->h = gpu_proxy_step_start(c, t->pop[t->posted % nch], (int)(t->posted / nch));
         if (t->o->is_send) {
           enter(s, 0, ST_SEND_GPU_WAIT, 0);
           s->ready = s->t[0] + gpu_delay;

@@ -18,6 +18,7 @@ import os
 import pathlib
 import platform
 import re
+import subprocess
 import sys
 
 from exporter.cbuild import build_shared, cache_dir, writable
@@ -97,6 +98,36 @@ def build_plugin(outdir: str | os.PathLike | None = None, arch: str | None = Non
                        LIBS, depends=[f for f in files if f.suffix != ".c"],
                        cc=CROSS_CC[arch] if cross else "gcc")
     return lib.resolve()
+
+
+# The same library with sanitizers, for tests only (docs/plugin.md, "NCCL
+# habits"): "address,undefined" (AddressSanitizer and UndefinedBehaviorSanitizer)
+# or "thread" (ThreadSanitizer); any report aborts the process.
+SANITIZE_CFLAGS = ["-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
+SANITIZER_RUNTIME = {"address,undefined": "libasan.so", "thread": "libtsan.so"}
+
+
+def build_plugin_sanitized(outdir: str | os.PathLike, sanitize: str = "address,undefined") -> pathlib.Path:
+    """The plugin built with -fsanitize=<sanitize> into outdir. A process that
+    loads it must preload the sanitizer's runtime first (sanitizer_env)."""
+    src = source_dir()
+    files = _sources(src)
+    flags = [f for f in CFLAGS if f not in ("-O2", "-g")] + SANITIZE_CFLAGS + [f"-fsanitize={sanitize}", "-I", str(src)]
+    lib = build_shared(pathlib.Path(outdir) / LIB_NAME, [f for f in files if f.suffix == ".c"], flags,
+                       LIBS, depends=[f for f in files if f.suffix != ".c"])
+    return lib.resolve()
+
+
+def sanitizer_env(sanitize: str = "address,undefined") -> dict[str, str]:
+    """Environment for a process that dlopens the sanitized plugin: the
+    runtime preloaded (it must come first), leak checks off (the interpreter's
+    own allocations are not ours), the first report fatal."""
+    runtime = subprocess.run(["gcc", f"-print-file-name={SANITIZER_RUNTIME[sanitize]}"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    return {"LD_PRELOAD": os.path.realpath(runtime),
+            "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:exitcode=86",
+            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=87",
+            "TSAN_OPTIONS": "halt_on_error=0:exitcode=0:report_signal_unsafe=0"}
 
 
 def main(argv: list[str] | None = None) -> int:

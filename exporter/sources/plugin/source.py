@@ -38,7 +38,8 @@ STATES = {1: "queued", 2: "running"}
 KINDS = {1: "coll", 2: "p2p"}  # NCCL_EXPORTER_KIND_* (plugin/nccl_exporter_plugin.h)
 # Slots of plugin_drops (PD_* in bpf/plugin.c)
 DROPS = {"gpu_series_full": 0, "gpu_inflight_full": 1, "bad_record": 2, "plugin_procs_full": 3,
-         "no_gpu_time": 4, **{f"rejected_{reason}": 5 + i for i, reason in enumerate(contract.GPU_REJECT_REASONS)},
+         "no_gpu_time": 4,
+         **{f"rejected_{reason}": contract.GPU_REJECT_SLOTS[reason] for reason in contract.GPU_REJECT_REASONS},
          "plugin_comms_full": 8, "net_series_full": 9, "shared": 10}
 DIRECTIONS = ("send", "recv")  # NCCL_EXPORTER_NET_SEND / _RECV
 # Capacity of each map this program owns, for nccl_exporter_map_capacity.
