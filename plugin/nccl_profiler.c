@@ -553,16 +553,7 @@ static void finish(struct slot *s, uint8_t state, uint32_t extra_flags, uint64_t
 static void release(struct slot *s, uint32_t abandon_flags, uint64_t now) {
   uint32_t live = SLOT_LIVE;
   if (!atomic_compare_exchange_strong(&s->state, &live, SLOT_CLOSING)) return;
-  if (!atomic_load(&s->finished)) {
-    /* A CHANNELS_UNKNOWN operation (CollNet/NVLS) that aged out without one
-     * KernelCh ran where NCCL gave it none to time: counted, untimed, not
-     * abandoned (docs/plugin.md, "NCCL habits": CollNet/SHARP, NVLS). */
-    if ((abandon_flags & NCCL_EXPORTER_F_AGED) && (s->rec.flags & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) &&
-        !atomic_load(&s->started))
-      finish(s, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_UNTIMED, now ? now : mono_ns());
-    else
-      finish(s, NCCL_EXPORTER_STATE_ABANDONED, abandon_flags, now ? now : mono_ns());
-  }
+  if (!atomic_load(&s->finished)) finish(s, NCCL_EXPORTER_STATE_ABANDONED, abandon_flags, now ? now : mono_ns());
   atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
   atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
 }
@@ -584,8 +575,13 @@ static inline int ch_set(_Atomic uint64_t *m, unsigned ch) {
 /* Records NCCL will never complete, found by a periodic sweep (at most every
  * 100 ms: from an operation's start at most every 250 ms, from the announcer
  * thread each period, and when the pool is full):
- *  - older than NCCL_EXPORTER_PROFILER_MAX_AGE_S: abandoned (F_AGED), whatever
- *    the pool's pressure;
+ *  - older than NCCL_EXPORTER_PROFILER_MAX_AGE_S: abandoned (F_AGED) when the
+ *    pool is full; without that pressure only if it cannot be a real hang
+ *    (aged_out below): a collective whose kernel runs, or waits to start, for
+ *    minutes is what the agent's hang alerts must keep seeing in flight
+ *    (docs/alerts.md, NcclCollectiveHung and NcclGpuQueueStalled). A
+ *    CHANNELS_UNKNOWN operation (CollNet/NVLS) no KernelCh ever ran for is
+ *    NCCL giving it nothing to time: counted done, F_UNTIMED, not abandoned;
  *  - a lost channel (NCCL <= 2.30, transport/profiler.cc:35-44 in 2.28.9): in
  *    one pass of profilerProxyProgress the start check can miss a channel's
  *    start and the stop check, a moment later, see its stop; the stop then goes
@@ -644,8 +640,15 @@ static void sweep(uint64_t now, int pressure) {
     uint32_t gen0 = atomic_load_explicit(&s->gen, memory_order_acquire);
     if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
     if (older_than(now, s->created, G.max_age_ns + 1)) {
-      sweep_end(s, gen0, NCCL_EXPORTER_STATE_ABANDONED, NCCL_EXPORTER_F_AGED, now);
-      continue;
+      int untimed = (s->rec.flags & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) && !atomic_load(&s->started);
+      if (untimed) {
+        sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_UNTIMED, now);
+        continue;
+      }
+      if (pressure) {
+        sweep_end(s, gen0, NCCL_EXPORTER_STATE_ABANDONED, NCCL_EXPORTER_F_AGED, now);
+        continue;
+      }
     }
     if (atomic_load(&s->finished)) continue;
     if (atomic_load(&s->kch_done)) {

@@ -472,3 +472,29 @@ def test_sim_alltoall_as_p2p_tasks_leaves_nothing_open(lib, plugin, tmp_path, ve
         self_pair = r["peer"] == r["rank"]
         untimed = bool(int(r["flags"], 16) & F_UNTIMED)
         assert untimed == (self_pair and version <= 6) and (r["gpu_ns"] == "0") == untimed, r
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_hung_collective_stays_in_flight_past_max_age(plugin, version, tmp_path):
+    """A collective whose kernel has run for minutes (a real hang), and one
+    queued behind it, are what the hang alerts (NcclCollectiveHung,
+    NcclGpuQueueStalled: docs/alerts.md) must keep seeing in flight: the sweep
+    ages them out only when the pool is full, never by age alone, while it
+    keeps running for other communicators' operations."""
+    log = tmp_path / "log"
+    out = play(plugin, version, """
+        ctx = P.init(nranks=2, rank=0, comm_hash=0x1111)
+        hung = P.coll(ctx, seq=0, nch=1); k = P.kch(ctx, hung, 0, 1000); P.stop(hung)
+        queued = P.coll(ctx, seq=1, nch=1); P.stop(queued)
+        other = P.init(nranks=2, rank=1, comm_hash=0x2222)
+        for i in range(12):                      # 2.4 s of sweeps (each start sweeps every 250 ms) past MAX_AGE_S
+            h = P.coll(other, seq=i, nch=1); kk = P.kch(other, h, 0, 2000 + i); P.kch_stop(kk, 3000 + i); P.stop(h)
+            time.sleep(0.2)
+        out["ended"] = [l for l in open(os.environ["NCCL_EXPORTER_PROFILER_LOG"]).read().splitlines()
+                        if "comm=0x0000000000001111" in l and ("event=done" in l or "event=abandoned" in l)]
+        P.finalize(other); P.finalize(ctx)
+    """, env={"NCCL_EXPORTER_PROFILER_LOG": str(log), "NCCL_EXPORTER_PROFILER_MAX_AGE_S": "1",
+              "NCCL_EXPORTER_PROFILER_SETTLE_MS": "100"})
+    assert out["ended"] == [], out["ended"]
+    ended = [r for r in log_records(log) if r["comm"] == "0x0000000000001111" and r["event"] in ("done", "abandoned")]
+    assert sorted(r["seq"] for r in ended) == ["0", "1"] and all(r["event"] == "abandoned" for r in ended), ended
