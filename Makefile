@@ -10,7 +10,7 @@ NCCL_WHEEL := nvidia-nccl-cu12==2.32.3
 
 MAKEFLAGS  += --no-print-directory
 
-.PHONY: deps venv nccl-wheel demo test test-quick check clean plugin image test-image
+.PHONY: deps venv nccl-wheel demo test test-quick check clean plugin image test-image bench-faults bench-faults-quick
 
 ## deps: Debian packages, kernel-header links, tracefs (scripts/setup-system.sh)
 deps:
@@ -74,6 +74,14 @@ image: deps venv plugin
 ## test-image: the image, then --version, check and a trace of a simulated job inside it
 test-image: deps venv plugin
 	@$(SHELL) scripts/test-image.sh
+
+## bench-faults: the fault-injection benchmark, full set (~3 h; docs/benchmark.md), under the heavy lock
+bench-faults: deps venv plugin
+	flock /tmp/nccl-heavy.lock $(PY) -m bench.faults.run --set full
+
+## bench-faults-quick: each fault type once and the healthy controls (~25 min)
+bench-faults-quick: deps venv plugin
+	flock /tmp/nccl-heavy.lock $(PY) -m bench.faults.run --set quick
 
 ## check: preflight checks of this host
 check: venv
