@@ -246,8 +246,13 @@ class Detectors:
             ends = list(link.groups()) if link else [the_link.group(1)]
             self._emit("explain", {"link": ends}, "lossy_link", verdict[:120])
         elif rank and verdict.startswith(("straggler", "CPU starvation")):
-            cause = "cpu_starvation" if "CPU" in verdict.split(":")[0] + verdict[:60] else "late_arrival"
-            self._emit("explain", {"rank": int(rank.group(1))}, cause, verdict[:120])
+            # "rank N" is N in the communicator the verdict names ("comm 1c64bc4b…"), else the world's
+            comm = re.search(r"\bcomm ([0-9a-f]{8})", verdict)
+            ranks = [g for (c, r), g in self.ranks_of.items()
+                     if r == rank.group(1) and (comm is None or c.startswith(comm.group(1)))]
+            cause = "cpu_starvation" if "CPU" in verdict[:60] else "late_arrival"
+            if len(set(ranks)) == 1:
+                self._emit("explain", {"rank": ranks[0]}, cause, verdict[:120])
 
 
 class Ctx:
