@@ -54,6 +54,16 @@ def test_wrong_culprit_lowers_precision_and_an_early_naming_is_a_false_alarm():
     assert r["healthy"]["hang"]["false_alarms"] == 0
 
 
+def test_a_run_counts_once_for_the_cause_and_twice_for_precision():
+    """Two right namings of one link (its ends, then the host's link): precision
+    counts both, the run's detection and cause once."""
+    t = truth("l", fault="lossy_link", culprit={"link": {"to": "198.18.0.2"}}, cause="lossy_link")
+    dets = [det("l", 107.0, {"link": ["198.18.0.1", "198.18.0.2"]}, cause="lossy_link"),
+            det("l", 150.0, {"link": ["198.18.0.2"]}, cause="lossy_link")]
+    cell = scoring.score([t], dets, ["prometheus"])["faults"]["lossy_link"]["prometheus"]
+    assert (cell["detected"], cell["median_s"], cell["precision"], cell["cause_right"]) == (1, 7.0, 1.0, 1)
+
+
 def test_link_culprit_is_named_by_its_receiving_end():
     t = truth("l", fault="lossy_link", culprit={"link": {"to": "198.18.0.3"}}, cause="lossy_link")
     assert scoring.names_culprit(t, {"link": ["198.18.0.1", "198.18.0.3"]})

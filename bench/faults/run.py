@@ -229,6 +229,8 @@ class Detectors:
             return
         for h in json.loads(p.stdout).get("hangs", []):
             for m in h.get("missing", []):
+                if m.get("elsewhere"):
+                    continue  # in a collective of another communicator: waiting there, a victim
                 r = self.ranks_of.get((h["comm"], str(m["rank"])))
                 if r is not None:
                     self._emit("hang", {"rank": r}, "not_joined", "missing rank")

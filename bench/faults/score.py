@@ -69,7 +69,7 @@ class Cell:
     latencies: list[float] = field(default_factory=list)   # onset -> first right naming, per detected run
     right: int = 0      # namings (distinct culprits per run) that were right
     wrong: int = 0      # namings of another culprit within the run's window
-    cause_right: int = 0
+    cause_right: int = 0  # runs where a right naming also gave the injected cause
 
     def row(self) -> dict:
         named = self.right + self.wrong
@@ -111,18 +111,19 @@ def score(truths: list[dict], detections: list[dict], detectors: list[str] | Non
                 continue
             cell = faults.setdefault(t["fault"], {}).setdefault(det, Cell())
             cell.runs += 1
-            first = None
+            first, cause = None, False
             for when, d in seen.values():
                 if when < t["onset"]:
                     alarms[det] += 1
                 elif names_culprit(t, d["culprit"]):
                     cell.right += 1
-                    cell.cause_right += d.get("cause") == t.get("cause")
+                    cause = cause or d.get("cause") == t.get("cause")
                     first = when if first is None else min(first, when)
                 else:
                     cell.wrong += 1
             if first is not None:
                 cell.latencies.append(first - t["onset"])
+                cell.cause_right += cause
     hours = healthy_s / 3600
     return {"faults": {f: {det: c.row() for det, c in cells.items()} for f, cells in faults.items()},
             "healthy": {det: {"hours": round(hours, 3), "false_alarms": n,
