@@ -75,11 +75,11 @@ image: deps venv plugin
 test-image: deps venv plugin
 	@$(SHELL) scripts/test-image.sh
 
-## bench-faults: the fault-injection benchmark, full set (~3 h; docs/benchmark.md), under the heavy lock
+## bench-faults: the fault-injection benchmark, full set (~4.5 h; docs/benchmark.md), under the heavy lock
 bench-faults: deps venv plugin
 	flock /tmp/nccl-heavy.lock $(PY) -m bench.faults.run --set full
 
-## bench-faults-quick: each fault type once and the healthy controls (~25 min)
+## bench-faults-quick: each fault type once and the healthy controls (~30 min)
 bench-faults-quick: deps venv plugin
 	flock /tmp/nccl-heavy.lock $(PY) -m bench.faults.run --set quick
 
