@@ -15,7 +15,7 @@ export IMAGE
 
 MAKEFLAGS  += --no-print-directory
 
-.PHONY: deps venv nccl-wheel demo test test-quick test-clean-room check clean plugin plugin-aarch64 image test-image push-image
+.PHONY: deps venv nccl-wheel demo test test-quick test-clean-room check clean plugin plugin-aarch64 image test-image push-image bench-faults bench-faults-quick
 
 ## deps: Debian packages, kernel-header links, tracefs (scripts/setup-system.sh)
 deps:
@@ -92,6 +92,14 @@ test-image: deps venv plugin
 ## push-image: push $(IMAGE):<version> (after `buildah login ghcr.io`; docs/deploy.md, "The image")
 push-image: image
 	@$(SHELL) scripts/build-image.sh --push
+
+## bench-faults: the fault-injection benchmark, full set (~4.5 h; docs/benchmark.md), under the heavy lock
+bench-faults: deps venv plugin
+	flock /tmp/nccl-heavy.lock $(PY) -m bench.faults.run --set full
+
+## bench-faults-quick: each fault type once and the healthy controls (~30 min)
+bench-faults-quick: deps venv plugin
+	flock /tmp/nccl-heavy.lock $(PY) -m bench.faults.run --set quick
 
 ## check: preflight checks of this host
 check: venv

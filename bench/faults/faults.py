@@ -1,0 +1,230 @@
+"""The faults the benchmark injects, and its healthy controls
+(docs/benchmark.md, "Faults"). Each is real on this machine: signals to the
+rank's process, nftables loss on a link, the agent really restarted.
+
+A fault's inject() returns at once (a background thread keeps a duty cycle
+going); clear() undoes it and is safe to call twice. The ground truth is
+written by the harness BEFORE inject() runs."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+SLEEP_SYSCALLS = {35, 230}  # x86_64 nanosleep, clock_nanosleep: Python's time.sleep, the ranks' compute
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def in_sleep(pid: int) -> bool | None:
+    """Whether a (stopped) rank's main thread was in its compute sleep, i.e.
+    between collectives: its /proc/PID/syscall is nanosleep; anything else
+    (a socket read, poll, running) is inside the NCCL call. None if gone."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            nr = f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+    return nr.lstrip("-").isdigit() and int(nr) in SLEEP_SYSCALLS
+
+
+class DutyCycle:
+    """SIGSTOP / SIGCONT a set of processes: stopped `stop_s` of every `period_s`
+    (random phase); with `pick`, a new random member of `pids` each period."""
+
+    def __init__(self, pids: list[int], stop_s: float, period_s: float, pick: bool = False, seed: int = 0):
+        self.pids, self.stop_s, self.period_s, self.pick = pids, stop_s, period_s, pick
+        self.rng = random.Random(seed)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self.done.is_set():
+            pids = [self.rng.choice(self.pids)] if self.pick else self.pids
+            stop = self.rng.uniform(0, self.stop_s) if self.pick else self.stop_s
+            for p in pids:
+                _signal(p, signal.SIGSTOP)
+            self.done.wait(stop)
+            for p in pids:
+                _signal(p, signal.SIGCONT)
+            self.done.wait(max(0.0, self.period_s - stop))
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self.done.set()
+        if self.thread.is_alive():
+            self.thread.join()
+        for p in self.pids:
+            _signal(p, signal.SIGCONT)
+
+
+@dataclass
+class Fault:
+    """name: as in the truth file; cause: what a detector should say; wait_s:
+    how long after the onset a culprit may still be named; healthy: a control
+    (no culprit); culprit: "rank", "link" or None."""
+    name: str
+    cause: str | None
+    wait_s: float
+    culprit: str | None = "rank"
+    healthy: bool = False
+
+    def inject(self, ctx, rank: int) -> dict:  # -> extra truth fields
+        raise NotImplementedError
+
+    def clear(self, ctx) -> None:
+        pass
+
+
+class Straggler(Fault):
+    """1. Compute straggler: the rank is SIGSTOPped 40 ms of every 100 ms from
+    outside (a CPU throttled to 60 %, as a cgroup's cpu.max would)."""
+
+    def __init__(self, wait_s=90):
+        super().__init__("straggler", "late_arrival", wait_s)
+        self.cycle = None
+
+    def inject(self, ctx, rank):
+        self.cycle = DutyCycle([ctx.pids[rank]], 0.04, 0.1).start()
+        return {"mechanism": "SIGSTOP 40 ms of every 100 ms"}
+
+    def clear(self, ctx):
+        if self.cycle:
+            self.cycle.stop()
+
+
+class LossyLink(Fault):
+    """3. Lossy link: 10 % of the packets on their way INTO the rank's host
+    dropped on the wire (nftables in the cluster's switch, the receiver's
+    port): one direction of its links."""
+
+    def __init__(self, wait_s=90, percent=10):
+        super().__init__("lossy_link", "lossy_link", wait_s, culprit="link")
+        self.percent = percent
+        self.index = None
+
+    def inject(self, ctx, rank):
+        self.index = rank
+        ctx.cluster.set_loss(rank, self.percent, into_only=True)
+        return {"mechanism": f"nftables: {self.percent} % of packets into host {rank} dropped",
+                "link": {"to": ctx.cluster.hosts[rank].addr}}
+
+    def clear(self, ctx):
+        if self.index is not None:
+            ctx.cluster.clear_loss(self.index)
+            self.index = None
+
+
+class Stopped(Fault):
+    """5. A rank that never joins (stopped between collectives: in its compute
+    sleep), or 6. one stuck inside a collective: SIGSTOP, retried (SIGCONT,
+    a random few ms, SIGSTOP) until /proc/PID/syscall says where it stopped."""
+
+    def __init__(self, inside: bool, wait_s=150):
+        super().__init__("stopped_inside" if inside else "stopped_between",
+                         "stopped_inside" if inside else "not_joined", wait_s)
+        self.inside = inside
+        self.pid = None
+
+    def inject(self, ctx, rank):
+        self.pid = pid = ctx.pids[rank]
+        for attempt in range(1, 500):
+            _signal(pid, signal.SIGSTOP)
+            time.sleep(0.02)
+            where = in_sleep(pid)
+            if where is None or where != self.inside:
+                return {"mechanism": "SIGSTOP " + ("inside a collective" if self.inside else "between collectives"),
+                        "attempts": attempt}
+            _signal(pid, signal.SIGCONT)
+            time.sleep(random.uniform(0.001, 0.02))
+        raise RuntimeError(f"rank {rank} never stopped {'inside' if self.inside else 'between'} collectives")
+
+    def clear(self, ctx):
+        if self.pid:
+            _signal(self.pid, signal.SIGCONT)
+
+
+class Killed(Fault):
+    """8. A rank that dies: SIGKILL."""
+
+    def __init__(self, wait_s=150):
+        super().__init__("killed", "not_joined", wait_s)
+
+    def inject(self, ctx, rank):
+        _signal(ctx.pids[rank], signal.SIGKILL)
+        return {"mechanism": "SIGKILL"}
+
+
+class Jitter(Fault):
+    """Healthy control: random per-call jitter: every 100 ms a random rank is
+    SIGSTOPped for a random 0-40 ms (each is as often late as the others)."""
+
+    def __init__(self, wait_s=120):
+        super().__init__("healthy_jitter", None, wait_s, culprit=None, healthy=True)
+        self.cycle = None
+
+    def inject(self, ctx, rank):
+        self.cycle = DutyCycle(ctx.pids, 0.04, 0.1, pick=True, seed=int(time.time())).start()
+        return {"mechanism": "SIGSTOP a random rank 0-40 ms every 100 ms"}
+
+    def clear(self, ctx):
+        if self.cycle:
+            self.cycle.stop()
+
+
+class Checkpoint(Fault):
+    """Healthy control: every rank paused 45 s at once (a checkpoint), SIGSTOP
+    and SIGCONT of all at the same instant."""
+
+    def __init__(self, wait_s=90):
+        super().__init__("healthy_checkpoint", None, wait_s, culprit=None, healthy=True)
+        self.timer = None
+
+    def inject(self, ctx, rank):
+        for p in ctx.pids:
+            _signal(p, signal.SIGSTOP)
+        self.timer = threading.Timer(45, self.clear, args=(ctx,))
+        self.timer.start()
+        return {"mechanism": "SIGSTOP every rank for 45 s"}
+
+    def clear(self, ctx):
+        if self.timer:
+            self.timer.cancel()
+        for p in ctx.pids:
+            _signal(p, signal.SIGCONT)
+
+
+class AgentRestart(Fault):
+    """Healthy control: the agent restarted mid-job (its counters restart at 0)."""
+
+    def __init__(self, wait_s=90):
+        super().__init__("healthy_agent_restart", None, wait_s, culprit=None, healthy=True)
+
+    def inject(self, ctx, rank):
+        ctx.restart_agent()
+        return {"mechanism": "agent stopped (SIGINT) and started again"}
+
+
+# name -> a new instance (a fault keeps its state between inject and clear)
+FAULTS = {
+    "straggler": Straggler,
+    "lossy_link": LossyLink,
+    "stopped_between": lambda: Stopped(inside=False),
+    "stopped_inside": lambda: Stopped(inside=True),
+    "killed": Killed,
+    "healthy_jitter": Jitter,
+    "healthy_checkpoint": Checkpoint,
+    "healthy_agent_restart": AgentRestart,
+}

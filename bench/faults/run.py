@@ -1,0 +1,397 @@
+#!/usr/bin/env python3
+"""Fault-injection benchmark: how fast, and how rightly, the product names the
+culprit of a fault (docs/benchmark.md).
+
+The product as users run it: the agent (`nccl-exporter run --db
+--query-listen`, real uprobes) on a simulated job of ranks in network
+namespaces (exporter/simulator/cluster.py); a real Prometheus scraping it
+every 5 s and evaluating the shipped alerts/nccl.yml every 5 s. Each run
+starts a job, waits a random time, writes the ground truth (fault, culprit,
+onset) to truth.jsonl, injects the fault, and watches three detectors for up
+to the fault's stated wait: Prometheus's firing alerts (its API), `nccl-exporter
+hang` on the agent's /metrics, `nccl-exporter explain --nodes` on its query
+endpoint. Every answer that names a culprit goes to detections.jsonl;
+bench/faults/score.py scores the two files.
+
+As root, from the repository root, under the heavy lock:
+
+    flock /tmp/nccl-heavy.lock .venv/bin/python -m bench.faults.run --set quick
+    make bench-faults                      # --set full, ~4.5 h
+
+Sets: quick (each fault once, 5 healthy controls), full (each fault 10 times,
+healthy controls for 30+ minutes), or --faults a,b --repeat N. Ctrl-C stops
+cleanly: every rank, namespace, nft table, the agent and Prometheus go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.faults import score as scoring  # noqa: E402
+from bench.faults.faults import FAULTS  # noqa: E402
+
+PROMETHEUS = "/usr/bin/prometheus"
+NRANKS = 4
+COMPUTE_MS = 20       # each rank's compute between collectives
+COUNT = 16384         # elements per collective
+SETS = {
+    "quick": (["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed",
+               "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 1),
+    "full": (["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed",
+              "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 10),
+    # the suite's (tests/test_bench_faults.py): the harness and the scoring, not the
+    # timings, so with short warm-ups and waits (SUITE_TIMING)
+    "suite": (["straggler", "stopped_between"], 1),
+}
+WARMUP_S = (40, 70)            # random onset after the job's start (rates need 30 s of calls)
+SUITE_TIMING = {"warmup": (5, 10), "wait": 30}
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S ") + msg, flush=True)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 5) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def wait_for(what: str, check, proc: subprocess.Popen, logfile: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}: {logfile.read_text()[-2000:]}")
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{what} not ready in {timeout:.0f} s: {logfile.read_text()[-2000:]}")
+
+
+def stop_proc(p: subprocess.Popen | None, sig=signal.SIGINT, timeout: float = 30) -> None:
+    if p is None or p.poll() is not None:
+        return
+    p.send_signal(sig)
+    try:
+        p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+class Agent:
+    """`nccl-exporter run` with --db and --query-listen, restartable."""
+
+    def __init__(self, work: Path, lib: Path):
+        self.work, self.lib = work, lib
+        self.port, self.qport = free_port(), free_port()
+        self.token = work / "token"
+        self.token.write_text(secrets.token_hex(16) + "\n")
+        self.token.chmod(0o600)
+        self.metrics = f"http://127.0.0.1:{self.port}/metrics"
+        self.query = f"http://127.0.0.1:{self.qport}"
+        self.proc = None
+        self.starts = 0
+        self.pids: list[int] = []
+
+    def start(self) -> None:
+        self.starts += 1
+        logfile = self.work / f"agent{self.starts}.log"
+        argv = [sys.executable, "-m", "exporter", "run", "--listen", f"127.0.0.1:{self.port}", "--node", "bench",
+                "--nccl-lib", str(self.lib), "--db", str(self.work / f"agent{self.starts}.db"),
+                "--query-listen", f"127.0.0.1:{self.qport}", "--query-token-file", str(self.token)]
+        self.proc = subprocess.Popen(argv, stdout=open(logfile, "wb"), stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+        self.pids.append(self.proc.pid)
+        wait_for("the agent", lambda: b"nccl_exporter_build_info" in get(self.metrics), self.proc, logfile, 240)
+
+    def stop(self) -> None:
+        stop_proc(self.proc, signal.SIGINT, 60)
+
+
+class Prometheus:
+    """Scrapes the agent every 5 s and evaluates the shipped alerts/nccl.yml every 5 s."""
+
+    def __init__(self, work: Path, target: str):
+        self.port = free_port()
+        cfg = work / "prometheus.yml"
+        cfg.write_text(json.dumps({
+            "global": {"scrape_interval": "5s", "evaluation_interval": "5s", "scrape_timeout": "4s"},
+            "rule_files": [str(REPO / "alerts" / "nccl.yml")],
+            "scrape_configs": [{"job_name": "nccl-exporter", "static_configs": [{"targets": [target]}]}]}))
+        logfile = work / "prometheus.log"
+        self.proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={work / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=open(logfile, "wb"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.api = f"http://127.0.0.1:{self.port}/api/v1"
+        wait_for("prometheus", lambda: get(f"http://127.0.0.1:{self.port}/-/ready") is not None,
+                 self.proc, logfile, 60)
+
+    def firing(self) -> list[dict]:
+        data = json.loads(get(f"{self.api}/alerts"))["data"]["alerts"]
+        return [a["labels"] for a in data if a.get("state") == "firing"]
+
+    def close(self) -> None:
+        stop_proc(self.proc, signal.SIGTERM)
+
+
+class Detectors:
+    """Polls the three detectors in threads while a run lasts; every answer
+    naming a culprit of this job becomes a detection line."""
+
+    def __init__(self, out, agent: Agent, prom: Prometheus, ranks_of: dict, addr_rank: dict, run_id: str):
+        self.out, self.agent, self.prom = out, agent, prom
+        self.ranks_of = ranks_of     # (comm, rank label) -> the job's global rank
+        self.addr_rank = addr_rank   # host address -> global rank
+        self.run_id = run_id
+        self.seen: set = set()
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(f, p), daemon=True)
+                        for f, p in ((self._prometheus, 1), (self._hang, 5), (self._explain, 10))]
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def stop(self):
+        self.done.set()
+        for t in self.threads:
+            t.join()
+
+    def _loop(self, fn, period):
+        while not self.done.is_set():
+            t0 = time.monotonic()
+            try:
+                fn()
+            except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
+                pass  # an agent restarting, Prometheus busy: the next poll
+            self.done.wait(max(0.0, period - (time.monotonic() - t0)))
+
+    def _emit(self, detector: str, culprit: dict, cause: str | None, what: str) -> None:
+        key = (detector, json.dumps(culprit, sort_keys=True))
+        with self.lock:
+            if key in self.seen:
+                return
+            self.seen.add(key)
+            line = {"run": self.run_id, "detector": detector, "t": round(time.time(), 3), "culprit": culprit,
+                    "cause": cause, "what": what}
+            self.out.write(json.dumps(line) + "\n")
+            self.out.flush()
+        log(f"  {detector}: {culprit} ({what})")
+
+    def _prometheus(self):
+        for a in self.prom.firing():
+            if "saddr" in a and "daddr" in a:
+                if a["saddr"] in self.addr_rank or a["daddr"] in self.addr_rank:
+                    self._emit("prometheus", {"link": [a["saddr"], a["daddr"]]}, a.get("cause", "lossy_link"),
+                               a["alertname"])
+            elif "rank" in a and (a.get("comm"), a["rank"]) in self.ranks_of:
+                cause = a.get("cause") or {"NcclStragglerRank": "late_arrival",
+                                           "NcclRankMissing": "not_joined"}.get(a["alertname"])
+                self._emit("prometheus", {"rank": self.ranks_of[(a["comm"], a["rank"])]}, cause, a["alertname"])
+
+    def _cli(self, *args) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "exporter", *args], capture_output=True, text=True,
+                              cwd=REPO, timeout=60)
+
+    def _hang(self):
+        p = self._cli("hang", "--metrics", self.agent.metrics, "--format", "json")
+        if p.returncode != 1:
+            return
+        for h in json.loads(p.stdout).get("hangs", []):
+            for m in h.get("missing", []):
+                if m.get("elsewhere"):
+                    continue  # in a collective of another communicator: waiting there, a victim
+                r = self.ranks_of.get((h["comm"], str(m["rank"])))
+                if r is not None:
+                    self._emit("hang", {"rank": r}, "not_joined", "missing rank")
+
+    def _explain(self):
+        p = self._cli("explain", "--nodes", self.agent.query, "--token-file", str(self.agent.token),
+                      "--since", "30s", "--format", "json")
+        if p.returncode != 0:
+            return
+        verdict = json.loads(p.stdout).get("verdict", "")
+        link = re.search(r"(198\.18\.\d+\.\d+)\u2192(198\.18\.\d+\.\d+)", verdict)
+        the_link = re.search(r"the link of (198\.18\.\d+\.\d+)", verdict)
+        rank = re.search(r"\brank (\d+)\b", verdict)
+        if verdict.startswith("network") and (link or the_link):
+            ends = list(link.groups()) if link else [the_link.group(1)]
+            self._emit("explain", {"link": ends}, "lossy_link", verdict[:120])
+        elif rank and verdict.startswith(("straggler", "CPU starvation")):
+            # "rank N" is N in the communicator the verdict names ("comm 1c64bc4b…"), else the world's
+            comm = re.search(r"\bcomm ([0-9a-f]{8})", verdict)
+            ranks = [g for (c, r), g in self.ranks_of.items()
+                     if r == rank.group(1) and (comm is None or c.startswith(comm.group(1)))]
+            cause = "cpu_starvation" if "CPU" in verdict[:60] else "late_arrival"
+            if len(set(ranks)) == 1:
+                self._emit("explain", {"rank": ranks[0]}, cause, verdict[:120])
+
+
+class Ctx:
+    def __init__(self, cluster, pids, agent):
+        self.cluster, self.pids, self.agent = cluster, pids, agent
+
+    def restart_agent(self):
+        self.agent.stop()
+        self.agent.start()
+
+
+def job_map(agent: Agent, pids: list[int]) -> dict:
+    """(comm, rank label) -> global rank, from the agent's nccl_communicator_info (pid -> rank)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    rank_of_pid = {str(p): r for r, p in enumerate(pids)}
+    out = {}
+    for fam in text_string_to_metric_families(get(agent.metrics).decode()):
+        for s in fam.samples:
+            if s.name == "nccl_communicator_info" and s.labels.get("pid") in rank_of_pid:
+                out[(s.labels["comm"], s.labels["rank"])] = rank_of_pid[s.labels["pid"]]
+    return out
+
+
+def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmup=WARMUP_S,
+            wait_s: float | None = None) -> None:
+    from exporter.simulator.cluster import Cluster, start_job
+
+    fault = FAULTS[name]()
+    if wait_s is not None:
+        fault.wait_s = wait_s
+    with Cluster(NRANKS, name=f"bf{run_id}") as cluster:
+        job = start_job(cluster, lib, "train", iterations=10_000_000, rendezvous_dir=work / f"rdv{run_id}",
+                        truth_dir=work / f"sim{run_id}", count=COUNT,
+                        compute_delay_ms={r: COMPUTE_MS for r in range(NRANKS)},
+                        extra_env={"NCCL_SIM_DURATION_S": "3600"})
+        ctx = Ctx(cluster, job.pids, agent)
+        start = time.time()
+        try:
+            deadline = time.monotonic() + 60
+            ranks_of = {}
+            while len(set(ranks_of.values())) < NRANKS:
+                if time.monotonic() > deadline or any(rc is not None for rc in job.poll()):
+                    raise RuntimeError("the job did not start:\n" + job.result().summary())
+                time.sleep(1)
+                ranks_of = job_map(agent, job.pids)
+            addr_rank = {h.addr: h.index for h in cluster.hosts}
+            det = Detectors(det_out, agent, prom, ranks_of, addr_rank, run_id).start()
+            try:
+                time.sleep(rng.uniform(*warmup))
+                culprit_rank = rng.randrange(NRANKS)
+                truth = {"run": run_id, "fault": name, "healthy": fault.healthy, "cause": fault.cause,
+                         "start": round(start, 3), "onset": round(time.time(), 3), "wait_s": fault.wait_s,
+                         "culprit": None}
+                if fault.culprit == "rank":
+                    truth["culprit"] = {"rank": culprit_rank}
+                elif fault.culprit == "link":
+                    truth["culprit"] = {"link": {"to": cluster.hosts[culprit_rank].addr}}
+                truth_out.write(json.dumps(truth) + "\n")  # before the fault: ground truth first
+                truth_out.flush()
+                log(f"{run_id} {name}: culprit {truth['culprit']}")
+                extra = fault.inject(ctx, culprit_rank)
+                log(f"{run_id}   injected: {extra}")
+                time.sleep(fault.wait_s)
+            finally:
+                det.stop()
+                fault.clear(ctx)
+        finally:
+            job.kill()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--set", choices=sorted(SETS), default="quick")
+    p.add_argument("--faults", help="comma-separated fault names instead of the set's: " + ", ".join(FAULTS))
+    p.add_argument("--repeat", type=int, help="runs per fault (default: the set's)")
+    p.add_argument("--out", type=Path, default=REPO / "build" / "bench-faults",
+                   help="where truth.jsonl, detections.jsonl and result.json go (default build/bench-faults)")
+    p.add_argument("--seed", type=int, default=None, help="random onsets and culprits (default: from the clock)")
+    a = p.parse_args(argv)
+    names, repeat = SETS[a.set]
+    if a.faults:
+        names = [n.strip() for n in a.faults.split(",") if n.strip()]
+        unknown = [n for n in names if n not in FAULTS]
+        if unknown:
+            print(f"bench-faults: unknown fault {', '.join(unknown)} (known: {', '.join(FAULTS)})", file=sys.stderr)
+            return 2
+    repeat = a.repeat or repeat
+    if os.geteuid() != 0:
+        print("bench-faults: needs root (BPF, network namespaces)", file=sys.stderr)
+        return 2
+    if not os.access(PROMETHEUS, os.X_OK):
+        print(f"bench-faults: {PROMETHEUS} missing (make deps)", file=sys.stderr)
+        return 2
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the finally below cleans up
+    seed = a.seed if a.seed is not None else int(time.time())
+    rng = random.Random(seed)
+    plan = [n for _ in range(repeat) for n in names]
+    rng.shuffle(plan)
+    a.out.mkdir(parents=True, exist_ok=True)
+    truth_path, det_path = a.out / "truth.jsonl", a.out / "detections.jsonl"
+    from exporter.simulator.build import build_library
+    from exporter.simulator.cluster import cleanup_stale
+
+    work = Path(tempfile.mkdtemp(prefix="bench-faults-"))
+    lib = build_library(work / "lib")   # a private copy: only this bench's ranks are traced
+    cleanup_stale()
+    agent = prom = None
+    log(f"bench-faults: {len(plan)} runs ({a.set if not a.faults else 'custom'}, seed {seed}); "
+        f"results in {a.out}")
+    try:
+        agent = Agent(work, lib)
+        agent.start()
+        prom = Prometheus(work, f"127.0.0.1:{agent.port}")
+        with open(truth_path, "w") as truth_out, open(det_path, "w") as det_out:
+            for i, name in enumerate(plan, 1):
+                timing = SUITE_TIMING if a.set == "suite" and not a.faults else {}
+                one_run(f"r{i:03d}", name, lib, work, agent, prom, truth_out, det_out, rng,
+                        warmup=timing.get("warmup", WARMUP_S), wait_s=timing.get("wait"))
+    except KeyboardInterrupt:
+        log("interrupted: cleaning up (the runs so far are scored)")
+    finally:
+        if prom:
+            prom.close()
+        if agent:
+            agent.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    result = scoring.score(scoring.read_jsonl(truth_path), scoring.read_jsonl(det_path),
+                           ["prometheus", "hang", "explain"])
+    result["seed"], result["runs"] = seed, len(plan)
+    result["processes"] = (agent.pids if agent else []) + ([prom.proc.pid] if prom else [])
+    (a.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(scoring.table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The fault-injection benchmark (bench/faults/, docs/benchmark.md): its
+scoring on hand-made ground truth and answers, and its 2-fault set run for
+real (agent, simulated job in network namespaces, Prometheus with the shipped
+alerts): the harness writes the truth before the answers, the scores are what
+the files say, and nothing is left behind. Not the timings: those are
+docs/benchmark.md's, measured by `make bench-faults`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.faults import score as scoring
+from conftest import REPO
+
+
+def truth(run, fault="straggler", culprit=None, onset=100.0, wait=60.0, healthy=False, cause="late_arrival"):
+    return {"run": run, "fault": fault, "healthy": healthy, "cause": cause, "start": 0.0, "onset": onset,
+            "wait_s": wait, "culprit": culprit if culprit is not None or healthy else {"rank": 2}}
+
+
+def det(run, t, culprit, detector="prometheus", cause="late_arrival"):
+    return {"run": run, "detector": detector, "t": t, "culprit": culprit, "cause": cause, "what": "x"}
+
+
+def test_first_right_naming_median_p90_and_misses():
+    truths = [truth(f"r{i}") for i in range(11)]
+    # runs 0..9 named rank 2 after 10, 20, ..., 100 s; run 10 never (a miss); run 9's 100 s is past its 60 s wait
+    dets = [det(f"r{i}", 100.0 + 10 * (i + 1), {"rank": 2}) for i in range(10)]
+    cell = scoring.score(truths, dets, ["prometheus"])["faults"]["straggler"]["prometheus"]
+    assert cell["runs"] == 11 and cell["detected"] == 6      # 10..60 s within the wait
+    assert cell["median_s"] == 35.0 and cell["p90_s"] == 55.0
+    assert cell["precision"] == 1.0 and cell["cause_right"] == 6
+
+
+def test_wrong_culprit_lowers_precision_and_an_early_naming_is_a_false_alarm():
+    truths = [truth("a"), truth("h", fault="healthy_jitter", healthy=True, culprit=None, cause=None)]
+    dets = [det("a", 50.0, {"rank": 1}),                 # before the onset: a healthy job alarmed
+            det("a", 110.0, {"rank": 3}),                # wrong rank
+            det("a", 120.0, {"rank": 2}, cause="other"),  # right rank, wrong cause
+            det("a", 125.0, {"rank": 2}),                # the same culprit again: counted once
+            det("h", 30.0, {"rank": 0}), det("h", 40.0, {"rank": 0})]
+    r = scoring.score(truths, dets, ["prometheus", "hang"])
+    cell = r["faults"]["straggler"]["prometheus"]
+    assert (cell["detected"], cell["median_s"], cell["precision"], cell["cause_right"]) == (1, 20.0, 0.5, 0)
+    assert r["faults"]["straggler"]["hang"]["detected"] == 0
+    healthy = r["healthy"]["prometheus"]
+    # healthy time: run a's 100 s before its onset + run h's 160 s
+    assert healthy["false_alarms"] == 2 and healthy["hours"] == round(260 / 3600, 3)
+    assert r["healthy"]["hang"]["false_alarms"] == 0
+
+
+def test_a_run_counts_once_for_the_cause_and_twice_for_precision():
+    """Two right namings of one link (its ends, then the host's link): precision
+    counts both, the run's detection and cause once."""
+    t = truth("l", fault="lossy_link", culprit={"link": {"to": "198.18.0.2"}}, cause="lossy_link")
+    dets = [det("l", 107.0, {"link": ["198.18.0.1", "198.18.0.2"]}, cause="lossy_link"),
+            det("l", 150.0, {"link": ["198.18.0.2"]}, cause="lossy_link")]
+    cell = scoring.score([t], dets, ["prometheus"])["faults"]["lossy_link"]["prometheus"]
+    assert (cell["detected"], cell["median_s"], cell["precision"], cell["cause_right"]) == (1, 7.0, 1.0, 1)
+
+
+def test_link_culprit_is_named_by_its_receiving_end():
+    t = truth("l", fault="lossy_link", culprit={"link": {"to": "198.18.0.3"}}, cause="lossy_link")
+    assert scoring.names_culprit(t, {"link": ["198.18.0.1", "198.18.0.3"]})
+    assert not scoring.names_culprit(t, {"link": ["198.18.0.1", "198.18.0.2"]})
+    assert not scoring.names_culprit(t, {"rank": 2})
+
+
+def test_score_cli_table_and_bad_input(tmp_path):
+    (tmp_path / "t.jsonl").write_text(json.dumps(truth("a")) + "\n")
+    (tmp_path / "d.jsonl").write_text(json.dumps(det("a", 112.0, {"rank": 2})) + "\n")
+    p = subprocess.run([sys.executable, "-m", "bench.faults.score", tmp_path / "t.jsonl", tmp_path / "d.jsonl"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    assert "| straggler | prometheus | 1 | 1 | 12.0 | 12.0 | 1.0 | 1 |" in p.stdout
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    p = subprocess.run([sys.executable, "-m", "bench.faults.score", tmp_path / "bad.jsonl", tmp_path / "d.jsonl"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "bad.jsonl:1: not JSON" in p.stderr, p.stderr
+
+
+# --- the harness, for real ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("bpf", "netns", "prometheus")
+@pytest.mark.skipif(not os.access("/usr/bin/prometheus", os.X_OK), reason="prometheus not installed (make deps)")
+def test_two_fault_set_writes_truth_first_scores_it_and_cleans_up(tmp_path):
+    from exporter.simulator.cluster import _netns_list
+
+    before = set(_netns_list())
+    p = subprocess.run([sys.executable, "-m", "bench.faults.run", "--set", "suite", "--out", tmp_path, "--seed", "7"],
+                       capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    truths = scoring.read_jsonl(tmp_path / "truth.jsonl")
+    dets = scoring.read_jsonl(tmp_path / "detections.jsonl")
+    assert sorted(t["fault"] for t in truths) == ["stopped_between", "straggler"]
+    for t in truths:
+        assert t["start"] < t["onset"] and t["culprit"]["rank"] in range(4) and t["wait_s"] > 0
+    # the truth of a run is on disk before any answer about it after its onset
+    for d in dets:
+        t = next(t for t in truths if t["run"] == d["run"])
+        assert t["start"] <= d["t"] <= t["onset"] + t["wait_s"] + 15, d
+        assert set(d["culprit"]) <= {"rank", "link"} and d["detector"] in ("prometheus", "hang", "explain"), d
+    result = json.loads((tmp_path / "result.json").read_text())
+    rescored = scoring.score(truths, dets, ["prometheus", "hang", "explain"])
+    assert result["faults"] == rescored["faults"] and result["healthy"] == rescored["healthy"]
+    assert "| fault | detector |" in p.stdout
+    assert result["runs"] == 2 and set(result["faults"]) == {"stopped_between", "straggler"}
+    assert set(_netns_list()) <= before, "network namespaces left behind"
+    for pid in result["processes"]:   # the agent (each start) and Prometheus
+        assert not os.path.exists(f"/proc/{pid}"), f"process {pid} left running"
