@@ -146,6 +146,7 @@ class Agent:
         if self.plugin is not None:  # ... or NCCL's identity, where the plugin announced only one
             self.reader.announced = self.plugin.comms
         self._found: queue.Queue = queue.Queue()
+        self._learn: queue.Queue = queue.Queue()  # (pid, library) for processes.saw, from _attach
         # Set once the kernel side is loaded and every library found at start
         # is attached: counting has started (`run` answers /-/ready with 200).
         self.ready = threading.Event()
@@ -248,7 +249,10 @@ class Agent:
         with contextlib.nullcontext() if self.probes.uses_links else self.lock:
             report = self.probes.attach(lib.path)
         for pid in getattr(lib, "pids", ()) or ():
-            self.processes.saw(pid, lib.path)
+            # learned (environment, pod, version; traced in the kernel) on the
+            # loop's next turn: tracing waits for a tracepoint's detach, which
+            # the attach thread must not, with the next library to attach
+            self._learn.put((pid, lib.path))
         if report is None:
             return
         log.info(
@@ -342,6 +346,12 @@ class Agent:
             except queue.Empty:
                 break
             self._attach(lib)
+        while True:
+            try:
+                pid, path = self._learn.get_nowait()
+            except queue.Empty:
+                break
+            self.processes.saw(pid, path)
         now = time.monotonic()
         if self.config.idle_detach is not None:
             self._heat(now)
