@@ -5,7 +5,7 @@ on the dynamic loader's _dl_debug_state) instead of a /proc rescan timer.
 
 Run as root from the repository root:
 
-    .venv/bin/python bench/attach_latency.py [--reps 5]
+    .venv/bin/python bench/attach_latency.py [--reps 5] [--jobs 20]
 
 For each library (the simulator's small libnccl.so.2, and the real NCCL
 2.32.3 wheel's libnccl.so.2 when installed) and each repetition: a fresh
@@ -15,6 +15,13 @@ the loader's ring buffer, ProcessScanner on the pid, NcclProbes.attach) and
 the time attach() returns. Prints, per library, the median and min..max of
   mapped -> seen   dlopen until the agent has found the file in the pid's maps
   mapped -> attached   ... until every probe of the file is attached
+
+Then --jobs N (default 20) trials end to end through the agent itself
+(tools/agent.py, default discovery, in this process): each a job that maps
+a fresh copy of the simulator's libnccl, calls it 100 ms later (GetUniqueId,
+CommInitRank, 50 AllReduces, CommDestroy) and exits. A trial counts when
+every one of its calls was seen (record_all: one event per call). The goal:
+N of N (bench/README.md).
 """
 
 from __future__ import annotations
@@ -96,6 +103,50 @@ def measure(lib: str, reps: int) -> tuple[list[float], list[float]]:
     return seen_ms, attached_ms
 
 
+JOB_CALLS = 50
+
+
+def jobs(lib: str, trials: int) -> tuple[int, list[int]]:
+    """Trials counted in full, and the calls seen in each trial."""
+    import threading
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_loader import JOB
+    from exporter.records.events import CallEvent
+    from exporter.tools.agent import Agent, AgentConfig
+
+    agent = Agent(AgentConfig(node="bench", record_all=True))
+    seen: dict[int, int] = {}
+    agent.listeners.append(lambda e: seen.__setitem__(e.pid, seen.get(e.pid, 0) + 1)
+                           if isinstance(e, CallEvent) else None)
+    stop = threading.Event()
+    loop = threading.Thread(target=agent.run_until, args=(stop,), name="agent")
+    per_trial = []
+    try:
+        agent.start_discovery()
+        loop.start()
+        with tempfile.TemporaryDirectory(prefix="attach-jobs-") as d:
+            for i in range(trials):
+                copy = Path(d) / f"job{i}" / "libnccl.so.2"
+                copy.parent.mkdir()
+                shutil.copy(lib, copy)
+                child = subprocess.Popen([sys.executable, "-c", JOB, str(copy), "0.1", str(JOB_CALLS)],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                out, err = child.communicate(timeout=60)
+                if child.returncode != 0:
+                    raise SystemExit(f"job {i} failed: {err.strip()}")
+                deadline = time.monotonic() + 2
+                while seen.get(child.pid, 0) < JOB_CALLS + 3 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                per_trial.append(seen.get(child.pid, 0))
+    finally:
+        stop.set()
+        if loop.is_alive():
+            loop.join()
+        agent.close(detach_in_background=True)
+    return sum(n == JOB_CALLS + 3 for n in per_trial), per_trial
+
+
 def show(name: str, xs: list[float]) -> str:
     return f"{name} {statistics.median(xs):7.1f} ms ({min(xs):.1f}..{max(xs):.1f})"
 
@@ -103,6 +154,8 @@ def show(name: str, xs: list[float]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--jobs", type=int, default=20, help="end-to-end trials of a job calling 100 ms "
+                    "after mapping a new libnccl (0: none)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root (BPF)")
@@ -117,6 +170,11 @@ def main() -> int:
         size = os.path.getsize(lib) / 2**20
         print(f"{name} ({size:.1f} MiB), {a.reps} reps: {show('mapped->seen', seen)}; "
               f"{show('mapped->attached', attached)}")
+    if a.jobs:
+        full, calls = jobs(libs[0][1], a.jobs)
+        print(f"jobs calling 100 ms after mapping a new libnccl: {full} of {a.jobs} counted in full "
+              f"(calls seen per trial, of {JOB_CALLS + 3}: {calls})")
+        return 0 if full == a.jobs else 1
     return 0
 
 

@@ -44,13 +44,14 @@ pip_cert=()
 [ "${#HOST_CA[@]}" -eq 0 ] || pip_cert=("PIP_CERT=$HOST_CA_FILE")
 
 # The README's Quick start, as a new user runs it on a fresh machine:
-# make from Debian, then what `make test` runs before pytest.
-echo "clean-room: in a fresh Debian 12 ($ROOTFS, commit $(git rev-parse --short HEAD)): apt-get install make; make deps venv nccl-wheel plugin; make test-quick"
+# make and git from Debian (the README's only hand-installed packages),
+# then what `make test` runs before pytest.
+echo "clean-room: in a fresh Debian 12 ($ROOTFS, commit $(git rev-parse --short HEAD)): apt-get install make git; make deps venv nccl-wheel plugin; make test-quick"
 if ! buildah "${STORAGE[@]}" run --isolation chroot \
         -v "$cache/apt:/var/cache/apt/archives" -v "$cache/pip:/root/.cache/pip" "${HOST_CA[@]}" "$ctr" -- \
         env "${pip_cert[@]}" DEBIAN_FRONTEND=noninteractive bash -euo pipefail -c '
             cd /root/nccl-exporter
-            apt-get update -qq && apt-get install -y -qq --no-install-recommends make >/dev/null
+            apt-get update -qq && apt-get install -y -qq --no-install-recommends make git >/dev/null
             make deps venv nccl-wheel plugin
             make test-quick' > "$cache/last.log" 2>&1; then
     grep -v "^\(Selecting\|Preparing\|Unpacking\|Setting up\|Processing\|(Reading\)" "$cache/last.log" | tail -n 40 >&2

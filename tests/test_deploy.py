@@ -29,6 +29,8 @@ def released_version() -> str:
     X.Y.Z.devN+g<commit>, which names no published image."""
     if re.fullmatch(r"\d+\.\d+\.\d+", __version__):
         return __version__  # built at a release tag
+    if shutil.which("git") is None:
+        return FIRST_RELEASE  # a copy without git (its version came from .git_archival.txt)
     p = subprocess.run(["git", "describe", "--tags", "--abbrev=0", "--match", "v[0-9]*"], cwd=str(REPO),
                        capture_output=True, text=True)
     return p.stdout.strip()[1:] if p.returncode == 0 and p.stdout.strip() else FIRST_RELEASE

@@ -56,6 +56,30 @@ def test_notify_systemd_unset_or_unreachable(tmp_path):
     assert notify_systemd("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "nobody")}) is False
 
 
+# --- /-/healthy follows the agent loop's heartbeat, without an agent --------------------
+
+def test_healthy_is_503_while_starting_and_when_the_loop_stalls():
+    from prometheus_client import CollectorRegistry
+
+    from exporter.sinks.http import STALL_S, HttpServer
+
+    server = HttpServer("127.0.0.1", 0, CollectorRegistry(auto_describe=False))
+    base = f"http://127.0.0.1:{server.port}/-/healthy"
+    try:
+        assert get(base)[0] == 200  # no agent watched: the server alone
+        beat: list = [None]
+        server.watch(lambda: beat[0])
+        code, _, body = get(base)
+        assert code == 503 and body.startswith(b"starting:"), body
+        beat[0] = time.monotonic()
+        assert get(base)[0] == 200
+        beat[0] = time.monotonic() - STALL_S - 5  # the loop has not turned for longer than STALL_S
+        code, _, body = get(base)
+        assert code == 503 and b"has not turned for" in body, body
+    finally:
+        server.shutdown()
+
+
 # --- one real exporter ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -64,12 +88,16 @@ def served(fake_nccl_lib, tmp_path_factory, bpf):
     notify_path = str(tmp_path_factory.mktemp("notify") / "sock")
     notify = _datagram_socket(notify_path)
     statuses: list[int] = []  # /-/ready answers, in order (deduplicated)
+    healthy: list[int] = []  # /-/healthy answers, in order (deduplicated)
     metrics_before_ready: list[str] = []
 
     def ready(exporter) -> bool:
         code, _, _ = get(exporter.base + "/-/ready", timeout=2)
         if not statuses or statuses[-1] != code:
             statuses.append(code)
+        alive = get(exporter.base + "/-/healthy", timeout=2)[0]
+        if not healthy or healthy[-1] != alive:
+            healthy.append(alive)
         if code != 200 and not metrics_before_ready:
             metrics_before_ready.append(get(exporter.url)[2].decode())
         return code == 200
@@ -79,7 +107,7 @@ def served(fake_nccl_lib, tmp_path_factory, bpf):
         with Exporter("--log-level", "info", "--nccl-lib", fake_nccl_lib, env=env, ready=ready,
                       stop_timeout=60) as exporter:
             yield {"base": exporter.base, "statuses": statuses, "notify": notify, "log": exporter.log_path,
-                   "metrics_before_ready": metrics_before_ready}
+                   "metrics_before_ready": metrics_before_ready, "healthy": healthy}
     finally:
         notify.close()
 
@@ -104,7 +132,12 @@ def test_ready_is_logged_once_and_notified(served):
     assert "attached" in open(served["log"]).read()
 
 
-def test_healthy(served):
+def test_healthy_only_once_the_agent_loop_turns(served):
+    """503 while compiling and attaching (what a startupProbe waits for), then 200."""
+    assert served["healthy"][0] == 503 and served["healthy"][-1] in (200, 503), served["healthy"]
+    deadline = time.monotonic() + 10
+    while (code := get(served["base"] + "/-/healthy")[0]) != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
     code, headers, body = get(served["base"] + "/-/healthy")
     assert code == 200 and body == b"healthy\n"
 

@@ -6,7 +6,9 @@
                     start (an empty page until the collector is registered)
     GET /-/ready    503 until the kernel side is loaded and every library found
                     at start is attached, then 200: counting has started
-    GET /-/healthy  200 while the process serves (liveness)
+    GET /-/healthy  200 while the agent's loop turns (liveness); 503 while the
+                    agent starts (compiling, attaching: what a startupProbe
+                    waits for) and when its loop has not turned for STALL_S
     anything else   404
 
 `notify_systemd("READY=1")` sends the sd_notify datagram to $NOTIFY_SOCKET
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from urllib.parse import urlsplit
 
 from prometheus_client.exposition import make_wsgi_app
@@ -27,6 +30,10 @@ from exporter.sinks import protobuf, serving
 READY_PATH = "/-/ready"
 HEALTHY_PATH = "/-/healthy"
 METRICS_PATH = "/metrics"
+# /-/healthy answers 503 once the agent's loop has not turned for this long.
+# A turn waits at most 0.1 s for events; pruning, attaching a library or a
+# detach take well under a second: 30 s is a loop that is stuck, not slow.
+STALL_S = 30.0
 
 # /metrics under Prometheus's own defaults: --web.max-connections 512, and
 # scrapes answered from a few threads (docs/architecture.md, "Serving HTTP").
@@ -51,7 +58,7 @@ class _Handler(serving.Handler):
             else:
                 self._text(503, "not ready: loading the probes and attaching to libnccl\n")
         elif url.path == HEALTHY_PATH:
-            self._text(200, "healthy\n")
+            self._text(*self.server.health())
         else:
             self._text(404, f"not found; try {METRICS_PATH}, {READY_PATH} or {HEALTHY_PATH}\n")
 
@@ -93,12 +100,27 @@ class _Server(serving.BoundedServer):
         super().__init__(host, port, _Handler, limits, name="nccl-exporter-http")
         self.registry = registry
         self.ready = threading.Event()
+        # () -> CLOCK_MONOTONIC s of the agent loop's latest turn, None before
+        # its first; None: no agent watched (the server alone answers 200)
+        self.heartbeat = None
+        self.stall_s = STALL_S
         # client_python's own text exposition: Prometheus text or OpenMetrics by Accept,
         # name[] filtering, gzip when asked
         self._text_app = make_wsgi_app(registry)
         # delimited protobuf with native histograms (client_python cannot write them);
         # protobuf_classic: classic buckets beside the native ones
         self._protobuf_app = protobuf.make_wsgi_app(registry, protobuf_classic)
+
+    def health(self) -> tuple[int, str]:
+        if self.heartbeat is None:
+            return 200, "healthy\n"
+        beat = self.heartbeat()
+        if beat is None:
+            return 503, "starting: loading the probes and attaching to libnccl\n"
+        age = time.monotonic() - beat
+        if age > self.stall_s:
+            return 503, f"unhealthy: the agent's loop has not turned for {age:.0f} s (limit {self.stall_s:g} s)\n"
+        return 200, "healthy\n"
 
     def exposition(self, accept: str):
         """The one place an exposition format is chosen by the Accept header. Everything
@@ -124,6 +146,12 @@ class HttpServer:
     @property
     def server(self) -> serving.BoundedServer:
         return self._server
+
+    def watch(self, heartbeat, stall_s: float = STALL_S) -> None:
+        """/-/healthy follows `heartbeat()`: the CLOCK_MONOTONIC time of the
+        agent loop's latest turn (None: still starting)."""
+        self._server.stall_s = stall_s
+        self._server.heartbeat = heartbeat
 
     def set_ready(self) -> None:
         self._server.ready.set()

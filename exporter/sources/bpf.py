@@ -221,19 +221,21 @@ class Program:
 class Teardown:
     """The kernel's side of detaching, handed to a child process.
 
-    Detaching a uprobe or a tracepoint waits for RCU grace periods, under a
-    kernel mutex that serialises them: 64 uprobes on libnccl take ~8 s however
-    many threads close them. A forked child holds a reference to every BPF and
-    perf-event descriptor of this process (and closes all others at once), so
-    that this process's own closes are quick; when this process has closed its
-    references (`release()`, or its exit), the child closes them one by one:
-    the kernel detaches in those closes, which nobody waits for. The programs
-    are inert meanwhile: nothing reads their maps or ring buffers. Meant for
-    processes about to end (`trace`, `run`): the child outlives them by those
-    seconds, with no open socket or file but those descriptors. A new agent
-    need not wait for it: its probes are its own, and its uretprobes are
-    attached before its uprobes (sources/nccl/probes.py; bench/README.md,
-    "Stopping", tells what was wrongly blamed on this overlap)."""
+    Detaching a uprobe or a tracepoint waits for RCU grace periods: a BCC
+    perf event's detach under a kernel mutex that serialises them (~0.1 s
+    each), a uprobe_multi link's (the NCCL probes: sources/uprobe_multi.py)
+    once for all its probes, and links' waits overlap. A forked child holds
+    a reference to every BPF and perf-event descriptor of this process (and
+    closes all others at once), so that this process's own closes are quick;
+    when this process has closed its references (`release()`, or its exit),
+    the child closes them all at once, one thread each: the kernel detaches
+    in those closes, which nobody waits for. The programs are inert
+    meanwhile: nothing reads their maps or ring buffers. Meant for processes
+    about to end (`trace`, `run`): the child outlives them by those waits,
+    with no open socket or file but those descriptors. A new agent need not
+    wait for it: its probes are its own, and its uretprobes are attached
+    before its uprobes (sources/nccl/probes.py; bench/README.md, "Stopping",
+    tells what was wrongly blamed on this overlap)."""
 
     NAME = "nccl-detach"  # the child's /proc/PID/comm
     KINDS = ("anon_inode:[perf_event]", "anon_inode:bpf-map", "anon_inode:bpf-prog",
@@ -272,11 +274,22 @@ class Teardown:
                     low = fd + 1
                 os.closerange(low, 1 << 20)
                 os.read(r, 1)  # EOF: the parent has dropped its references
-                for fd in keep:  # each close returns once the kernel has released it
+                # Each close returns once the kernel has released it, after
+                # its grace periods: all at once, so that they overlap (a
+                # uprobe_multi link's do; bench/stop_latency.py).
+                import threading
+
+                def close(fd):
                     try:
                         os.close(fd)
                     except OSError:
                         pass
+
+                closers = [threading.Thread(target=close, args=(fd,)) for fd in keep]
+                for t in closers:
+                    t.start()
+                for t in closers:
+                    t.join()
             finally:
                 os._exit(0)
         os.close(r)

@@ -11,6 +11,7 @@ processes' entries, relative slow thresholds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -145,6 +146,7 @@ class Agent:
         if self.plugin is not None:  # ... or NCCL's identity, where the plugin announced only one
             self.reader.announced = self.plugin.comms
         self._found: queue.Queue = queue.Queue()
+        self._learn: queue.Queue = queue.Queue()  # (pid, library) for processes.saw, from _attach
         # Set once the kernel side is loaded and every library found at start
         # is attached: counting has started (`run` answers /-/ready with 200).
         self.ready = threading.Event()
@@ -153,9 +155,15 @@ class Agent:
         self._last_traced = time.monotonic()
         self._next_clock = time.monotonic() + config.clock_interval
         self.events_seen = 0
-        self.waiter = RingWaiter()  # one wait over every program's ring buffers
+        # CLOCK_MONOTONIC s of the loop's latest turn (None before the first):
+        # /-/healthy's liveness (sinks/http.py STALL_S)
+        self.heartbeat: float | None = None
+        self.waiter = RingWaiter()  # one wait over every program's ring buffers ...
         for program in self.sources:
-            self.waiter.add(program)
+            if program is not self.loader:  # ... but the loader's: the attach thread's
+                self.waiter.add(program)
+        self._attacher: threading.Thread | None = None
+        self._stop_attacher = threading.Event()
         if config.record_all:
             self.probes.set_record_all(True)
             if self.plugin is not None:  # every GPU operation too (recordings' gpu_intervals)
@@ -204,16 +212,42 @@ class Agent:
         # of it (bpf/plugin.c bind_call), never counted under comm="unknown"
         # for want of the hooks.
         self._attach_plugins(plugin_source.plugin_paths(), scan=True)
-        for lib in libraries if given else libfind.mapped_nccl_libraries():
+        # Every process's maps, through the scanner the loader events use: its
+        # verdicts on the files mapped now (the interpreter, its libraries)
+        # are then cached, so a new process's first look costs a maps read,
+        # not an ELF parse of each of its libraries (that made a job started
+        # right after the agent miss its first calls).
+        for lib in libraries if given else self._scanner.scan():
             self._attach(lib)
         if not given and self.loader is None:
             self._watcher = libfind.LibraryWatcher(self._found.put, interval=self.config.rescan_interval)
             self._watcher.start()
+        if self.loader is not None:
+            self._attacher = threading.Thread(target=self._attach_loop, name="nccl-exporter-attach",
+                                              daemon=True)
+            self._attacher.start()
         self.ready.set()
 
-    def _attach(self, lib) -> None:
+    def _attach_loop(self) -> None:
+        """The loader's events, on a thread of their own: a library mapped now
+        is attached within milliseconds, whatever the loop is doing (its duty
+        cycles detach tracepoints, each a wait for the kernel of ~0.1 s), so
+        a job calling it 100 ms later is counted from its first call."""
+        waiter = RingWaiter()
+        waiter.add(self.loader)
         try:
-            with self.lock:
+            while not self._stop_attacher.is_set():
+                waiter.wait(100)
+                if self._mapped:
+                    self._attach_mapped()
+        finally:
+            waiter.close()
+
+    def _attach(self, lib) -> None:
+        # uprobe_multi links touch no BCC state that a scrape reads: no wait
+        # for the agent's lock (the loop may hold it through a grace period)
+        try:
+            with contextlib.nullcontext() if self.probes.uses_links else self.lock:
                 report = self.probes.attach(lib.path)
         except FileNotFoundError:
             # Its process exited (/proc/PID/root/... is gone) or the file was
@@ -221,7 +255,10 @@ class Agent:
             log.debug("%s is gone before it could be attached", lib.path)
             return
         for pid in getattr(lib, "pids", ()) or ():
-            self.processes.saw(pid, lib.path)
+            # learned (environment, pod, version; traced in the kernel) on the
+            # loop's next turn: tracing waits for a tracepoint's detach, which
+            # the attach thread must not, with the next library to attach
+            self._learn.put((pid, lib.path))
         if report is None:
             return
         log.info(
@@ -249,6 +286,8 @@ class Agent:
     def _discover_plugins(self, pids) -> None:
         """Attach to the plugin files these processes (None: all) have mapped."""
         try:
+            if pids is not None and not plugin_source.mapped_plugins(pids):
+                return  # the common case, without waiting for the lock
             with self.lock:
                 found = self.plugin.discover(pids)
             for path in found:
@@ -302,6 +341,7 @@ class Agent:
 
     def step(self, timeout_ms: int = 100) -> None:
         """One turn: deliver events, attach newly found libraries, prune when due."""
+        self.heartbeat = time.monotonic()
         self.poll(timeout_ms)
         if self.slow is not None:
             with self.lock:
@@ -312,8 +352,12 @@ class Agent:
             except queue.Empty:
                 break
             self._attach(lib)
-        if self._mapped:
-            self._attach_mapped()
+        while True:
+            try:
+                pid, path = self._learn.get_nowait()
+            except queue.Empty:
+                break
+            self.processes.saw(pid, path)
         now = time.monotonic()
         if self.config.idle_detach is not None:
             self._heat(now)
@@ -423,6 +467,9 @@ class Agent:
     def _close(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
+        self._stop_attacher.set()
+        if self._attacher is not None:
+            self._attacher.join()
         self.waiter.close()
         with self.lock:
             self._close_sources()

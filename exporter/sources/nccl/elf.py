@@ -182,8 +182,18 @@ def exported_functions(path: str | os.PathLike) -> dict[str, int]:
 
 def vaddr_to_offset(path: str | os.PathLike, vaddr: int) -> int:
     """File offset of virtual address `vaddr`, via the PT_LOAD program headers."""
+    return vaddrs_to_offsets(path, [vaddr])[0]
+
+
+def vaddrs_to_offsets(path: str | os.PathLike, vaddrs: list[int]) -> list[int]:
+    """File offsets of virtual addresses (the program headers read once)."""
     with _Elf(path) as elf:
-        for p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz, _memsz, _align in elf.program_headers():
-            if p_type == PT_LOAD and p_vaddr <= vaddr < p_vaddr + p_filesz:
-                return vaddr - p_vaddr + p_offset
-    raise ElfError(f"{os.fspath(path)}: address {vaddr:#x} is not in any PT_LOAD segment")
+        loads = [(p_vaddr, p_filesz, p_offset) for p_type, _f, p_offset, p_vaddr, _p, p_filesz, _m, _a
+                 in elf.program_headers() if p_type == PT_LOAD]
+    out = []
+    for vaddr in vaddrs:
+        hit = next((vaddr - v + o for v, size, o in loads if v <= vaddr < v + size), None)
+        if hit is None:
+            raise ElfError(f"{os.fspath(path)}: address {vaddr:#x} is not in any PT_LOAD segment")
+        out.append(hit)
+    return out

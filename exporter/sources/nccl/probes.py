@@ -3,11 +3,15 @@
 One `NcclProbes` per agent. `attach(path)` puts a uprobe and a uretprobe on
 every public NCCL function the library exports, once per address: `ncclX` is
 a weak alias of `pncclX`, and two probes on one address would count every
-call twice.
+call twice. The probes of one file are a few uprobe_multi links (one per
+entry program, one for the return program: sources/uprobe_multi.py), made
+in milliseconds and let go in one grace period; where the kernel refuses
+such a link, one BCC perf event per probe as before.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +19,10 @@ from dataclasses import dataclass, field
 
 from exporter.records import contract
 from exporter.sources.bpf import Program, set_tracepoint
-from exporter.sources.nccl.elf import exported_functions
+from exporter.sources import uprobe_multi
+from exporter.sources.nccl.elf import exported_functions, vaddrs_to_offsets
+
+log = logging.getLogger("nccl_exporter")
 
 
 def entry_stub(op: str, layout: str) -> str:
@@ -85,13 +92,25 @@ class NcclProbes(Program):
         # through the kernel's slow syscall path while it is attached.
         set_tracepoint(self.bpf, GETPGID, False)
         self._getpgid_lock = threading.Lock()
+        self._getpgid_detach: threading.Thread | None = None
+        self._multi_progs: dict[str, int] = {}  # program -> fd loaded for uprobe_multi links
+        self._links: list[int] = []  # uprobe_multi link fds (closing one detaches it)
         # Load (verify) every uprobe program now instead of at the first attach:
-        # a library mapped later is attached in the time its perf events take.
-        from bcc import BPF
+        # a library mapped later is attached in the time its links take. As
+        # programs for uprobe_multi links where the kernel loads them, else
+        # for BCC's perf events.
+        programs = sorted({entry_stub(op, layout) for op, layout in contract.NCCL_FUNCTIONS.values()})
+        self._multi_ok = True  # False once the kernel refused: perf events from then on
+        try:
+            for fn in ("on_return", *programs):
+                self._multi_prog(fn)
+        except OSError:
+            self._multi_ok = False
+        if not self._multi_ok:
+            from bcc import BPF
 
-        for fn in sorted({entry_stub(op, layout) for op, layout in contract.NCCL_FUNCTIONS.values()}):
-            self.bpf.load_func(fn, BPF.KPROBE)
-        self.bpf.load_func("on_return", BPF.KPROBE)
+            for fn in ("on_return", *programs):
+                self.bpf.load_func(fn, BPF.KPROBE)
 
     def attach(self, path: str) -> AttachReport | None:
         """Probe every public NCCL function of `path`; None if already done."""
@@ -111,6 +130,55 @@ class NcclProbes(Program):
                 report.aliases[function] = by_address[address]
                 continue
             by_address[address] = function
+        if not (self._multi_ok and self._attach_links(path, by_address, report)):
+            self._attach_perf_events(path, by_address, report)
+        self._attached_files.add(file_id)
+        self.reports.append(report)
+        return report
+
+    @property
+    def uses_links(self) -> bool:
+        """Libraries are attached with uprobe_multi links (no BCC state changes)."""
+        return self._multi_ok
+
+    def _attach_links(self, path: str, by_address: dict[int, str], report: AttachReport) -> bool:
+        """All probes of `path` as uprobe_multi links: the return program's
+        first (a call entering once an entry probe is there must find its
+        return probe too), then one per entry program. False (nothing left
+        attached) when the kernel refuses: the caller uses perf events."""
+        if not by_address:
+            return True
+        offsets = dict(zip(by_address, vaddrs_to_offsets(path, list(by_address))))
+        groups: dict[str, list[int]] = {}
+        for address, function in by_address.items():
+            groups.setdefault(entry_stub(*contract.NCCL_FUNCTIONS[function]), []).append(offsets[address])
+        made = []
+        try:
+            made.append(uprobe_multi.attach(self._multi_prog("on_return"), path, list(offsets.values()),
+                                            retprobe=True))
+            for stub, offs in groups.items():
+                made.append(uprobe_multi.attach(self._multi_prog(stub), path, offs))
+        except OSError as e:
+            for fd in made:
+                os.close(fd)
+            self._multi_ok = False
+            log.warning("uprobe_multi links refused (%s): one perf event per probe from now on", e)
+            return False
+        self._links.extend(made)
+        for function in by_address.values():
+            report.attached[function] = contract.NCCL_FUNCTIONS[function][0]
+        return True
+
+    def _multi_prog(self, name: str) -> int:
+        fd = self._multi_progs.get(name)
+        if fd is None:
+            fd = self._multi_progs[name] = uprobe_multi.load(self.bpf, name)
+        return fd
+
+    def _attach_perf_events(self, path: str, by_address: dict[int, str], report: AttachReport) -> None:
+        """One BCC perf event per probe (kernels without uprobe_multi links)."""
+        for address, function in by_address.items():
+            op, layout = contract.NCCL_FUNCTIONS[function]
             try:
                 # The return probe first: a call that enters once the entry probe
                 # is attached must find its return probe there too (a call with
@@ -121,9 +189,6 @@ class NcclProbes(Program):
                 report.failed[function] = str(e)
                 continue
             report.attached[function] = op
-        self._attached_files.add(file_id)
-        self.reports.append(report)
-        return report
 
     # --- settings written into the kernel ---------------------------------
 
@@ -162,16 +227,36 @@ class NcclProbes(Program):
                     except OSError:  # the thread is gone (the bit is set all the same)
                         pass
             finally:
+                self._detach_getpgid()
+
+    def _detach_getpgid(self) -> None:
+        """Detach the getpgid tracepoint from another thread: the detach waits
+        for RCU grace periods (~0.1 s), which the agent's loop, tracing a new
+        process, must not wait for while another process maps a libnccl and
+        calls it 100 ms later (tests/test_loader.py)."""
+        def detach() -> None:
+            with self._getpgid_lock:
                 set_tracepoint(self.bpf, GETPGID, False)
 
+        self._getpgid_detach = threading.Thread(target=detach, name="nccl-getpgid-detach", daemon=True)
+        self._getpgid_detach.start()
+
     def close(self) -> None:
-        """Detach everything. Removing a uprobe waits for an RCU grace period
-        (~0.2 s on 6.x kernels); done one by one, 64 probes take ~15 s, so
-        they are closed in parallel and the grace periods overlap."""
+        """Detach everything. A uprobe_multi link lets go of all its probes
+        in one grace period; a perf event's removal waits for its own
+        (~0.1 s on 6.x kernels), so those are closed in parallel and the
+        grace periods overlap."""
+        if self._getpgid_detach is not None:
+            self._getpgid_detach.join()
         names = list(self.bpf.uprobe_fds)
-        if names:
-            with ThreadPoolExecutor(max_workers=min(32, len(names))) as pool:
-                list(pool.map(self._detach_quietly, names))
+        closes = [*(lambda fd=fd: os.close(fd) for fd in self._links),
+                  *(lambda name=name: self._detach_quietly(name) for name in names)]
+        if closes:
+            with ThreadPoolExecutor(max_workers=min(32, len(closes))) as pool:
+                list(pool.map(lambda close: close(), closes))
+        for fd in self._multi_progs.values():
+            os.close(fd)
+        self._links, self._multi_progs = [], {}
         super().close()
 
     def _detach_quietly(self, name) -> None:

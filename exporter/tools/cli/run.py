@@ -145,9 +145,11 @@ def main(args) -> int:
         except OSError as e:
             raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         opened.callback(server.shutdown)
+        server.watch(lambda: None)  # /-/healthy: 503 while starting, then the loop's heartbeat
         # --db: every call, and run-queue waits
         agent, node = start_agent(args, cfg, record_all=bool(args.db),
                                    runq_event_min_ns=args.runq_wait_min if args.db else 0)
+        server.watch(lambda: agent.heartbeat)
         # the kernel's detaching (~0.13 s a probe) outlives the process: docs/deploy.md "Stopping"
         opened.callback(agent.close, detach_in_background=True)
         pipeline = Pipeline(agent, node)
@@ -222,7 +224,9 @@ def when_ready(agent, server, node) -> None:
         if problems:
             log.error("not ready: %s; calls there are not counted (capabilities: "
                       "docs/deploy.md)", "; ".join(problems))
-            notify_systemd("STATUS=not ready: " + "; ".join(problems))
+            # Started all the same (systemd's start returns, no restart loop):
+            # the agent serves, /-/ready stays 503, and the unit's status says why.
+            notify_systemd("READY=1\nSTATUS=not ready: " + "; ".join(problems))
             return
         server.set_ready()
         log.info("ready: probes loaded and attached on node %s, counting NCCL calls", node)
