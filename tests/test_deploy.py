@@ -3,6 +3,7 @@ generated from alerts/ (which must equal alerts/ exactly)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import re
 import sys
@@ -54,7 +55,6 @@ def test_prometheusrule_groups_equal_alerts():
 
 def test_generator_output_is_valid_for_promtool(tmp_path, prometheus):
     """The generated groups, as a plain rules file, load in promtool."""
-    import shutil
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (make deps)")
@@ -162,7 +162,6 @@ def test_systemd_unit():
 def test_systemd_unit_verifies(tmp_path):
     """`systemd-analyze verify` accepts the unit (ExecStart pointed at this venv's
     binary: the unit names /opt/nccl-exporter, which this host need not have)."""
-    import shutil
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze not installed (Debian package systemd)")
@@ -209,7 +208,6 @@ def test_capabilities_are_justified_in_docs():
 # --- kustomize: the base and the example overlay, rendered by kubectl ----------------------
 
 def kustomize(path: Path) -> list[dict]:
-    import shutil
     import yaml
 
     kubectl = shutil.which("kubectl")
@@ -266,7 +264,6 @@ def test_kustomize_overlay_templates_image_resources_nodes_and_operator():
 def kustomize_version() -> tuple[int, ...]:
     """The kustomize inside kubectl (kubectl >= 1.21 prints it; 1.20's is v2.0.3)."""
     import re
-    import shutil
 
     out = subprocess.run([shutil.which("kubectl") or "kubectl", "version", "--client"], capture_output=True,
                          text=True).stdout
