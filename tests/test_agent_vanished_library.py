@@ -11,13 +11,16 @@ import os
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from exporter.tools.agent import Agent
 
 
-def test_a_library_gone_before_attach_is_skipped(tmp_path):
+@pytest.mark.parametrize("uses_links", [True, False])
+def test_a_library_gone_before_attach_is_skipped(tmp_path, uses_links):
     seen = []
     gone = tmp_path / "proc-root-of-an-exited-process" / "libnccl.so.2"
-    agent = SimpleNamespace(lock=threading.Lock(), probes=SimpleNamespace(attach=os.stat),
-                            processes=SimpleNamespace(saw=lambda pid, path: seen.append((pid, path))))
+    agent = SimpleNamespace(lock=threading.Lock(), probes=SimpleNamespace(attach=os.stat, uses_links=uses_links),
+                            _learn=SimpleNamespace(put=seen.append))
     Agent._attach(agent, SimpleNamespace(path=str(gone), pids=[4242]))
-    assert seen == [], "no process is noted for a library that was never attached"
+    assert seen == [], "no process is learned for a library that was never attached"
