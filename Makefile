@@ -7,10 +7,12 @@ VENV       := .venv
 PY         := $(VENV)/bin/python
 BCC_SRC    := /usr/lib/python3/dist-packages/bcc
 NCCL_WHEEL := nvidia-nccl-cu12==2.32.3
-# The image's registry path, without the tag (the tag is the version): the
-# one place it is named; docs/deploy.md "The image" and the manifests refer
-# to it. `make image IMAGE=registry.example.com/ml/nccl-exporter` for another.
-IMAGE      ?= ghcr.io/nccl-exporter/nccl-exporter
+# The image's registry path, without the tag (the tag is the version), read
+# from the one place it is named: the DaemonSet's image, so that
+# `kubectl apply -k deploy/kubernetes` pulls what `make push-image` pushed
+# (docs/deploy.md, "The image").
+# `make image IMAGE=registry.example.com/ml/nccl-exporter` for another.
+IMAGE      ?= $(shell sed -n 's|^ *image: *\([^:]*\):.*|\1|p' deploy/kubernetes/daemonset.yaml | head -n 1)
 export IMAGE
 
 MAKEFLAGS  += --no-print-directory

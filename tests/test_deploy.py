@@ -14,6 +14,7 @@ import pytest
 from exporter import __version__
 from exporter.tools.preflight import CAPABILITIES
 from tests.test_alerts import load_yaml
+from tests.test_image_definition import makefile_image
 
 from conftest import REPO
 DEPLOY = REPO / "deploy"
@@ -79,7 +80,7 @@ def test_daemonset():
     assert set(sc["capabilities"]["add"]) == NEEDED_CAPS, "only the capabilities docs/deploy.md justifies"
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, "measured: docs/deploy.md"
     # the image, tagged with this version; the init container from the same image
-    assert c["image"] == f"nccl-exporter:{VERSION}"
+    assert c["image"] == f"{makefile_image()}:{VERSION}", "the published image: the base deploys as shipped"
     (init,) = spec["initContainers"]
     assert init["image"] == c["image"]
     assert init["securityContext"]["capabilities"]["drop"] == ["ALL"] and "add" not in init["securityContext"]["capabilities"]
