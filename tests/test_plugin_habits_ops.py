@@ -213,6 +213,23 @@ def test_sim_collnet_collectives_are_all_counted(lib, plugin, tmp_path, version)
     assert not [r for r in log if r["event"] == "abandoned"]
 
 
+def sim_job(script: str, name: str, lib, plugin, tmp_path, version: int, iters: int, **habits: str):
+    """Run one of the scripts below (ranks of the simulator's libnccl in GPU
+    mode, the plugin loaded as NCCL loads it, the habits switched on by
+    their NCCL_SIM_GPU_* variables) for `iters` iterations; it must print
+    "<name> ok". Returns the plugin's log file."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(script)
+    plog = tmp_path / "plugin.log"
+    e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_GPU_KERNEL_US="200", NCCL_PROFILER_PLUGIN=str(plugin),
+             NCCL_EXPORTER_PROFILER_LOG=str(plog), NCCL_SIM_GPU_PROFILER_VERSION=str(version),
+             NCCL_SIM_TRUTH=str(tmp_path / "truth.jsonl"), **habits)
+    p = subprocess.run([sys.executable, str(path), str(lib), str(iters)], env=e, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and f"{name} ok" in p.stdout, p.stdout + p.stderr
+    return plog
+
+
 # ------------------------------------------------------------- graph replays --
 GRAPH = r"""
 import ctypes, sys
@@ -248,14 +265,7 @@ def test_graph_replays_have_their_own_seq(lib, plugin, tmp_path, version):
     plan a Group (or CollApi) handle (v2.28.9-1 src/plugin/profiler.cc:419-427):
     the plugin does, so every replay is its own record with its own seq, the
     same on both ranks."""
-    script = tmp_path / "graph.py"
-    script.write_text(GRAPH)
-    plog = tmp_path / "plugin.log"
-    e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_GPU_KERNEL_US="200", NCCL_PROFILER_PLUGIN=str(plugin),
-             NCCL_EXPORTER_PROFILER_LOG=str(plog), NCCL_SIM_GPU_GRAPH_REPLAYS="3",
-             NCCL_SIM_GPU_PROFILER_VERSION=str(version), NCCL_SIM_TRUTH=str(tmp_path / "truth.jsonl"))
-    p = subprocess.run([sys.executable, str(script), str(lib), "4"], env=e, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and "graph ok" in p.stdout, p.stdout + p.stderr
+    plog = sim_job(GRAPH, "graph", lib, plugin, tmp_path, version, 4, NCCL_SIM_GPU_GRAPH_REPLAYS="3")
     done = [r for r in log_records(plog) if r["event"] == "done" and r["kind"] == "coll"]
     assert len(done) == 2 * 4 * 3 and all(r["iface"] == f"v{version}" for r in done)
     for rank in ("0", "1"):
@@ -302,14 +312,8 @@ def test_batched_collectives_share_one_interval_counted_once(lib, plugin, tmp_pa
     src/device/common.h:309-327). Each gets its done record with the batch's
     interval; every one after the first is flagged SHARED, so the interval
     counts once. Without batching (separate kernels) none is."""
-    script = tmp_path / "batch.py"
-    script.write_text(BATCH)
-    plog = tmp_path / "plugin.log"
-    e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_GPU_KERNEL_US="200", NCCL_PROFILER_PLUGIN=str(plugin),
-             NCCL_EXPORTER_PROFILER_LOG=str(plog), NCCL_SIM_GPU_BATCH=batch, NCCL_SIM_GPU_LATE_EVERY="0",
-             NCCL_SIM_GPU_PROFILER_VERSION=str(version), NCCL_SIM_TRUTH=str(tmp_path / "truth.jsonl"))
-    p = subprocess.run([sys.executable, str(script), str(lib), "5"], env=e, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and "batch ok" in p.stdout, p.stdout + p.stderr
+    plog = sim_job(BATCH, "batch", lib, plugin, tmp_path, version, 5, NCCL_SIM_GPU_BATCH=batch,
+                   NCCL_SIM_GPU_LATE_EVERY="0")
     done = [r for r in log_records(plog) if r["event"] == "done" and r["kind"] == "coll"]
     assert len(done) == 2 * 5 * 3
     by_interval: dict = {}
@@ -456,14 +460,7 @@ def test_sim_alltoall_as_p2p_tasks_leaves_nothing_open(lib, plugin, tmp_path, ve
     (enqueue.cc:2585-2588), the pair to the rank itself without KernelCh on
     NCCL <= 2.30 (v4..v6). Every one is done at once, none abandoned at the
     destroy; the self pair untimed on v4..v6, timed on v7."""
-    script = tmp_path / "a2a.py"
-    script.write_text(A2A)
-    plog = tmp_path / "plugin.log"
-    e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_GPU_KERNEL_US="200", NCCL_PROFILER_PLUGIN=str(plugin),
-             NCCL_EXPORTER_PROFILER_LOG=str(plog), NCCL_SIM_GPU_ALLTOALL_P2P="1",
-             NCCL_SIM_GPU_PROFILER_VERSION=str(version), NCCL_SIM_TRUTH=str(tmp_path / "truth.jsonl"))
-    p = subprocess.run([sys.executable, str(script), str(lib), "4"], env=e, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and "a2a ok" in p.stdout, p.stdout + p.stderr
+    plog = sim_job(A2A, "a2a", lib, plugin, tmp_path, version, 4, NCCL_SIM_GPU_ALLTOALL_P2P="1")
     recs = log_records(plog)
     assert not [r for r in recs if r["event"] == "abandoned"]
     done = [r for r in recs if r["event"] == "done" and r["kind"] == "p2p"]
