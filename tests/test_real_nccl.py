@@ -25,7 +25,7 @@ import pytest
 
 from exporter.records import contract, metrics
 from exporter.sources.nccl import hashing
-from exporter.sources.nccl.elf import exported_functions
+from exporter.sources.nccl.elf import exported_functions, vaddrs_to_offsets
 from conftest import parse_metrics, sample_value
 
 pytestmark = pytest.mark.slow
@@ -168,12 +168,37 @@ def test_attach_report_one_probe_per_address(traced):
     for alias, probed in report.aliases.items():
         assert exported[alias] == exported[probed]
 
-    # What the kernel got: one uprobe + one uretprobe per address, nothing more.
-    assert traced.perf_fds_added == 2 * len(report.attached)
-    names = [n.decode() for n in traced.probes.bpf.uprobe_fds]
-    entry = sorted(int(n.rsplit("_0x", 1)[1], 16) for n in names if n.startswith("p_"))
-    ret = sorted(int(n.rsplit("_0x", 1)[1], 16) for n in names if n.startswith("r_"))
-    assert entry == ret == sorted(addresses)
+    # What the kernel got: one entry and one return probe per address, nothing more.
+    if traced.probes.uses_links:
+        # uprobe_multi links (Linux >= 6.6): no perf event; each link's
+        # /proc/PID/fdinfo names its kind and lists its file offsets
+        assert traced.perf_fds_added == 0
+        entry, ret = [], []
+        for fd in traced.probes.link_fds:
+            kind, offsets = link_fdinfo(fd)
+            assert kind in ("uprobe_multi", "uretprobe_multi"), kind
+            (ret if kind == "uretprobe_multi" else entry).extend(offsets)
+        assert sorted(entry) == sorted(ret) == sorted(vaddrs_to_offsets(traced.lib_path, addresses))
+    else:
+        assert traced.perf_fds_added == 2 * len(report.attached)
+        names = [n.decode() for n in traced.probes.bpf.uprobe_fds]
+        entry = sorted(int(n.rsplit("_0x", 1)[1], 16) for n in names if n.startswith("p_"))
+        ret = sorted(int(n.rsplit("_0x", 1)[1], 16) for n in names if n.startswith("r_"))
+        assert entry == ret == sorted(addresses)
+
+
+def link_fdinfo(fd: int) -> tuple[str, list[int]]:
+    """A uprobe_multi link's kind (link_type) and file offsets, as the kernel
+    shows them in /proc/self/fdinfo (a table "cookie offset ref_ctr_offset")."""
+    kind, offsets, table = "", [], False
+    for line in open(f"/proc/self/fdinfo/{fd}").read().splitlines():
+        if line.startswith("link_type:"):
+            kind = line.split(":", 1)[1].strip()
+        elif line.split()[:2] == ["cookie", "offset"]:
+            table = True
+        elif table and line.strip():
+            offsets.append(int(line.split()[1], 16))
+    return kind, offsets
 
 
 def test_attach_same_file_again_is_a_no_op(traced, tmp_path):

@@ -137,6 +137,12 @@ class NcclProbes(Program):
         return report
 
     @property
+    def link_fds(self) -> tuple[int, ...]:
+        """The uprobe_multi links made so far (their /proc/PID/fdinfo lists
+        each one's kind and file offsets)."""
+        return tuple(self._links)
+
+    @property
     def uses_links(self) -> bool:
         """Libraries are attached with uprobe_multi links (no BCC state changes)."""
         return self._multi_ok
