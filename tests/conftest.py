@@ -15,7 +15,8 @@ Markers, applied here from the fixtures a test uses (nobody adds them by hand)
     netns        it builds network namespaces: fixture `netns`
     real_nccl    it maps the NCCL wheel's libnccl: fixture `real_nccl`
     prometheus   it runs Prometheus/Alertmanager/promtool: fixture `prometheus`
-    slow         minutes of work (soak, wheel install): `pytestmark = pytest.mark.slow`
+    slow         minutes of work (soak, wheel install), or timing that test-quick's
+                 parallel workers break: `pytest.mark.slow`
     require_root bpf and netns imply it; skips the test when not root
   A test marked by hand (pytest.mark.bpf etc.) gets the fixture, so it is the
   same thing either way. `make test-quick` runs what has none of these.
@@ -140,7 +141,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     for name, what in KINDS.items():
         config.addinivalue_line("markers", f"{name}: {what}; applied from the fixture `{name}`")
-    config.addinivalue_line("markers", "slow: minutes of work (soak, wheel install); not in make test-quick")
+    config.addinivalue_line("markers", "slow: minutes of work (soak, wheel install), or timing that a loaded machine breaks; not in make test-quick")
     config.addinivalue_line("markers", "require_root: skipped unless root (bpf and netns imply it)")
 
 

@@ -262,6 +262,12 @@ print("bcast ok")
 """
 
 
+# slow: not in `make test-quick`, whose three workers load both CPUs: mode 1's
+# reason (start before enqueue) loses to "longer than the host knew" when load
+# stretches the 5 ms kernels past the host's window plus the 1 ms clock error
+# (seen in the clean room; 1-2 of 6 loaded runs on the old tree too). `make
+# test` runs it alone.
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,reason", [("1", 0x100), ("2", 0x80)])
 def test_broadcast_desync_intervals_are_rejected(lib, plugin, tmp_path, mode, reason):
     """NCCL >= 2.29's Broadcast on the AllGatherV path (NCCL_SIM_GPU_BCAST_DESYNC):
