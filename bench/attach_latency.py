@@ -17,7 +17,7 @@ the time attach() returns. Prints, per library, the median and min..max of
   mapped -> attached   ... until every probe of the file is attached
 
 Then --jobs N (default 20) trials end to end through the agent itself
-(tools/agent.py, default discovery, in this process): each a job that maps
+(agent/loop.py, default discovery, in this process): each a job that maps
 a fresh copy of the simulator's libnccl, calls it 100 ms later (GetUniqueId,
 CommInitRank, 50 AllReduces, CommDestroy) and exits. A trial counts when
 every one of its calls was seen (record_all: one event per call). The goal:
@@ -113,7 +113,7 @@ def jobs(lib: str, trials: int) -> tuple[int, list[int]]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from test_loader import JOB
     from exporter.records.events import CallEvent
-    from exporter.tools.agent import Agent, AgentConfig
+    from exporter.agent.loop import Agent, AgentConfig
 
     agent = Agent(AgentConfig(node="bench", record_all=True))
     seen: dict[int, int] = {}

@@ -104,8 +104,8 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true", help="keep the recordings made by a previous run")
     ap.add_argument("--query-indexes", action="store_true", help="merge --query-indexes")
     a = ap.parse_args()
-    from exporter.tools.export import perfetto
-    from exporter.tools.fleet import merge
+    from exporter.offline.export import perfetto
+    from exporter.offline.fleet import merge
 
     d = pathlib.Path(a.dir)
     d.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exporter.sources.bpf import set_tracepoint  # noqa: E402
 from exporter.sources.schedstat import POLL_INTERVAL_S  # noqa: E402
-from exporter.tools.cli.options import DEFAULT_SRTT_SAMPLING, parse_srtt_sampling  # noqa: E402
+from exporter.cli.common.options import DEFAULT_SRTT_SAMPLING, parse_srtt_sampling  # noqa: E402
 
 SRTT_SAMPLING = parse_srtt_sampling(DEFAULT_SRTT_SAMPLING)  # tcp_probe's window and period in `run`
 

@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                     return 1
         print(f"{args.jobs - bad}/{args.jobs} jobs exact")
         # Every job ended: after the TTL their per-owner entries leave the maps.
-        from exporter.tools.cli.options import parse_duration
+        from exporter.cli.common.options import parse_duration
 
         owner_maps = ("tcp_links", "tcp_srtt", "sched_stats", "sock_owner")
         deadline = time.monotonic() + parse_duration(args.series_ttl) + 15

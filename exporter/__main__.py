@@ -1,3 +1,3 @@
-from exporter.tools.cli import main
+from exporter.cli import main
 import sys
 sys.exit(main())

@@ -14,8 +14,8 @@ VERSION=$($PY -c 'import exporter; print(exporter.__version__)')
 : "${IMAGE:?IMAGE (the registry path, without the tag) comes from the Makefile: run make test-image}"
 REF=$IMAGE:${VERSION//+/-}  # an image tag has no '+'
 # The capabilities of the DaemonSet and the systemd unit: one list, in the code.
-CAPS=$($PY -c 'from exporter.tools.preflight import CAPABILITIES; print(",".join("CAP_" + c for c in CAPABILITIES))')
-MASK=$($PY -c 'from exporter.tools.preflight import CAPABILITIES; print("%016x" % sum(1 << b for b, _ in CAPABILITIES.values()))')
+CAPS=$($PY -c 'from exporter.agent.preflight import CAPABILITIES; print(",".join("CAP_" + c for c in CAPABILITIES))')
+MASK=$($PY -c 'from exporter.agent.preflight import CAPABILITIES; print("%016x" % sum(1 << b for b, _ in CAPABILITIES.values()))')
 # buildah's --cap-drop ALL also drops what --cap-add adds: drop its defaults
 # one by one instead (containers.conf's default_capabilities), and check below.
 DROP=CAP_CHOWN,CAP_DAC_OVERRIDE,CAP_FOWNER,CAP_FSETID,CAP_KILL,CAP_SETGID,CAP_SETUID,CAP_SETPCAP,CAP_NET_BIND_SERVICE,CAP_SYS_CHROOT,CAP_SETFCAP,CAP_NET_RAW,CAP_MKNOD,CAP_AUDIT_WRITE

@@ -3,7 +3,7 @@ maps, as fixed lists, behind the same methods the sinks call. For tests of
 the sinks that need no root: /metrics serving and the golden exposition
 (tests/test_sink_http.py).
 
-    agent = FakeAgent()                    # what tools/pipeline.py wires
+    agent = FakeAgent()                    # what agent/pipeline.py wires
     Pipeline(agent, "node-a").serve_metrics(registry)
 
 Every family of records/metrics.py gets at least one sample from these
@@ -230,11 +230,11 @@ class FakeRecorder:
 
 
 class FakeAgent:
-    """What tools/pipeline.py reads of an Agent: the SOURCES rows' attributes,
+    """What agent/pipeline.py reads of an Agent: the SOURCES rows' attributes,
     the process table, the lock and the config."""
 
     def __init__(self, **extra):
-        from exporter.tools.agent import SOURCES, AgentConfig
+        from exporter.agent.loop import SOURCES, AgentConfig
 
         self.config = AgentConfig(node="n1")
         self.lock = threading.Lock()

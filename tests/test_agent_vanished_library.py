@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from exporter.tools.agent import Agent
+from exporter.agent.loop import Agent
 
 
 @pytest.mark.parametrize("uses_links", [True, False])

@@ -244,7 +244,7 @@ SHIFT = {0: 0, 1: 50_000_000, 2: -50_000_000, 3: 20_000_000}
 
 
 def _estimate(db, tmp_path):
-    from exporter.tools.analysis import skew
+    from exporter.offline.analysis import skew
 
     split_by_rank(db, tmp_path, SHIFT, combined="all.db")
     conn = sqlite3.connect(tmp_path / "all.db")
@@ -287,7 +287,7 @@ def _ring_ends(lags_ms, b_end_ms=0.1, shift_ms=-50):
 def test_skew_takes_the_more_precise_of_ends_and_bounds():
     """Pure logic. A straggler's far bound is loose (~30 ms away): when the ends' median breaks
     the tight lower bound, the estimate is that bound, not the middle of the interval."""
-    from exporter.tools.analysis import skew
+    from exporter.offline.analysis import skew
 
     ms = 1_000_000
     est, k, resid, lower, upper, how = skew._pair(_ring_ends([0.2] + [2.0] * 9), "a", "b")
@@ -393,7 +393,7 @@ def test_bad_input_is_one_line(tmp_path):
 def test_explain_asks_live_agents_and_gives_the_recordings_verdict(sleeping, tmp_path):
     """explain --nodes: each node's window fetched from its real query endpoint,
     merged with clocks aligned, and explained: the same verdict as offline."""
-    from exporter.tools.fleet.endpoint import QueryEndpoint
+    from exporter.offline.fleet.endpoint import QueryEndpoint
 
     parts = split_by_rank(sleeping, tmp_path / "nodes", {r: 0 for r in range(NRANKS)})
     token = tmp_path / "token"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from exporter.tools.cli import build_parser
+from exporter.cli import build_parser
 
 
 def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...]):
@@ -45,7 +45,7 @@ def test_configuration_reference_names_every_run_flag_and_config_key():
     one typed configuration it can be generated from: a flag or key added
     without a line there fails here."""
     from conftest import REPO
-    from exporter.tools.cli.options import CONFIG_KEYS
+    from exporter.cli.common.options import CONFIG_KEYS
 
     text = (REPO / "docs" / "configuration.md").read_text()
     (run,) = [p for path, p in _walk(build_parser(), ()) if path == ("run",)]

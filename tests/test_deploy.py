@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from exporter import __version__
-from exporter.tools.preflight import CAPABILITIES
+from exporter.agent.preflight import CAPABILITIES
 from tests.test_alerts import load_yaml
 from tests.test_image_definition import makefile_image
 
 from conftest import REPO
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
-# The one list (exporter/tools/preflight.py, measured: docs/deploy.md).
+# The one list (exporter/agent/preflight.py, measured: docs/deploy.md).
 NEEDED_CAPS = set(CAPABILITIES)
 FIRST_RELEASE = "0.1.0"  # the manifests' tag until a vX.Y.Z tag exists (CHANGELOG.md: none yet)
 
@@ -184,7 +184,7 @@ def test_systemd_unit_verifies(tmp_path):
 
 def test_capabilities_are_the_same_everywhere():
     """One list: the DaemonSet and the unit (above), --help, README, docs."""
-    from exporter.tools.cli import EPILOG
+    from exporter.cli import EPILOG
 
     caps = ", ".join(f"CAP_{c}" for c in CAPABILITIES)
     assert caps in " ".join(EPILOG.split())

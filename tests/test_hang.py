@@ -33,7 +33,7 @@ import pytest
 
 from conftest import ExporterProcess, free_port, run_cli
 from exporter.records import metrics
-from exporter.tools import mcp_server
+from exporter.offline import mcp_server
 from tests.test_dashboards import dashboard_queries
 from tests.test_e2e_prometheus import PROMETHEUS, http_json, short_rules, stop, wait_ready
 
@@ -227,7 +227,7 @@ def test_hang_bad_input_is_one_line():
 def page_read(lines: list[str], at: float = 1000.0):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from exporter.tools.analysis import hang
+    from exporter.offline.analysis import hang
 
     text = "".join(line + "\n" for line in lines)
     return hang.Read(at=at, samples=[(s.name, s.labels, s.value) for f in text_string_to_metric_families(text)
@@ -252,7 +252,7 @@ C = "4a3f00000000beef"
 
 def test_desync_is_named():
     """Ranks 1-3 in AllReduce #8; rank 0 in Broadcast #3 of the same communicator."""
-    from exporter.tools.analysis import hang
+    from exporter.offline.analysis import hang
 
     lines = [info(C, r, 4, 100 + r) for r in range(4)]
     lines += [inflight(C, "ALL_REDUCE", r, 90) for r in (1, 2, 3)] + [inflight(C, "BROADCAST", 0, 88)]
@@ -265,7 +265,7 @@ def test_desync_is_named():
 
 
 def test_every_rank_inside_and_not_completing():
-    from exporter.tools.analysis import hang
+    from exporter.offline.analysis import hang
 
     lines = [info(C, r, 2, 100 + r) for r in range(2)] + [inflight(C, "ALL_REDUCE", r, 70) for r in range(2)]
     a = hang.analyse(page_read(lines), None, 60)
@@ -274,7 +274,7 @@ def test_every_rank_inside_and_not_completing():
 
 
 def test_below_threshold_and_nothing_in_flight():
-    from exporter.tools.analysis import hang
+    from exporter.offline.analysis import hang
 
     a = hang.analyse(page_read([inflight(C, "ALL_REDUCE", 0, 0.25)]), None, 60)
     assert not a.hung and a.verdict.startswith("not hung: the oldest NCCL call in flight is 0.250 s old")
@@ -284,7 +284,7 @@ def test_below_threshold_and_nothing_in_flight():
 
 def test_threads_state_from_two_reads():
     """The missing rank's caller thread was off-CPU the whole second: asleep outside NCCL."""
-    from exporter.tools.analysis import hang
+    from exporter.offline.analysis import hang
 
     base = [info(C, r, 2, 100 + r) for r in range(2)] + [inflight(C, "ALL_REDUCE", 1, 75)]
     base += [last_seq(C, "ALL_REDUCE", r, 4) for r in range(2)]
@@ -300,7 +300,7 @@ def test_threads_state_from_two_reads():
 
 
 def test_a_communicator_made_before_the_agent_says_what_cannot_be_told():
-    from exporter.tools.analysis import hang
+    from exporter.offline.analysis import hang
 
     a = hang.analyse(page_read([inflight("local-4711-1", "ALL_REDUCE", 1, 80)]), None, 60)
     assert a.hung and a.verdict.startswith("comm local-4711-1 (size unknown): rank 1 waiting in AllReduce "
@@ -309,7 +309,7 @@ def test_a_communicator_made_before_the_agent_says_what_cannot_be_told():
 
 def test_missing_rank_in_a_call_on_another_communicator():
     """The issue's 2:47 AM line: rank 0 never entered AllReduce #812; it is in Broadcast #96 elsewhere."""
-    from exporter.tools.analysis import hang
+    from exporter.offline.analysis import hang
 
     other = "9c1e00000000beef"
     lines = [info(C, r, 4, 100 + r) for r in range(4)] + [info(other, 0, 2, 100)]
@@ -327,7 +327,7 @@ def test_missing_rank_in_a_call_on_another_communicator():
 
 def test_a_missing_rank_whose_process_exited():
     """Rank 0's calls were counted on node n, but n's agent lists no live communicator of it."""
-    from exporter.tools.analysis import hang
+    from exporter.offline.analysis import hang
 
     lines = [info(C, r, 2, 100 + r) for r in (1,)] + [inflight(C, "ALL_REDUCE", 1, 90)]
     lines += [last_seq(C, "ALL_REDUCE", r, 4) for r in range(2)]

@@ -21,7 +21,7 @@ from exporter.records import contract, metrics
 from exporter.records.events import CallEvent
 from exporter.sinks.recording.schema import RecordingError
 from exporter.sinks.recording.writer import Recorder
-from exporter.sinks.slow import SlowCallPolicy
+from exporter.agent.slow import SlowCallPolicy
 from exporter.sinks.spans import SpanSink
 from exporter.sources.processes import ProcessTable
 
@@ -224,7 +224,7 @@ def test_span_sink_without_a_rule_trusts_the_kernel():
 def test_run_passes_the_rule_when_recording_every_call():
     import inspect
 
-    from exporter.tools.cli import run
+    from exporter.cli import run
 
     src = inspect.getsource(run.start_tracing)
     assert "slow=agent.slow.is_slow if agent.config.record_all" in src

@@ -26,7 +26,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
 from exporter.records.events import CallEvent  # noqa: E402
 from exporter.sinks.recording.writer import Recorder  # noqa: E402
-from exporter.tools.fleet.endpoint import QueryEndpoint  # noqa: E402
+from exporter.offline.fleet.endpoint import QueryEndpoint  # noqa: E402
 
 from conftest import REPO
 T0 = 1_700_000_000_000_000_000
@@ -158,7 +158,7 @@ async def session_checks(s, cluster, metrics_url, node_url):
     out = payload(await s.call_tool("hang_status", {"metrics_url": metrics_url, "threshold_s": 1000}))
     assert out["hung"] is False
 
-    # explain and stragglers (exporter/tools/analysis) on the recording holding every rank
+    # explain and stragglers (exporter/offline/analysis) on the recording holding every rank
     out = payload(await s.call_tool("explain", {"db": cluster["whole"]}))
     assert "rank 5" in out["verdict"], out
     out = payload(await s.call_tool("stragglers", {"db": cluster["whole"], "limit": 3}))
@@ -228,7 +228,7 @@ def test_mcp_over_streamable_http(cluster):
 
 
 def test_mcp_refuses_remote_http_and_missing_files(capsys):
-    from exporter.tools.cli import main
+    from exporter.cli import main
 
     assert main(["mcp", "--http", "0.0.0.0:8765"]) == 2
     assert "loopback" in capsys.readouterr().err

@@ -18,7 +18,7 @@ import pytest
 
 from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS
 from exporter.sinks.recording import schema
-from exporter.tools.fleet import merge
+from exporter.offline.fleet import merge
 
 from conftest import REPO
 T0 = 1_700_000_000_000_000_000

@@ -28,7 +28,7 @@ import pytest
 
 from exporter.records import histogram
 from exporter.simulator.truth import calls, load_truth
-from exporter.tools import native_queries
+from exporter.offline import native_queries
 from conftest import ExporterProcess, free_port
 from tests.test_dashboards import empty_variables, panels, substitute
 from tests.test_e2e_prometheus import PROMETHEUS, http_json, short_rules, stop, wait_ready

@@ -16,7 +16,7 @@ from collections import defaultdict
 import pytest
 
 from tests.test_merge import NODES, REPO, SHIFT, synth
-from exporter.tools.fleet import merge
+from exporter.offline.fleet import merge
 
 
 def cli(*args):

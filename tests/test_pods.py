@@ -403,7 +403,7 @@ def test_pods_in_real_cgroups_label_communicator_and_plugin_series(kube_cgroups,
     procs = []
     # The agent with exactly the capabilities the DaemonSet grants (measured:
     # docs/deploy.md); library discovery, as deployed (no --nccl-lib).
-    from exporter.tools.preflight import CAPABILITIES
+    from exporter.agent.preflight import CAPABILITIES
     exporter = ExporterProcess(nccl_libs=[], extra_args=[
         "--db", str(db), "--kubelet-url", kubelet_url, "--kubelet-token-file", str(token)])
     bounding = "-all," + ",".join(f"+{c.lower()}" for c in CAPABILITIES)

@@ -2,7 +2,7 @@ import io
 
 import pytest
 
-from exporter.tools import preflight
+from exporter.agent import preflight
 
 
 def _by_name(checks):

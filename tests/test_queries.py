@@ -330,7 +330,7 @@ def test_retransmit_rows_equal_an_independent_observer(rec):
                                     "AND timestamp_ns >= ? AND timestamp_ns < ?",
                since_mono + offset, until_mono + offset)[0][0]
     mine = sum(1 for line in visible if " saddr=198.18.0.6 " in line)
-    # Only hits bpf/tcp.c did not run for (counted in meta, see exporter.tools.agent.Agent.kernel_losses) may be missing.
+    # Only hits bpf/tcp.c did not run for (counted in meta, see exporter.agent.loop.Agent.kernel_losses) may be missing.
     skipped = int(rows(rec["dbs"]["lossy"], "SELECT value FROM meta WHERE key = 'lost_kernel_skipped_retransmits'")[0][0])
     assert mine > 0 and own <= mine <= own + skipped, (own, mine, skipped)
 

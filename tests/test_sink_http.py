@@ -11,7 +11,7 @@ the same Pipeline `run` uses.
   and review the diff like code.
 - Serving: gzip when asked, OpenMetrics when asked, HEAD, /-/ready (503, then
   200), /-/healthy, 404 elsewhere.
-- Wiring: a source added as one row of tools/agent.py's SOURCES shows on
+- Wiring: a source added as one row of agent/loop.py's SOURCES shows on
   /metrics (with the real agent as well: test_a_new_source_row_shows_on_metrics_of_the_real_agent).
 """
 
@@ -31,8 +31,8 @@ from conftest import REPO, parse_metrics
 from exporter.records import metrics
 from exporter.sinks import prometheus as prometheus_sink
 from exporter.sinks.http import HttpServer
-from exporter.tools import agent as agent_module
-from exporter.tools.pipeline import Pipeline
+from exporter.agent import loop as agent_module
+from exporter.agent.pipeline import Pipeline
 
 GOLDEN = REPO / "tests" / "fixtures" / "metrics.txt"
 NODE = "node-a"
@@ -204,7 +204,7 @@ def test_a_new_source_row_shows_on_metrics(monkeypatch, frozen_clock):
 def test_a_new_source_row_shows_on_metrics_of_the_real_agent(monkeypatch, bpf):
     """The same with the real Agent loading its real sources (root): the row is
     loaded, closed with the others, and its family served."""
-    from exporter.tools.agent import Agent, AgentConfig
+    from exporter.agent.loop import Agent, AgentConfig
 
     closed = []
 

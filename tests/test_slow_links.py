@@ -1,6 +1,6 @@
 """Slow link or slow GPU, from the profiler plugin's per-peer network waits
 (recording table nccl_peer_waits; docs/network.md): the judgement
-(exporter/tools/analysis/network.py) on synthetic recordings, and what
+(exporter/offline/analysis/network.py) on synthetic recordings, and what
 `explain` and `stragglers --links` print for them through the real CLI; old
 recordings (schema 6, no table) still open and the documented queries run.
 
@@ -29,7 +29,7 @@ import pytest
 
 from conftest import REPO
 from exporter.sinks.recording import schema
-from exporter.tools.analysis import network
+from exporter.offline.analysis import network
 
 NRANKS, OPS = 4, 20
 T0 = 1_700_000_000_000_000_000

@@ -1,11 +1,11 @@
-"""exporter/sinks/slow.py: relative thresholds are set from recent calls and
+"""exporter/agent/slow.py: relative thresholds are set from recent calls and
 cleared again (a threshold once set was never cleared)."""
 
 from __future__ import annotations
 
 from exporter.records import contract, histogram
 from exporter.records.events import Series
-from exporter.sinks.slow import SlowCallPolicy
+from exporter.agent.slow import SlowCallPolicy
 
 
 class Table(dict):

@@ -68,7 +68,7 @@ def test_wheel_contains_the_run_time_sources(wheel):
     # the entry point
     entry = zipfile.ZipFile(wheel).read(
         f"nccl_exporter-{exporter.__version__}.dist-info/entry_points.txt").decode()
-    assert "nccl-exporter = exporter.tools.cli:main" in entry
+    assert "nccl-exporter = exporter.cli:main" in entry
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Span builder: one OpenTelemetry span per slow NCCL call.
 
 Slow calls arrive as CallEvents (bpf/nccl.c decides what is slow, see
-exporter/sinks/slow.py); TCP events arrive from the kernel-side probes. A call is
+exporter/agent/slow.py); TCP events arrive from the kernel-side probes. A call is
 turned into a span a short while after it returned (`settle_s`), so the TCP
 events of its window, which travel on another ring buffer, are in by then.
 

@@ -1,6 +1,6 @@
 """Reading a recording: the one guarded read-only query (`ReadOnlyQuery`), used by
-`nccl-exporter query`, the node query endpoint (tools/fleet/endpoint.py) and the
-MCP server (tools/mcp_server.py).
+`nccl-exporter query`, the node query endpoint (offline/fleet/endpoint.py) and the
+MCP server (offline/mcp_server.py).
 
 The database is opened with a `mode=ro` URI, and an authorizer refuses
 anything that writes (INSERT/UPDATE/DELETE, CREATE/DROP/ALTER, temp tables
@@ -11,7 +11,7 @@ the longest string or blob (SQLITE_LIMIT_LENGTH: zeroblob(), printf('%.*c'),
 group_concat() end with "string or blob too big"), the columns of a row
 (SQLITE_LIMIT_COLUMN) and the page cache, which is also what a sort or a
 recursive query keeps in memory before spilling to a temporary file.
-Output formats are the tools' (exporter/tools/output.py).
+Output formats are the tools' (exporter/cli/common/output.py).
 """
 
 from __future__ import annotations
