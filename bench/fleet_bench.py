@@ -25,8 +25,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS  # noqa: E402
-from exporter.sinks.recording import schema  # noqa: E402
+from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS
+from exporter.sinks.recording import schema
 
 RANKS_PER_NODE = 8
 T0 = 1_700_000_000_000_000_000

@@ -37,13 +37,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prometheus_client import CollectorRegistry  # noqa: E402
-from prometheus_client.exposition import generate_latest  # noqa: E402
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
 
-from exporter.records import contract, histogram  # noqa: E402
-from exporter.records.events import Series  # noqa: E402
-from exporter.sinks import protobuf  # noqa: E402
-from exporter.sinks.prometheus import NcclCollector  # noqa: E402
+from exporter.records import contract, histogram
+from exporter.records.events import Series
+from exporter.sinks import protobuf
+from exporter.sinks.prometheus import NcclCollector
 
 OPS = list(contract.COLLECTIVE_OPS.values())
 

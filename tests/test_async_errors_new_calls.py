@@ -13,7 +13,6 @@ communicator, the fault-tolerance lifecycle, one-sided and registration calls.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time

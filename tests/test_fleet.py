@@ -10,13 +10,11 @@ hanging or want another token. One test starts a real `nccl-exporter run
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import socket
 import sqlite3
 import subprocess
-import sys
 import time
 import tracemalloc
 import urllib.error

@@ -20,7 +20,6 @@ import pytest
 
 from exporter.sources.plugin.build import build_plugin
 from exporter.simulator.build import build_library
-from exporter.simulator.truth import load_truth
 
 from conftest import REPO
 from test_sim_gpu import inproc

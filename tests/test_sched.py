@@ -20,7 +20,7 @@ from conftest import pin, wait_for_detaching
 from exporter.records import metrics
 from exporter.sinks.prometheus import sched_families
 from exporter.records import histogram
-from exporter.sources.sched import SchedSource, runq_bucket
+from exporter.sources.sched import runq_bucket
 
 pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 

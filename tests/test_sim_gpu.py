@@ -15,14 +15,13 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from exporter.sources.nccl import hashing
 from exporter.sources.plugin.build import build_plugin
 from exporter.simulator.build import build_library
-from exporter.simulator.cluster import Cluster, run_job, start_job
+from exporter.simulator.cluster import Cluster, run_job
 from exporter.simulator.truth import calls, gpu_events, gpu_kernels, load_truth
 
 from conftest import REPO

@@ -290,7 +290,7 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
             _no_late(stats),
             f"retransmits: {total_retx} in the collectives' windows"
             + (f", spread over {len(ranked_links)} links (most: {ranked_links[0][1]})" if ranked_links else ""),
-            f"run-queue waits per rank (caller and proxy threads): "
+            "run-queue waits per rank (caller and proxy threads): "
             + ", ".join(f"{who(*k).split(' on ')[0]} {_ms(w)}" for k, w in sorted(proc_wait.items(),
                                                                                key=lambda kv: prank.get(kv[0], 0))),
             _durations(collectives, *main), clocks] + ([
