@@ -132,7 +132,8 @@ def main() -> int:
     merge_s = time.monotonic() - t
     ref = shift_of(int(rep.skew[0].reference[4:]))
     worst = max(abs(o.offset_ns - (shift_of(int(o.node[4:])) - ref)) for o in rep.skew)
-    print(f"merge{' --query-indexes' if a.query_indexes else ''}: {a.nodes} nodes x {a.events} events -> {sum(rep.added.values())} rows in {merge_s:.1f} s "
+    print(f"merge{' --query-indexes' if a.query_indexes else ''}: {a.nodes} nodes x {a.events} events -> "
+          f"{sum(rep.added.values())} rows in {merge_s:.1f} s "
           f"({sum(rep.added.values()) / merge_s:,.0f} rows/s; goal < 60 s); skew: worst error "
           f"{worst / 1e6:.3f} ms; {os.path.getsize(out) / 1e6:.0f} MB; phases "
           + ", ".join(f"{k} {v:.1f} s" for k, v in rep.phases.items()), flush=True)

@@ -98,7 +98,7 @@ def make_series(n_comms: int, n_ranks: int, n_ops: int, rng: random.Random) -> l
     spread (sigma: a factor 2) around a typical duration (10 us .. 1 s)."""
     d = histogram.DURATION
     out = []
-    for c in range(n_comms):
+    for _c in range(n_comms):
         comm_hash = rng.getrandbits(64) | 1
         for r in range(n_ranks):
             for o in range(n_ops):

@@ -336,7 +336,8 @@ def test_cluster_gpu_time_matches_truth(lib, plugin, tmp_path, capsys):
     done = {}
     for r in log:
         if r["event"] == "done":
-            k = (pid_rank[int(r["pid"])], r["kind"], r["op"], int(r["seq"]), int(r["peer"]) if r["kind"] == "p2p" else -1)
+            k = (pid_rank[int(r["pid"])], r["kind"], r["op"], int(r["seq"]),
+                 int(r["peer"]) if r["kind"] == "p2p" else -1)
             assert k not in done, k
             done[k] = r
     assert not [r for r in log if r["event"] == "abandoned"]
