@@ -17,7 +17,7 @@ export IMAGE
 
 MAKEFLAGS  += --no-print-directory
 
-.PHONY: deps venv nccl-wheel demo test test-quick test-clean-room check clean plugin plugin-aarch64 image test-image push-image bench-faults bench-faults-quick
+.PHONY: deps venv nccl-wheel demo lint test test-quick test-clean-room check clean plugin plugin-aarch64 image test-image push-image bench-faults bench-faults-quick
 
 ## deps: Debian packages, kernel-header links, tracefs (scripts/setup-system.sh)
 deps:
@@ -66,19 +66,23 @@ plugin: venv
 plugin-aarch64: venv
 	@$(PY) -m exporter.sources.plugin.build --arch aarch64 >/dev/null
 
-## test: everything needed, then the whole suite (what CI runs; ~16 min here)
-test: deps venv nccl-wheel plugin
+## lint: ruff, with the rules in pyproject.toml ([tool.ruff]; a second)
+lint: venv
+	@$(VENV)/bin/ruff check --quiet .
+
+## test: everything needed, then lint and the whole suite (what CI runs; ~16 min here)
+test: deps venv nccl-wheel plugin lint
 	$(PY) -m pytest -v tests/
 
 # The kinds of test conftest marks from the fixtures they use (tests/conftest.py).
 HEAVY_MARKS := bpf or netns or real_nccl or prometheus or slow or require_root
 
-## test-quick: pure logic, fake /proc, golden exposition: no root, BPF, netns
-## or Prometheus (under 90 s); `make test` before you push. Three pytest-xdist
+## test-quick: lint, then pure logic, fake /proc, golden exposition: no root,
+## BPF, netns or Prometheus (under 90 s); `make test` before you push. Three pytest-xdist
 ## workers, one test file each at a time (--dist loadfile: a module's fixtures
 ## stay in one process): most of its wall time is tests waiting on timeouts
 ## and child processes, which overlap (115 s serial, 46 s so, on 2 cores).
-test-quick: venv
+test-quick: lint
 	$(PY) -m pytest -q -n 3 --dist loadfile -m "not ($(HEAVY_MARKS))" tests/
 
 ## test-clean-room: the README's install steps on a fresh Debian 12 (mmdebstrap,

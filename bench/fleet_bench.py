@@ -25,8 +25,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS  # noqa: E402
-from exporter.sinks.recording import schema  # noqa: E402
+from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS
+from exporter.sinks.recording import schema
 
 RANKS_PER_NODE = 8
 T0 = 1_700_000_000_000_000_000
@@ -132,7 +132,8 @@ def main() -> int:
     merge_s = time.monotonic() - t
     ref = shift_of(int(rep.skew[0].reference[4:]))
     worst = max(abs(o.offset_ns - (shift_of(int(o.node[4:])) - ref)) for o in rep.skew)
-    print(f"merge{' --query-indexes' if a.query_indexes else ''}: {a.nodes} nodes x {a.events} events -> {sum(rep.added.values())} rows in {merge_s:.1f} s "
+    print(f"merge{' --query-indexes' if a.query_indexes else ''}: {a.nodes} nodes x {a.events} events -> "
+          f"{sum(rep.added.values())} rows in {merge_s:.1f} s "
           f"({sum(rep.added.values()) / merge_s:,.0f} rows/s; goal < 60 s); skew: worst error "
           f"{worst / 1e6:.3f} ms; {os.path.getsize(out) / 1e6:.0f} MB; phases "
           + ", ".join(f"{k} {v:.1f} s" for k, v in rep.phases.items()), flush=True)

@@ -215,7 +215,7 @@ def main() -> int:
             ok &= report_scrapes("scrapes meanwhile", scrapes(mport, args.scrapes))
             results = [f.result() for f in futures]
         by_kind: dict = collections.defaultdict(collections.Counter)
-        for k, (status, n, why) in zip(kinds, results):
+        for k, (status, _n, why) in zip(kinds, results):
             by_kind[k][f"{status}" + (f" ({why})" if why else "")] += 1
         for k, c in by_kind.items():
             print(f"  {k}: {dict(c)}", flush=True)

@@ -60,9 +60,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exporter.sources.bpf import set_tracepoint  # noqa: E402
-from exporter.sources.schedstat import POLL_INTERVAL_S  # noqa: E402
-from exporter.cli.common.options import DEFAULT_SRTT_SAMPLING, parse_srtt_sampling  # noqa: E402
+from exporter.sources.bpf import set_tracepoint
+from exporter.sources.schedstat import POLL_INTERVAL_S
+from exporter.cli.common.options import DEFAULT_SRTT_SAMPLING, parse_srtt_sampling
 
 SRTT_SAMPLING = parse_srtt_sampling(DEFAULT_SRTT_SAMPLING)  # tcp_probe's window and period in `run`
 

@@ -200,7 +200,7 @@ def main() -> int:
     os.environ["NCCL_EXPORTER_PROFILER_ANNOUNCE_MS"] = "50"
     plugin = a.plugin or str(build_plugin())
     P = Plugin(plugin, a.version)
-    S = Soak(P)
+    soak = Soak(P)
     habits = ["plain", "alltoall", "collnet", "batch", "replay", "abandoned", "counts"]
     rss: list[int] = []
     worst = 0.0
@@ -208,41 +208,41 @@ def main() -> int:
     rnd = 0
     t0 = time.monotonic()
     print(f"soak: plugin v{a.version}, {a.ops} operations, {a.per_habit} per habit and round", flush=True)
-    while S.ops < a.ops:
+    while soak.ops < a.ops:
         rnd += 1
         line = []
         for h in habits:
-            n = min(a.per_habit, a.ops - S.ops)
+            n = min(a.per_habit, a.ops - soak.ops)
             if n <= 0:
                 break
             if h == "counts":
                 st = counts_child(plugin, a.version, n)
-                S.ops += n
+                soak.ops += n
                 if st["completed"] != n or st["slots_used"]:
                     bad.append(f"round {rnd} counts: {st}")
                 line.append("counts ok")
                 continue
-            before, ops0 = P.stats(), S.ops
-            ctx = getattr(S, h)(n)
+            before, ops0 = P.stats(), soak.ops
+            ctx = getattr(soak, h)(n)
             took, st = settle(P)   # before the finalize: nothing may wait for it
             P.finalize(ctx)
             st = P.stats()
             got = st["completed"] + st["abandoned"] - before["completed"] - before["abandoned"]
-            if got != S.ops - ops0:   # every operation is accounted: done or abandoned, once
-                bad.append(f"round {rnd} {h}: {S.ops - ops0} operations, {got} records")
+            if got != soak.ops - ops0:   # every operation is accounted: done or abandoned, once
+                bad.append(f"round {rnd} {h}: {soak.ops - ops0} operations, {got} records")
             worst = max(worst, took)
             if took > 2.0:
                 bad.append(f"round {rnd} {h}: still in flight after 2 s: {st}")
             line.append(f"{h} {took * 1e3:.0f}ms")
         rss.append(rss_kib())
         st = P.stats()
-        print(f"round {rnd}: ops {S.ops}, rss {rss[-1]} KiB, completed {st['completed']} abandoned "
+        print(f"round {rnd}: ops {soak.ops}, rss {rss[-1]} KiB, completed {st['completed']} abandoned "
               f"{st['abandoned']} dropped {st['dropped']} proxy_dropped {st['proxy_dropped']} stale {st['stale']}; "
               + ", ".join(line), flush=True)
     el = time.monotonic() - t0
     st = P.stats()
     growth = rss[-1] - rss[min(1, len(rss) - 1)]
-    print(f"\nsummary: {S.ops} operations in {el:.0f} s ({S.ops / el:.0f}/s), {rnd} rounds; "
+    print(f"\nsummary: {soak.ops} operations in {el:.0f} s ({soak.ops / el:.0f}/s), {rnd} rounds; "
           f"slowest settle {worst * 1e3:.0f} ms (limit 2000); pools at the end: records {st['slots_used']}, "
           f"ProxyOps {st['pops_used']}; dropped {st['dropped']}, proxy_dropped {st['proxy_dropped']}; "
           f"RSS round 1 {rss[0]} KiB, round 2 {rss[min(1, len(rss) - 1)]} KiB, last {rss[-1]} KiB "

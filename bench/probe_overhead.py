@@ -446,7 +446,7 @@ def main(argv=None) -> int:
                     bpf_owner.close()
                 else:
                     bpf_owner.cleanup()
-            except Exception as e:  # keep cleaning
+            except Exception as e:  # noqa: BLE001 - keep cleaning
                 log(f"clean-up: {e}")
         for agent in agent_box:
             agent.close()

@@ -40,11 +40,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.training_loop import bootstrap_ci  # noqa: E402
-from exporter.simulator.build import build_library  # noqa: E402
-from exporter.simulator.cluster import Cluster, cleanup_stale, start_job  # noqa: E402
-from exporter.simulator.truth import calls  # noqa: E402
-from exporter.sources.plugin.build import build_plugin  # noqa: E402
+from bench.training_loop import bootstrap_ci
+from exporter.simulator.build import build_library
+from exporter.simulator.cluster import Cluster, cleanup_stale, start_job
+from exporter.simulator.truth import calls
+from exporter.sources.plugin.build import build_plugin
 
 GOAL = 0.99
 

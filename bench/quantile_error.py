@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from exporter.records import histogram  # noqa: E402
+from exporter.records import histogram
 
 D = histogram.DURATION
 COARSE, FINE = histogram.CLASSIC["coarse"], histogram.CLASSIC["fine"]

@@ -25,9 +25,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from exporter.records.events import CallEvent  # noqa: E402
-from exporter.records.render import Renderer  # noqa: E402
-from exporter.sinks.recording import schema, writer  # noqa: E402
+from exporter.records.events import CallEvent
+from exporter.records.render import Renderer
+from exporter.sinks.recording import schema, writer
 
 JOIN = """WITH slow_collectives AS (
 SELECT timestamp_ns, duration_ns, rank, nranks, comm_id_hash, pid

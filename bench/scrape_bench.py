@@ -37,13 +37,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prometheus_client import CollectorRegistry  # noqa: E402
-from prometheus_client.exposition import generate_latest  # noqa: E402
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
 
-from exporter.records import contract, histogram  # noqa: E402
-from exporter.records.events import Series  # noqa: E402
-from exporter.sinks import protobuf  # noqa: E402
-from exporter.sinks.prometheus import NcclCollector  # noqa: E402
+from exporter.records import contract, histogram
+from exporter.records.events import Series
+from exporter.sinks import protobuf
+from exporter.sinks.prometheus import NcclCollector
 
 OPS = list(contract.COLLECTIVE_OPS.values())
 
@@ -98,7 +98,7 @@ def make_series(n_comms: int, n_ranks: int, n_ops: int, rng: random.Random) -> l
     spread (sigma: a factor 2) around a typical duration (10 us .. 1 s)."""
     d = histogram.DURATION
     out = []
-    for c in range(n_comms):
+    for _c in range(n_comms):
         comm_hash = rng.getrandbits(64) | 1
         for r in range(n_ranks):
             for o in range(n_ops):

@@ -54,12 +54,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.agent_ready import wait_ready  # noqa: E402
-from bench.bpf_time import BpfStats, difference, program_names, program_times, table  # noqa: E402
-from exporter.simulator.build import build_library  # noqa: E402
-from exporter.simulator.cluster import Cluster, cleanup_stale, start_job  # noqa: E402
-from exporter.simulator.truth import calls  # noqa: E402
-from exporter.sources.plugin.build import build_plugin  # noqa: E402
+from bench.agent_ready import wait_ready
+from bench.bpf_time import BpfStats, difference, program_names, program_times, table
+from exporter.simulator.build import build_library
+from exporter.simulator.cluster import Cluster, cleanup_stale, start_job
+from exporter.simulator.truth import calls
+from exporter.sources.plugin.build import build_plugin
 
 RANKS = 8
 COMPUTE_MS = 10

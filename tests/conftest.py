@@ -141,7 +141,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     for name, what in KINDS.items():
         config.addinivalue_line("markers", f"{name}: {what}; applied from the fixture `{name}`")
-    config.addinivalue_line("markers", "slow: minutes of work (soak, wheel install), or timing that a loaded machine breaks; not in make test-quick")
+    config.addinivalue_line("markers", "slow: minutes of work (soak, wheel install), or timing that a loaded "
+                                       "machine breaks; not in make test-quick")
     config.addinivalue_line("markers", "require_root: skipped unless root (bpf and netns imply it)")
 
 

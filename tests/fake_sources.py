@@ -87,7 +87,8 @@ class FakeNcclReader:
             Series("ALL_REDUCE", COMM, 0, 2, calls=5, bytes=5 << 20, sum_ns=15_000_000,
                    buckets=_buckets(slots, (at(3_000_000), 4), (at(8_000_000), 1)), last_ns=LAST_RETURN_NS),
             Series("SEND", COMM, 0, 2, calls=2, bytes=4096, sum_ns=40_000, buckets=_buckets(slots, (at(20_000), 2))),
-            Series("COMM_INIT_RANK", 0, 0, 2, calls=1, bytes=0, sum_ns=2_000_000, buckets=_buckets(slots, (at(2_000_000), 1))),
+            Series("COMM_INIT_RANK", 0, 0, 2, calls=1, bytes=0, sum_ns=2_000_000,
+                   buckets=_buckets(slots, (at(2_000_000), 1))),
         ]
 
     def series(self):

@@ -13,7 +13,6 @@ communicator, the fault-tolerance lifecycle, one-sided and registration calls.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -35,7 +34,8 @@ NEW_FUNCTIONS = [
 # receive from it (EOF: ncclRemoteError) and poll ncclCommGetAsyncError POLLS times.
 RANK_PY = r"""
 import ctypes, os, sys, time
-lib_path, rank, nranks, rdv, victim, polls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+lib_path, rank, nranks, rdv = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+victim, polls = int(sys.argv[5]), int(sys.argv[6])
 lib = ctypes.CDLL(lib_path)
 class Uid(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_char * 128)]
@@ -256,8 +256,9 @@ def test_real_wheel_attaches_and_decodes_null_comm_calls(tmp_path, bpf, real_ncc
         out = dict(line.split(" ", 1) for line in stdout.splitlines() if " " in line)
         for _ in range(20):
             reader.poll(50)
-        mine = [e for e in events if e.pid == child.pid and e.op in ("PUT_SIGNAL", "SIGNAL", "WAIT_SIGNAL", "COMM_GET_ASYNC_ERROR",
-                                               "COMM_REVOKE", "COMM_SUSPEND", "COMM_RESUME")]
+        mine = [e for e in events if e.pid == child.pid
+                and e.op in ("PUT_SIGNAL", "SIGNAL", "WAIT_SIGNAL", "COMM_GET_ASYNC_ERROR",
+                             "COMM_REVOKE", "COMM_SUSPEND", "COMM_RESUME")]
         by_op = {}
         for e in mine:
             by_op.setdefault(e.op, []).append(e)

@@ -77,7 +77,8 @@ def test_part_b_attaches_a_real_uprobe_here(tmp_path):
 
 
 def test_help_and_bad_parts_need_no_torch():
-    p = subprocess.run(["sh", str(RUN), "--help"], capture_output=True, text=True, env=dict(os.environ, PYTHON=sys.executable))
+    p = subprocess.run(["sh", str(RUN), "--help"], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHON=sys.executable))
     assert p.returncode == 0 and "--simulate" in p.stdout and "--budget-s" in p.stdout
     p = subprocess.run(["sh", str(RUN), "--parts", "axz"], capture_output=True, text=True,
                        env=dict(os.environ, PYTHON=sys.executable))
@@ -117,7 +118,8 @@ def good_rank():
             rec("AllReduce", 1, 4096, 200, 10_000, 30_000),
             rec("AllReduce", 2, 1 << 20, 300, 40_000, 800_000),
             rec("Broadcast", 0, 4096, 400, 900_000, 920_000)]
-    recs += [rec(op, i, 2048, 500 + i, 1_000_000 + i, 1_030_000, kind="p2p") for op in ("Send", "Recv") for i in range(2)]
+    recs += [rec(op, i, 2048, 500 + i, 1_000_000 + i, 1_030_000, kind="p2p")
+             for op in ("Send", "Recv") for i in range(2)]
     recs.append({"event": "finalize", "comm": "0x00000000000000aa", "rank": "0", "pending": "0", "pid": str(PID)})
     return calls, recs
 
@@ -153,7 +155,8 @@ def mutate(fn):
     ("wrong result", lambda c, r: c[2].update(ok=False), "1 calls gave wrong results"),
     ("wrong interface", lambda c, r: r[0].update(iface="v4"), "NCCL 2.28.9 chose ['v4'], docs/plugin.md says v5"),
     ("no plugin", lambda c, r: r.clear(), "no communicator init in the plugin's log"),
-    ("KernelPhase asked for", lambda c, r: r[0].update(mask="0x8046"), "activation mask has KernelPhase events: 0x8046"),
+    ("KernelPhase asked for", lambda c, r: r[0].update(mask="0x8046"),
+     "activation mask has KernelPhase events: 0x8046"),
 ])
 def test_correctness_fails_on_each_defect(name, fn, says):
     v = mutate(fn)
@@ -239,7 +242,8 @@ def test_graph_interval_longer_than_any_replay_fails():
 
 def test_cost_summary_ratios_against_none():
     lines = checks.summarize_cost({"none": [0.010, 0.012], "plugin": [0.0101, 0.0126]})
-    assert lines[0].startswith("none       11.000 ms/iteration (runs 10.000, 12.000)") and "/ none 1.0300 (+3.00 %)" in lines[1]
+    assert lines[0].startswith("none       11.000 ms/iteration (runs 10.000, 12.000)")
+    assert "/ none 1.0300 (+3.00 %)" in lines[1]
 
 
 def test_agent_env_names_every_blocker():

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from conftest import CLI, free_port, require_root, run_cli
+from conftest import CLI, free_port, run_cli
 
 TRACEFS_DIRS = ("/sys/kernel/tracing/events", "/sys/kernel/debug/tracing/events")
 

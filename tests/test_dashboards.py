@@ -276,7 +276,8 @@ def test_gpu_time_panels():
     assert plugin["type"] == "table" and metrics.PROFILER_PLUGIN_ACTIVE in plugin["targets"][0]["expr"]
     texts = {o["text"] for m in plugin["fieldConfig"]["defaults"]["mappings"] for o in m["options"].values()}
     assert texts == {"host time only", "GPU time (plugin)"}
-    assert "1 - nccl_profiler_plugin_active" in by_title["Traced processes without the profiler plugin"]["targets"][0]["expr"]
+    without_plugin = by_title["Traced processes without the profiler plugin"]
+    assert "1 - nccl_profiler_plugin_active" in without_plugin["targets"][0]["expr"]
     assert "not on GPU hardware" in by_title["GPU time vs host time per op and rank"]["description"]
 
 
@@ -295,7 +296,8 @@ def test_network_wait_matrix_and_infiniband_companion():
         (m,) = p["transformations"]
         assert m["id"] == "groupingToMatrix" and (m["options"]["rowField"], m["options"]["columnField"]) == \
             ("rank", "peer")
-    assert 'phase="send_gpu_wait"' in by_title["Senders waiting for their own GPU (send_gpu_wait)"]["targets"][0]["expr"]
+    own_gpu = by_title["Senders waiting for their own GPU (send_gpu_wait)"]
+    assert 'phase="send_gpu_wait"' in own_gpu["targets"][0]["expr"]
     ib = by_title["InfiniBand / RoCE ports of these nodes (node_exporter)"]
     for t in ib["targets"]:
         assert "node_infiniband_" in t["expr"] and '"node", "$1", "instance"' in t["expr"]

@@ -83,7 +83,8 @@ def test_daemonset():
     assert c["image"] == f"{makefile_image()}:{VERSION}", "the published image: the base deploys as shipped"
     (init,) = spec["initContainers"]
     assert init["image"] == c["image"]
-    assert init["securityContext"]["capabilities"]["drop"] == ["ALL"] and "add" not in init["securityContext"]["capabilities"]
+    capabilities = init["securityContext"]["capabilities"]
+    assert capabilities["drop"] == ["ALL"] and "add" not in capabilities
     script = " ".join(init["command"])
     assert "/opt/nccl-exporter/plugin/libnccl-profiler-exporter.so" in script
     assert "mv -f" in script and script.rstrip().endswith("/host/opt/nccl-exporter/libnccl-profiler-exporter.so")

@@ -213,7 +213,7 @@ def test_demo_shows_host_and_gpu_time_side_by_side(plugin):
     assert p.returncode == 0 and "Traceback" not in out, out
     rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+([\d.]+) ms\s+[\d.]+ ms\s+\|\s+(\d+)\s+([\d.]+) ms", out, re.M)
     assert sorted(int(r[0]) for r in rows) == [0, 1, 2, 3], out
-    for rank, host_calls, host_p50, gpu_calls, gpu_p50 in rows:
+    for _rank, host_calls, host_p50, gpu_calls, gpu_p50 in rows:
         assert int(host_calls) == int(gpu_calls) > 0, out
         assert float(host_p50) < 1.0 and float(gpu_p50) >= 1.5, out  # ms: the enqueue vs >= 3 ms kernels
 

@@ -6,10 +6,8 @@ exporter's /metrics must agree with it exactly.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +15,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from exporter.records import histogram, metrics
+from exporter.records import metrics
 from exporter.sources.nccl import hashing
 from exporter.simulator.cluster import Cluster, run_job, start_job
 from exporter.simulator.truth import calls, lifecycle, load_truth

@@ -10,13 +10,11 @@ hanging or want another token. One test starts a real `nccl-exporter run
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import socket
 import sqlite3
 import subprocess
-import sys
 import time
 import tracemalloc
 import urllib.error
@@ -450,7 +448,7 @@ def test_real_agent_answers_queries_on_its_recording(tmp_path, token_file, capsy
                 break
             except (urllib.error.URLError, ConnectionError):
                 if time.monotonic() > deadline:
-                    raise AssertionError(exporter.output())
+                    raise AssertionError(exporter.output()) from None
                 time.sleep(0.2)
         assert code == 200, text
         assert ndjson(text)[0] == ["n"]

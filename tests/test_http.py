@@ -156,7 +156,8 @@ def test_metrics_gzip_when_asked(served):
     assert code == 200 and headers["Content-Encoding"] == "gzip"
     unzipped = gzip.decompress(body).decode()
     # the same families and samples (values such as scrape counters may move)
-    names = lambda text: sorted({(s.name, tuple(sorted(s.labels.items()))) for s in parse_metrics(text)})
+    def names(text):
+        return sorted({(s.name, tuple(sorted(s.labels.items()))) for s in parse_metrics(text)})
     assert names(unzipped) == names(plain.decode())
     assert READY_METRIC in unzipped
     assert len(body) < len(plain)

@@ -21,12 +21,12 @@ from conftest import serve_text
 
 pytest.importorskip("mcp", reason="the MCP SDK is not installed (pip install 'mcp>=2.3,<3')")
 
-from mcp import ClientSession  # noqa: E402
-from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
+from mcp import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from exporter.records.events import CallEvent  # noqa: E402
-from exporter.sinks.recording.writer import Recorder  # noqa: E402
-from exporter.offline.fleet.endpoint import QueryEndpoint  # noqa: E402
+from exporter.records.events import CallEvent
+from exporter.sinks.recording.writer import Recorder
+from exporter.offline.fleet.endpoint import QueryEndpoint
 
 from conftest import REPO
 T0 = 1_700_000_000_000_000_000

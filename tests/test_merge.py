@@ -177,7 +177,8 @@ def test_skew_stored_and_recovered_within_1ms_and_stragglers_aligned(tmp_path, n
     out = tmp_path / "m.db"
     merge.merge(str(out), [str(n) for n in nodes])
     conn = sqlite3.connect(out)
-    stored = {r[0]: r[1:] for r in conn.execute("SELECT node, offset_ns, reference, collectives, method FROM clock_skew")}
+    stored = {r[0]: r[1:]
+              for r in conn.execute("SELECT node, offset_ns, reference, collectives, method FROM clock_skew")}
     conn.close()
     for r, s in SHIFT.items():
         offset, ref, n, method = stored[f"node{r}"]
@@ -217,7 +218,8 @@ def test_query_indexes_are_opt_in_and_change_no_row(tmp_path, nodes):
     def indexes(db):
         conn = sqlite3.connect(db)
         try:
-            return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")}
+            return {r[0] for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")}
         finally:
             conn.close()
 

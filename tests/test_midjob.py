@@ -116,7 +116,7 @@ def test_a_process_with_one_announced_communicator_names_its_pointer_with_it():
     later plugin record may correct it, bpf/plugin.c), else a local id with
     the launcher's rank; a second announced communicator makes it a guess no
     more (local id)."""
-    from types import SimpleNamespace as NS
+    from types import SimpleNamespace as NS  # noqa: N814 - short, for the fake BCC rows below
 
     from exporter.records.events import PluginComm
     from exporter.sources.nccl.maps import NcclReader

@@ -34,7 +34,9 @@ from exporter.sources.plugin.build import build_plugin
 
 pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
-DELAY_US = 6000  # per network step: 3x the noise this shared 2-core machine added to an unfaulted phase under load (~15 ms per run)
+# per network step: 3x the noise this shared 2-core machine added to an
+# unfaulted phase under load (~15 ms per run)
+DELAY_US = 6000
 ITERATIONS = 8
 COUNT = 65536  # floats: 256 KiB per AllReduce, 128 KiB per ring step of 2 ranks = 4 network steps of 32 KiB
 P2P_ITERATIONS = len([it for it in range(ITERATIONS) if it % 3 == 2])  # rank.py run_gpu: a Send/Recv ring

@@ -98,7 +98,7 @@ def test_grpc_spans_match_ground_truth(simulator_lib, tmp_path):
     seen = {id(best) for _, _, _, best in matched}
     assert len(seen) == len(matched), "two spans for one call"
     assert all(id(r) in seen for r in slow)
-    for _, span, _, best in matched:  # slow by the probes' own clock (entry to return)
+    for _, span, _, _best in matched:  # slow by the probes' own clock (entry to return)
         assert span.end_time_unix_nano - span.start_time_unix_nano >= THRESHOLD_NS
     # ... and by the library's, but for the odd call preempted between the
     # uprobe and the library's own clock read on a loaded 2-core machine.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 import urllib.request
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from exporter.records import histogram as h

@@ -17,7 +17,6 @@ import select
 import shutil
 import subprocess
 import time
-import types
 from collections import Counter, defaultdict
 
 import pytest

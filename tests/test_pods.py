@@ -165,7 +165,7 @@ class _Kubelet(http.server.BaseHTTPRequestHandler):
     token = "s3cret"
     requests: list = []
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         type(self).requests.append((self.path, self.headers.get("Authorization")))
         if self.headers.get("Authorization") != f"Bearer {self.token}":
             self.send_response(401)

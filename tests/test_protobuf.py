@@ -27,12 +27,12 @@ def test_generated_code_is_what_protoc_makes():
 
 
 def test_accept_negotiation():
-    assert protobuf.accepts_protobuf(PROTOBUF := protobuf.CONTENT_TYPE)
+    assert protobuf.accepts_protobuf(content_type := protobuf.CONTENT_TYPE)
     assert protobuf.accepts_protobuf(PROMETHEUS_242_ACCEPT)
     assert not protobuf.accepts_protobuf("")
     assert not protobuf.accepts_protobuf("text/plain;version=0.0.4")
     assert not protobuf.accepts_protobuf("application/openmetrics-text;version=1.0.0,text/plain;q=0.5")
-    assert not protobuf.accepts_protobuf(PROTOBUF + ";q=0.2,text/plain;version=0.0.4;q=0.5")
+    assert not protobuf.accepts_protobuf(content_type + ";q=0.2,text/plain;version=0.0.4;q=0.5")
     assert not protobuf.accepts_protobuf("application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
                                          "encoding=text")
 
@@ -50,7 +50,8 @@ def _registry(series: dict[tuple, list[int]]):
     for labels, counts in series.items():
         hist.add(labels, counts, 0.25)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families([hist.family(), family_of(metrics.COLLECTIVE_BYTES, {("n", "ALL_REDUCE", "c", "0"): 7})]))
+    registry.register(_Families([hist.family(),
+                                 family_of(metrics.COLLECTIVE_BYTES, {("n", "ALL_REDUCE", "c", "0"): 7})]))
     return registry
 
 

@@ -25,11 +25,11 @@ import pytest
 
 from exporter.simulator.cluster import NETNS_DIR, Cluster, start_job
 from exporter.simulator.truth import calls
+from conftest import REPO, wait_for_detaching
 from tests.retransmit_observer import Observer, allowed_blind, parse
 
 pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
-from conftest import REPO, wait_for_detaching
 QUERIES_MD = REPO / "docs" / "queries.md"
 LOSSY, CLEAN, STRAGGLER = 5, 0, 2
 # The probe's window encloses the library's own (tests/test_e2e_nccl.py) by the
@@ -217,7 +217,7 @@ def test_every_call_recorded_exactly_once(rec):
             continue
         recs.sort(key=lambda r: r["start_mono_ns"])
         assert [g[0] for g in got_by_thread[key]] == [r["op"] for r in recs]
-        for (op, d, ts), r in zip(got_by_thread[key], recs):
+        for (_op, d, ts), r in zip(got_by_thread[key], recs):
             true_d = r["end_mono_ns"] - r["start_mono_ns"]
             assert true_d <= d <= true_d + SLACK_NS
             assert abs(ts - r["start_real_ns"]) < SLACK_NS  # wall clock
@@ -331,7 +331,8 @@ def test_retransmit_rows_equal_an_independent_observer(rec):
                since_mono + offset, until_mono + offset)[0][0]
     mine = sum(1 for line in visible if " saddr=198.18.0.6 " in line)
     # Only hits bpf/tcp.c did not run for (counted in meta, see exporter.agent.loop.Agent.kernel_losses) may be missing.
-    skipped = int(rows(rec["dbs"]["lossy"], "SELECT value FROM meta WHERE key = 'lost_kernel_skipped_retransmits'")[0][0])
+    skipped = int(rows(rec["dbs"]["lossy"],
+                       "SELECT value FROM meta WHERE key = 'lost_kernel_skipped_retransmits'")[0][0])
     assert mine > 0 and own <= mine <= own + skipped, (own, mine, skipped)
 
 
@@ -391,7 +392,7 @@ def test_straggler_queries_name_the_slow_rank(rec):
         if r["nranks"] == 8:
             truth_starts.setdefault(r["pid"], []).append(r)
     by_seq = {}
-    for pid, recs in truth_starts.items():
+    for _pid, recs in truth_starts.items():
         for seq, r in enumerate(sorted(recs, key=lambda r: r["start_mono_ns"])):  # from 0
             by_seq.setdefault(seq, []).append((r["start_real_ns"], r["rank"]))
     checked = 0

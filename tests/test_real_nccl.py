@@ -268,7 +268,7 @@ def test_p2p_decode(traced, name, op, count, dtype, size, peer, stream):
     assert (e.bytes, e.result, e.red_op) == (count * size, NCCL_INVALID_ARGUMENT, -1)
 
 
-def test_bcast_counts_once_although_it_calls_ncclBroadcast(traced):
+def test_bcast_counts_once_although_it_calls_ncclBroadcast(traced):  # noqa: N802 - NCCL's function name
     objdump = shutil.which("objdump")
     if objdump:  # the premise: ncclBcast's body calls the probed ncclBroadcast
         exported = exported_functions(traced.lib_path)

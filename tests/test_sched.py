@@ -20,7 +20,7 @@ from conftest import pin, wait_for_detaching
 from exporter.records import metrics
 from exporter.sinks.prometheus import sched_families
 from exporter.records import histogram
-from exporter.sources.sched import SchedSource, runq_bucket
+from exporter.sources.sched import runq_bucket
 
 pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
@@ -82,8 +82,10 @@ def test_untraced_threads_never_enter_thread_sched(probes, sched):
     probes.trace_process(t2, 8)  # forked before it was traced: mark it as well
     seen_traced = set()
     try:
-        untraced.stdin.write("\n"); untraced.stdin.flush()
-        traced.stdin.write("\n"); traced.stdin.flush()
+        untraced.stdin.write("\n")
+        untraced.stdin.flush()
+        traced.stdin.write("\n")
+        traced.stdin.flush()
         deadline = time.monotonic() + 60
         while untraced.poll() is None or traced.poll() is None:
             tids = reader.tracked_threads()
@@ -141,7 +143,8 @@ def test_detached_between_jobs_then_attached_again(probes, sched):
             time.sleep(0.05)
 
     try:
-        pair.stdin.write("\n"); pair.stdin.flush()
+        pair.stdin.write("\n")
+        pair.stdin.flush()
         wait_for(lambda: totals()[0] > 100 and {t1, t2} <= sched.tracked_threads(), "never measured")
         sched.set_hot(False)
         assert not sched.hot
@@ -246,7 +249,8 @@ def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, mode, re
             job.kill()
 
     base, starved = _delta(t0, t1), _delta(t1, t2)
-    mean = lambda d: d[0] / max(d[1], 1)
+    def mean(d):
+        return d[0] / max(d[1], 1)
     report = (f"baseline (ns, samples) per rank {base}; hog {starved}; "
               f"means base {[round(mean(d)) for d in base]} hog {[round(mean(d)) for d in starved]}")
     print(report)
@@ -322,7 +326,7 @@ def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
     waits = rows(db, "SELECT timestamp_ns, duration_ns, pid, tid, rank, thread, comm, op FROM sched_events")
     assert waits and int(meta["sched_events_recorded"]) == len(waits)
     assert {w[2] for w in waits} <= set(result.pids)  # traced processes only
-    for ts, dur, pid, tid, rank, thread, comm, op in waits:
+    for _ts, dur, pid, _tid, rank, thread, comm, _op in waits:
         assert dur >= 1 and rank == rank_of[pid] and thread in ("caller", "proxy", "other"), (pid, rank, thread)
         assert (thread == "proxy") == comm.startswith("NCCL "), (thread, comm)
     assert {w[5] for w in waits} >= {"caller", "proxy"}
@@ -335,7 +339,7 @@ def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
     for tid, op, ts, dur, wait in calls:
         by_tid.setdefault(tid, []).append((ts, ts + dur, op, wait or 0))
     summed: dict[tuple, int] = {}
-    for ts, dur, pid, tid, rank, thread, comm, op in waits:
+    for ts, dur, _pid, tid, _rank, _thread, _comm, op in waits:
         if op is None:
             continue
         end = ts + dur

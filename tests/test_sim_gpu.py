@@ -15,14 +15,13 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from exporter.sources.nccl import hashing
 from exporter.sources.plugin.build import build_plugin
 from exporter.simulator.build import build_library
-from exporter.simulator.cluster import Cluster, run_job, start_job
+from exporter.simulator.cluster import Cluster, run_job
 from exporter.simulator.truth import calls, gpu_events, gpu_kernels, load_truth
 
 from conftest import REPO
@@ -337,7 +336,8 @@ def test_cluster_gpu_time_matches_truth(lib, plugin, tmp_path, capsys):
     done = {}
     for r in log:
         if r["event"] == "done":
-            k = (pid_rank[int(r["pid"])], r["kind"], r["op"], int(r["seq"]), int(r["peer"]) if r["kind"] == "p2p" else -1)
+            k = (pid_rank[int(r["pid"])], r["kind"], r["op"], int(r["seq"]),
+                 int(r["peer"]) if r["kind"] == "p2p" else -1)
             assert k not in done, k
             done[k] = r
     assert not [r for r in log if r["event"] == "abandoned"]

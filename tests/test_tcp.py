@@ -330,10 +330,12 @@ def test_socket_owner_map_stays_bounded(probes, reader):
                           stdout=subprocess.PIPE, text=True)
         try:
             probes.trace_process(p.pid, 0)
-            p.stdin.write("go\n"); p.stdin.flush()
+            p.stdin.write("go\n")
+            p.stdin.flush()
             assert p.stdout.readline().strip() == "10"
             owned = [k for k, v in reader["sock_owner"].items() if v.tgid == p.pid]
-            p.stdin.write("end\n"); p.stdin.flush()
+            p.stdin.write("end\n")
+            p.stdin.flush()
             assert p.wait(timeout=30) == 0
         finally:
             if p.poll() is None:
@@ -374,7 +376,8 @@ def test_resets_are_counted_and_attributed(probes, reader, events):
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 procs.append(p)
                 probes.trace_process(p.pid, i)
-                p.stdin.write("go\n"); p.stdin.flush()
+                p.stdin.write("go\n")
+                p.stdin.flush()
                 if role == "server":
                     assert p.stdout.readline().strip() == "ready"
             server, client = procs

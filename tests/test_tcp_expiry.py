@@ -110,7 +110,8 @@ def exchange(cluster, probes, ranks, port, stay=False):
             procs.append(p)
             probes.trace_process(p.pid, i)
             ranks.rank[p.pid] = i
-            p.stdin.write("go\n"); p.stdin.flush()
+            p.stdin.write("go\n")
+            p.stdin.flush()
             if role == "server":
                 assert p.stdout.readline().strip() == "ready"
         server, client = procs
@@ -222,7 +223,8 @@ def test_label_set_shared_with_a_living_owner_never_decreases(probes, tcp, sched
             assert not [s for s in sched.stats() if s.pid == ended.pid]
             # The clients (rank 0) shared no set with a living owner: gone whole.
             assert not [k for k in history[-1][0] if dict(k[1])["rank"] == "0"]
-            living.stdin.write("end\n"); living.stdin.flush()
+            living.stdin.write("end\n")
+            living.stdin.flush()
             assert living.wait(timeout=30) == 0
         finally:
             if living.poll() is None:

@@ -80,7 +80,7 @@ def test_kernel_updates_survive_user_space_tracing(probes):
             ready, stop = threading.Event(), threading.Event()
             seen = {}
 
-            def worker():
+            def worker(seen=seen, ready=ready, stop=stop):
                 seen["tid"] = threading.get_native_id()
                 ready.set()
                 stop.wait()

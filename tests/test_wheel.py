@@ -124,7 +124,8 @@ def test_version_from_the_wheel(installed):
 def test_demo_runs_from_the_wheel(installed, tmp_path, bpf, netns):
     """The demo builds the simulator and the plugin outside the (absent) repository."""
     cache = tmp_path / "cache"
-    p = run_installed(installed, "demo", "--seconds", "5", "--ranks", "4", "--lossy-rank", "1", "--straggler-rank", "2", timeout=240,
+    p = run_installed(installed, "demo", "--seconds", "5", "--ranks", "4", "--lossy-rank", "1", "--straggler-rank", "2",
+                      timeout=240,
                       env={"XDG_CACHE_HOME": str(cache)})
     out = p.stdout + p.stderr
     assert "Traceback" not in out, out

@@ -278,10 +278,13 @@ def uprobe_facts(work: Path) -> str:
                    "__attribute__((noinline)) int bench_gpu_target(int x) { return x + 1; }\n"
                    "int main(int c, char **v) {\n"
                    "  if (c > 1 && !strcmp(v[1], \"offset\")) {  /* file offset of the target */\n"
-                   "    FILE *f = fopen(\"/proc/self/maps\", \"r\"); char l[512]; uintptr_t a = (uintptr_t)&bench_gpu_target;\n"
-                   "    while (fgets(l, sizeof l, f)) { unsigned long s, e, o; if (sscanf(l, \"%lx-%lx %*s %lx\", &s, &e, &o) == 3"
+                   "    FILE *f = fopen(\"/proc/self/maps\", \"r\"); char l[512];"
+                   " uintptr_t a = (uintptr_t)&bench_gpu_target;\n"
+                   "    while (fgets(l, sizeof l, f)) { unsigned long s, e, o;"
+                   " if (sscanf(l, \"%lx-%lx %*s %lx\", &s, &e, &o) == 3"
                    " && a >= s && a < e) { printf(\"0x%lx\\n\", a - s + o); return 0; } }\n    return 1; }\n"
-                   "  volatile int s = 0; for (int i = 0; i < 5; i++) s += bench_gpu_target(i); return s == 15 ? 0 : 2; }\n")
+                   "  volatile int s = 0; for (int i = 0; i < 5; i++) s += bench_gpu_target(i);"
+                   " return s == 15 ? 0 : 2; }\n")
     exe = work / "probe_target"
     b = subprocess.run(["gcc", "-O0", "-o", str(exe), str(src)], capture_output=True, text=True)
     if b.returncode:
@@ -297,7 +300,7 @@ def uprobe_facts(work: Path) -> str:
         inst.mkdir()
         (inst / "events" / group / "target" / "enable").write_text("1")
         subprocess.run([str(exe)], check=False)
-        hits = (inst / "trace").read_text().count(f"target:")
+        hits = (inst / "trace").read_text().count("target:")
         (inst / "events" / group / "target" / "enable").write_text("0")
         return "ok" if hits == 5 else f"the uprobe fired {hits} times for 5 calls"
     except OSError as e:
@@ -372,7 +375,8 @@ def bcc_from_debs(work: Path) -> str | None:
             return f"cannot unpack {deb.name}: {(r.stderr.strip().splitlines() or ['?'])[-1][:150]}"
     arch = f"{platform.machine()}-linux-gnu"
     env = dict(os.environ, PYTHONPATH=str(root / "usr/lib/python3/dist-packages"),
-               LD_LIBRARY_PATH=":".join(str(p) for p in (root / "usr/lib" / arch, root / "usr/lib" / arch / "llvm-14/lib")))
+               LD_LIBRARY_PATH=":".join(str(p) for p in (root / "usr/lib" / arch,
+                                                          root / "usr/lib" / arch / "llvm-14/lib")))
     prog = ("import bcc; b = bcc.BPF(text='int probe(void *ctx) { return 0; }'); "
             "b.attach_uprobe(name='c', sym='getpid', fn_name='probe'); print('loaded')")
     p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, env=env, timeout=120)
@@ -431,7 +435,7 @@ def main(argv=None) -> int:
         if a.simulate:
             from exporter.simulator.build import build_library
             ctx.lib = build_library(work / "simlib")
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any failure to build is the setup's verdict
         msg = getattr(e, "stderr", "") or str(e)
         record(Verdict("setup", "ERROR", [f"cannot build: {msg.strip()[:300]}"]))
         a.parts = ""
@@ -452,7 +456,7 @@ def main(argv=None) -> int:
             v = PARTS[part](ctx)
             if time.monotonic() >= ctx.part_end and v.status == "PASS":
                 v.status = "TIMEOUT"
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a part's failure is its verdict; the next part runs
             (work / f"{part}-error.txt").write_text(traceback.format_exc())
             v = Verdict(part, "ERROR", [f"{type(e).__name__}: {e}"])
         v.lines.append(f"({time.monotonic() - t0:.0f} s)")

@@ -167,7 +167,8 @@ def check_rank(calls: list[dict], recs: list[dict], nccl_version: tuple | None =
     fins = [r for r in recs if r.get("event") == "finalize"]
     bad_calls = [c for c in calls if not c.get("ok", False)]
     if bad_calls:
-        fails.append(f"{len(bad_calls)} calls gave wrong results (first: {bad_calls[0]['op']} {bad_calls[0]['bytes']} B)")
+        fails.append(f"{len(bad_calls)} calls gave wrong results "
+                     f"(first: {bad_calls[0]['op']} {bad_calls[0]['bytes']} B)")
     # the interface version NCCL chose
     ifaces = sorted({r.get("iface", "?") for r in inits})
     info.append(f"interface {','.join(ifaces) or 'none'} over {len(inits)} communicator init(s)")
@@ -230,7 +231,8 @@ def check_rank(calls: list[dict], recs: list[dict], nccl_version: tuple | None =
     if want_p2p:
         info.append("P2p records expected: " + ", ".join(
             f"{op} x{n}: {len(want_p2p_of(want_p2p, op)[0]['expect'].get('Send', []))} Send + "
-            f"{len(want_p2p_of(want_p2p, op)[0]['expect'].get('Recv', []))} Recv each" for op, n in sorted(stated.items())))
+            f"{len(want_p2p_of(want_p2p, op)[0]['expect'].get('Recv', []))} Recv each"
+            for op, n in sorted(stated.items())))
     if len(p2p) != want_n:
         fails.append(f"P2p: {want_n} records expected, {len(p2p)} found "
                      f"({Counter(r['op'] for r in p2p)})")
@@ -367,8 +369,9 @@ def check_faults(plugin: list[dict], control: list[dict], records: list[dict]) -
         fails.append("finalize's pending counts differ from the abandoned records it emitted")
     if not ab:
         fails.append("no abandoned record: the collective cut off by the kill was not reported")
-    return Verdict("d", "FAIL" if fails else "PASS", (fails or ["survivors fail as without the plugin; "
-                                                                "abandoned records reported, finalize released all"]) + info)
+    return Verdict("d", "FAIL" if fails else "PASS",
+                   (fails or ["survivors fail as without the plugin; "
+                              "abandoned records reported, finalize released all"]) + info)
 
 
 # --- part c: CUDA graphs -------------------------------------------------------------
@@ -379,19 +382,21 @@ def check_graphs(result: dict, records: list[dict]) -> Verdict:
     replay: one done record per captured op and replay (the capture itself may
     add one)."""
     fails, info = [], []
-    R = int(result.get("replays", 0))
+    replays = int(result.get("replays", 0))
     done = [r for r in records if r.get("event") == "done" and int(r.get("pid", -1)) == result.get("pid")]
     ab = [r for r in records if r.get("event") == "abandoned" and int(r.get("pid", -1)) == result.get("pid")]
     for op, nbytes in sorted(result.get("captured", {}).items()):
         rs = [r for r in done if r["op"] == op and int(r["bytes"]) == int(nbytes)]
         seqs = [int(r["seq"]) for r in rs]
-        info.append(f"{op} {nbytes} B: {len(rs)} records for {R} replays; seq {sorted(set(seqs))[:5]}"
+        info.append(f"{op} {nbytes} B: {len(rs)} records for {replays} replays; seq {sorted(set(seqs))[:5]}"
                     f"{'...' if len(set(seqs)) > 5 else ''} ({len(set(seqs))} distinct)")
-        if len(rs) not in (R, R + 1):
-            fails.append(f"{op}: {len(rs)} GPU records for {R} replays (the GPU series would not count the replays)")
+        if len(rs) not in (replays, replays + 1):
+            fails.append(f"{op}: {len(rs)} GPU records for {replays} replays "
+                         "(the GPU series would not count the replays)")
         rej = [r for r in rs if int(r.get("flags", "0"), 16) & F_REJECTED]
         if rej:
-            fails.append(f"{op}: {len(rej)} replayed intervals judged implausible (flags {sorted({r['flags'] for r in rej})})")
+            fails.append(f"{op}: {len(rej)} replayed intervals judged implausible "
+                         f"(flags {sorted({r['flags'] for r in rej})})")
         el = result.get("replay_elapsed_ns") or []
         if el and rs:
             longest = max(gpu_ns(r) for r in rs)

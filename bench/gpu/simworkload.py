@@ -40,27 +40,27 @@ def buf(n: int, v: float = 0.0):
 
 def main() -> int:
     lib, d, world = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    L = ctypes.CDLL(lib)
+    nccl = ctypes.CDLL(lib)
     c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-    L.ncclAllReduce.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
-    L.ncclAllGather.argtypes = [c_p, c_p, c_sz, c_i, c_p, c_p]
-    L.ncclReduceScatter.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
-    L.ncclBroadcast.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
-    L.ncclSend.argtypes = [c_p, c_sz, c_i, c_i, c_p, c_p]
-    L.ncclRecv.argtypes = [c_p, c_sz, c_i, c_i, c_p, c_p]
-    L.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
-    L.ncclCommDestroy.argtypes = [c_p]
-    L.simStreamSynchronize.argtypes = [c_p]
+    nccl.ncclAllReduce.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
+    nccl.ncclAllGather.argtypes = [c_p, c_p, c_sz, c_i, c_p, c_p]
+    nccl.ncclReduceScatter.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
+    nccl.ncclBroadcast.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
+    nccl.ncclSend.argtypes = [c_p, c_sz, c_i, c_i, c_p, c_p]
+    nccl.ncclRecv.argtypes = [c_p, c_sz, c_i, c_i, c_p, c_p]
+    nccl.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
+    nccl.ncclCommDestroy.argtypes = [c_p]
+    nccl.simStreamSynchronize.argtypes = [c_p]
     comms = (c_p * world)()
-    assert L.ncclCommInitAll(comms, world, None) == 0
+    assert nccl.ncclCommInitAll(comms, world, None) == 0
 
     def group(fn):
-        assert L.ncclGroupStart() == 0
+        assert nccl.ncclGroupStart() == 0
         for r in range(world):
             fn(r)
-        assert L.ncclGroupEnd() == 0
+        assert nccl.ncclGroupEnd() == 0
         for r in range(world):
-            assert L.simStreamSynchronize(comms[r]) == 0
+            assert nccl.simStreamSynchronize(comms[r]) == 0
 
     calls = defaultdict(list)  # rank -> [(call dict, truth keys)]
     coll_seq = defaultdict(int)  # (rank, op) -> next seq
@@ -76,21 +76,21 @@ def main() -> int:
     for size in SIZES:
         n = size // 4
         b = [buf(n, r + 1.0) for r in range(world)]
-        group(lambda r: L.ncclAllReduce(b[r][1], b[r][1], n, F32, SUM, comms[r], None))
+        group(lambda r: nccl.ncclAllReduce(b[r][1], b[r][1], n, F32, SUM, comms[r], None))
         for r in range(world):
             coll(r, "AllReduce", "ALL_REDUCE", size, b[r][0][0] == total and b[r][0][-1] == total)
         src = [buf(n, float(r)) for r in range(world)]
         dst = [buf(world * n) for _ in range(world)]
-        group(lambda r: L.ncclAllGather(src[r][1], dst[r][1], n, F32, comms[r], None))
+        group(lambda r: nccl.ncclAllGather(src[r][1], dst[r][1], n, F32, comms[r], None))
         for r in range(world):
             coll(r, "AllGather", "ALL_GATHER", size, all(dst[r][0][k * n] == k for k in range(world)))
         src = [buf(world * n, r + 1.0) for r in range(world)]
         dst = [buf(n) for _ in range(world)]
-        group(lambda r: L.ncclReduceScatter(src[r][1], dst[r][1], n, F32, SUM, comms[r], None))
+        group(lambda r: nccl.ncclReduceScatter(src[r][1], dst[r][1], n, F32, SUM, comms[r], None))
         for r in range(world):
             coll(r, "ReduceScatter", "REDUCE_SCATTER", size, dst[r][0][0] == total)
         b = [buf(n, float(r)) for r in range(world)]
-        group(lambda r: L.ncclBroadcast(b[r][1], b[r][1], n, F32, 0, comms[r], None))
+        group(lambda r: nccl.ncclBroadcast(b[r][1], b[r][1], n, F32, 0, comms[r], None))
         for r in range(world):
             coll(r, "Broadcast", "BROADCAST", size, b[r][0][-1] == 0.0)
         # AllToAll as grouped Send/Recv to every other rank
@@ -101,8 +101,8 @@ def main() -> int:
         def a2a(r):
             for p in range(world):
                 if p != r:
-                    L.ncclSend(ctypes.c_void_p(src[r][1].value + 4 * chunk * p), chunk, F32, p, comms[r], None)
-                    L.ncclRecv(ctypes.c_void_p(dst[r][1].value + 4 * chunk * p), chunk, F32, p, comms[r], None)
+                    nccl.ncclSend(ctypes.c_void_p(src[r][1].value + 4 * chunk * p), chunk, F32, p, comms[r], None)
+                    nccl.ncclRecv(ctypes.c_void_p(dst[r][1].value + 4 * chunk * p), chunk, F32, p, comms[r], None)
         group(a2a)
         for r in range(world):
             keys = []
@@ -116,7 +116,8 @@ def main() -> int:
                               "expect": {"Send": [chunk * 4] * (world - 1), "Recv": [chunk * 4] * (world - 1)}}, keys))
         # Send/Recv: even ranks send to the next
         b = [buf(n, float(r)) for r in range(world)]
-        group(lambda r: (L.ncclSend if r % 2 == 0 else L.ncclRecv)(b[r][1], n, F32, r + 1 if r % 2 == 0 else r - 1,
+        group(lambda r: (nccl.ncclSend if r % 2 == 0 else nccl.ncclRecv)(b[r][1], n, F32,
+                                                                         r + 1 if r % 2 == 0 else r - 1,
                                                                    comms[r], None))
         for r in range(world):
             p, k = (r + 1, "SEND") if r % 2 == 0 else (r - 1, "RECV")
@@ -126,7 +127,7 @@ def main() -> int:
                              [(k, p2p_seq[(r, p, k)], p)]))
             p2p_seq[(r, p, k)] += 1
     for r in range(world):
-        assert L.ncclCommDestroy(comms[r]) == 0
+        assert nccl.ncclCommDestroy(comms[r]) == 0
 
     # the stream's kernel intervals stand in for the CUDA events
     truth = {}

@@ -128,7 +128,7 @@ def fault(rank: int, world: int, dev, d: Path, res: dict) -> None:
             w.wait()
             sync()
         res["outcome"] = "completed"
-    except Exception as e:  # what the survivor sees: the same with and without the plugin
+    except Exception as e:  # noqa: BLE001 - what the survivor sees: the same with and without the plugin
         t_err = time.monotonic()
         res["outcome"] = type(e).__name__
         res["message"] = (str(e).splitlines() or [""])[0][:300]
@@ -214,13 +214,13 @@ def main() -> int:
         elif mode == "cost":
             cost(rank, world, dev, d, res)
         sync()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the error goes into the result file
         res["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
     rpath.write_text(json.dumps(res))  # before teardown: a hang there keeps the result
     try:
         dist.destroy_process_group()
         res["destroy"] = "ok"
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the error goes into the result file
         res["destroy"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
     rpath.write_text(json.dumps(res))
     return 0

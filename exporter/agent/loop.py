@@ -279,7 +279,7 @@ class Agent:
                 with self.lock:
                     if self.plugin.attach(path):
                         log.info("attached the profiler plugin's hooks in %s", path)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - one process's plugin failing to attach is a warning, the agent goes on
                 log.warning("%s", str(e).splitlines()[0])
         self._discover_plugins(None if scan else [k.value for k in self.probes["traced_processes"].keys()])
 
@@ -292,7 +292,7 @@ class Agent:
                 found = self.plugin.discover(pids)
             for path in found:
                 log.info("attached the profiler plugin's hooks in %s", path)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a failed scan is a warning, the agent goes on
             log.warning("profiler plugin scan: %s", str(e).splitlines()[0])
 
     # --- events ------------------------------------------------------------

@@ -123,7 +123,7 @@ def bpf_map_create_works() -> tuple[bool, str]:
 def check_bpf_syscall(probe: Callable[[], tuple[bool, str]] = bpf_map_create_works) -> Check:
     try:
         ok, detail = probe()
-    except Exception as e:  # ctypes trouble: report, do not crash the check
+    except Exception as e:  # noqa: BLE001 - ctypes trouble: report, do not crash the check
         ok, detail = False, f"bpf syscall probe crashed: {e}"
     if not ok:
         detail += (" — needs CAP_SYS_ADMIN (or CAP_BPF); check kernel.unprivileged_bpf_disabled, "
@@ -219,7 +219,7 @@ def check_kernel_headers(modules_root: str = "/lib/modules", release: str | None
 def check_bcc(module: str = "bcc") -> Check:
     try:
         mod = importlib.import_module(module)
-    except Exception as e:  # ImportError, or OSError when libbcc.so is missing
+    except Exception as e:  # noqa: BLE001 - ImportError, or OSError when libbcc.so is missing
         return Check("bcc module", False, True,
                      f"import {module} failed: {e} — run 'make deps venv' (Debian python3-bpfcc, "
                      f"linked into .venv; never 'pip install bcc', that is another project)")
@@ -237,7 +237,7 @@ def check_nccl(nccl_libs: Iterable[str] = (), proc: str = "/proc") -> Check:
         return Check("nccl libraries", False, True, str(e))
     try:
         mapped = libfind.mapped_nccl_libraries(proc)
-    except Exception as e:  # never let discovery break the report
+    except Exception as e:  # noqa: BLE001 - never let discovery break the report
         mapped = []
         scan_err = f" (scan failed: {e})"
     else:
@@ -281,7 +281,7 @@ def _stale_note(path: str) -> str:
         newest = max(f.stat().st_mtime for f in build._sources(build.source_dir()))
         if os.stat(path).st_mtime < newest:
             return f" (older than its sources: {_PLUGIN_HINT} to rebuild)"
-    except Exception:  # no sources (installed elsewhere): nothing to compare
+    except Exception:  # noqa: BLE001 - no sources (installed elsewhere): nothing to compare
         pass
     return ""
 
@@ -293,7 +293,7 @@ def check_plugin(path: str | None = None) -> list[Check]:
     if path is None:
         try:
             path = plugin_library()
-        except Exception as e:  # sources missing in an odd install: report, do not crash
+        except Exception as e:  # noqa: BLE001 - sources missing in an odd install: report, do not crash
             return [Check("plugin build", False, False, f"cannot locate the profiler plugin: {e}"),
                     Check("plugin load", False, False, "not built"),
                     Check("plugin ifaces", False, False, "not built")]

@@ -220,10 +220,12 @@ def report_gpu(host, gpu, straggler: int) -> None:
     print("  rank   calls   host p50   host p99  |  on GPU   GPU p50    GPU p99")
     for rank in sorted(comms[world], key=lambda r: int(r) if r.isdigit() else 1 << 30):
         h, g = host[(world, rank)], gpu.get((world, rank))
-        gpu_cols = (f"{sum(g):7d} {histogram.quantile(g, 0.5) * 1e3:7.2f} ms {histogram.quantile(g, 0.99) * 1e3:7.2f} ms"
+        gpu_cols = (f"{sum(g):7d} {histogram.quantile(g, 0.5) * 1e3:7.2f} ms "
+                    f"{histogram.quantile(g, 0.99) * 1e3:7.2f} ms"
                     if g else "      -  (no GPU series: the plugin did not load)")
         note = "  <- straggler" if rank == str(straggler) else ""
-        print(f"  {rank:>4} {sum(h):7d} {histogram.quantile(h, 0.5) * 1e3:7.3f} ms {histogram.quantile(h, 0.99) * 1e3:7.3f} ms"
+        print(f"  {rank:>4} {sum(h):7d} {histogram.quantile(h, 0.5) * 1e3:7.3f} ms "
+              f"{histogram.quantile(h, 0.99) * 1e3:7.3f} ms"
               f"  | {gpu_cols}{note}")
     print(
         f"\nWhat this says: on a GPU, ncclAllReduce returns once the collective is enqueued on the\n"

@@ -52,7 +52,8 @@ def add_parser(sub) -> None:
                                "  nccl-exporter fleet query --nodes-file nodes.txt --clock\n")
     _common(q)
     q.add_argument("--format", choices=["table", "csv", "json"], default="table",
-                   help="table (default, aligned columns), csv (with a header row) or json (an array of one object per row)")
+                   help="table (default, aligned columns), csv (with a header row) "
+                        "or json (an array of one object per row)")
     q.add_argument("--max-rows", type=positive_int, metavar="N",
                    help="rows per node at most (the node's own cap applies too)")
     q.add_argument("--summary", action="store_true",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from exporter.cli.common.options import CliError, parse_listen
@@ -52,7 +53,7 @@ def main(args) -> int:
         raise CliError(str(e)) from None
     try:
         timeout = parse_duration(args.timeout)
-    except Exception as e:  # argparse.ArgumentTypeError
+    except argparse.ArgumentTypeError as e:
         raise CliError(f"--timeout: {e}") from None
     if args.concurrency < 1:
         raise CliError("--concurrency: at least 1")

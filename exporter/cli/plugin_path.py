@@ -24,7 +24,7 @@ def main(args) -> int:
 
     try:
         path = build_plugin()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any build failure is the one-line error
         raise CliError(f"cannot build the profiler plugin: {str(e).splitlines()[0]}") from None
     print(path)
     return 0

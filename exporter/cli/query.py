@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
     q.add_argument("db", metavar="DB", help="the recording (.db)")
     q.add_argument("sql", metavar="SQL", help="one SELECT (or WITH ...) statement")
     q.add_argument("--format", choices=["table", "csv", "json"], default="table",
-                   help="table (default, aligned columns), csv (with a header row) or json (an array of one object per row)")
+                   help="table (default, aligned columns), csv (with a header row) "
+                        "or json (an array of one object per row)")
     q.set_defaults(func=main)
 
 

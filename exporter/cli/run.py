@@ -293,7 +293,8 @@ def start_tracing(args, cfg, agent, node):
     policy = agent.slow
     sink = SpanSink(node, exporter, agent.processes,
                     slow=agent.slow.is_slow if agent.config.record_all else None,
-                    gpu_slow=(lambda e: e.duration_ns >= policy.threshold_ns(e.op)) if agent.config.record_all else None)
+                    gpu_slow=((lambda e: e.duration_ns >= policy.threshold_ns(e.op))
+                              if agent.config.record_all else None))
     announce(f"spans of slow calls -> {endpoint} (OTLP {protocol})")
     return sink
 
@@ -332,7 +333,8 @@ def open_query_endpoint(args):
         raise CliError(str(e).replace("--listen", "--query-listen")) from None
     try:
         return endpoint.QueryEndpoint(
-            args.db, node="", token=protocol.read_token(args.query_token_file, "--query-token-file"), host=host, port=port,
+            args.db, node="", token=protocol.read_token(args.query_token_file, "--query-token-file"),
+            host=host, port=port,
             tls_cert=args.query_tls_cert, tls_key=args.query_tls_key,
             max_rows=args.query_max_rows or endpoint.DEFAULT_MAX_ROWS,
             time_limit=args.query_time_limit or endpoint.DEFAULT_TIME_LIMIT_S)

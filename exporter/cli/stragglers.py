@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
                             "verdict (slow link, GPU straggler); any NET transport (docs/network.md)")
     p.add_argument("--no-align", action="store_true", help="raw node clocks: no skew correction")
     p.add_argument("--format", choices=["table", "csv", "json"], default="table",
-                   help="table (default, aligned columns), csv (with a header row) or json (an array of one object per row)")
+                   help="table (default, aligned columns), csv (with a header row) "
+                        "or json (an array of one object per row)")
     p.set_defaults(func=main)
 
 

@@ -83,7 +83,7 @@ def native_expr(expr: str) -> str:
                  lambda m: m[0] if m[1] in BUCKETLESS else f"label_values({m[1]}", out)
     # `le` leaves every grouping and matching clause
     out = re.sub(r"\b(by|on|without|ignoring)\s*\(([^)]*)\)",
-                 lambda m: f"{m[1]} ({', '.join(x.strip() for x in m[2].split(',') if x.strip() and x.strip() != 'le')})",
+                 lambda m: f"{m[1]} ({', '.join(x.strip() for x in m[2].split(',') if x.strip() not in ('', 'le'))})",
                  out)
     return out
 
@@ -155,7 +155,8 @@ def _inline_time_histogram(text: str) -> str:
         new = _BUCKET_QUANTILE.sub(expand, body)
         return m["head"] + textwrap.indent(new, indent)
 
-    return re.sub(r"(?P<head>^(?P<hi> *)expr: \|\n)(?P<body>(?:(?P<indent>(?P=hi)  +)\S.*\n(?:(?P=indent).*\n|\s*\n)*))",
+    return re.sub(r"(?P<head>^(?P<hi> *)expr: \|\n)"
+                  r"(?P<body>(?:(?P<indent>(?P=hi)  +)\S.*\n(?:(?P=indent).*\n|\s*\n)*))",
                   expr_block, text, flags=re.M)
 
 

@@ -229,7 +229,7 @@ class Classic:
         double of the bound prints in up to 21."""
         return list(self._le_seconds(layout))
 
-    @cache  # every text scrape asks, per family; fine's bounds take ~2 ms to find
+    @cache  # noqa: B019 - two instances, CLASSIC's, alive as long as the process; every text scrape asks, per family; fine's bounds take ~2 ms to find
     def _le_seconds(self, layout: Layout) -> tuple[float, ...]:
         if self.step % PER_OCTAVE == 0:
             return tuple(2.0 ** (i // PER_OCTAVE) for i in self.bounds(layout))

@@ -14,7 +14,7 @@ from ctypes import c_int, c_size_t, c_void_p
 NCCL_UNIQUE_ID_BYTES = 128
 
 
-class ncclUniqueId(ctypes.Structure):
+class ncclUniqueId(ctypes.Structure):  # noqa: N801 - NCCL's type name
     _fields_ = [("internal", ctypes.c_char * NCCL_UNIQUE_ID_BYTES)]
 
 
@@ -33,7 +33,7 @@ class Nccl:
 
     def __init__(self, path: str, rank: int):
         self.lib = ctypes.CDLL(path)
-        L = self.lib
+        lib = self.lib
         pcomm = ctypes.POINTER(c_void_p)
         protos = {
             "ncclGetVersion": [ctypes.POINTER(c_int)],
@@ -59,22 +59,22 @@ class Nccl:
             "ncclRecv": [c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p],
         }
         for name, args in protos.items():
-            f = getattr(L, name)
+            f = getattr(lib, name)
             f.argtypes = args
             f.restype = c_int
-        L.ncclGetErrorString.argtypes = [c_int]
-        L.ncclGetErrorString.restype = ctypes.c_char_p
+        lib.ncclGetErrorString.argtypes = [c_int]
+        lib.ncclGetErrorString.restype = ctypes.c_char_p
         self.ncalls = 0
         # GPU-like mode (NCCL_SIM_GPU=1): calls only enqueue; results are there after
         # simStreamSynchronize (the simulator's cudaStreamSynchronize). With autosync
         # every collective is followed by one, so the checking workloads stay correct.
-        self.gpu = os.environ.get("NCCL_SIM_GPU", "0") not in ("", "0") and hasattr(L, "simStreamSynchronize")
+        self.gpu = os.environ.get("NCCL_SIM_GPU", "0") not in ("", "0") and hasattr(lib, "simStreamSynchronize")
         self.autosync = self.gpu
         self._group_comms: list = []
         self._group_depth = 0
         if self.gpu:
-            L.simStreamSynchronize.argtypes = [c_void_p]
-            L.simStreamSynchronize.restype = c_int
+            lib.simStreamSynchronize.argtypes = [c_void_p]
+            lib.simStreamSynchronize.restype = c_int
         # An opaque, per-rank "stream" handle (host memory stands in for the GPU).
         self._stream_obj = ctypes.create_string_buffer(64)
         self.stream = c_void_p(ctypes.addressof(self._stream_obj))

@@ -38,7 +38,7 @@ _saved_handlers: dict[int, object] = {}
 _atexit_registered = False
 
 
-def _run(argv: list[str], check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+def _run(argv: list[str], check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:  # noqa: A002 - subprocess.run's name
     p = subprocess.run(argv, capture_output=True, text=True, input=input)
     if check and p.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {p.stderr.strip() or p.stdout.strip()} (rc={p.returncode})")
@@ -108,7 +108,7 @@ def _close_all() -> None:
     for c in clusters:
         try:
             c.close()
-        except Exception as e:  # pragma: no cover - best effort at exit
+        except Exception as e:  # noqa: BLE001 - best effort at exit  # pragma: no cover
             print(f"ncclsim: cleanup of {c.name} failed: {e}", file=sys.stderr)
 
 
@@ -235,7 +235,7 @@ class Cluster:
             raise
         return self
 
-    def _ns(self, ns: str, *argv: str, check: bool = True, input: str | None = None):
+    def _ns(self, ns: str, *argv: str, check: bool = True, input: str | None = None):  # noqa: A002 - subprocess.run's name
         return _run(["ip", "-n", ns, *argv], check=check, input=input)
 
     def _create(self) -> None:

@@ -161,7 +161,8 @@ class Rank:
         self.nccl("ncclSend", sb, count, dt, nxt, comm, self.nccl.stream)
         self.nccl("ncclRecv", rb, count, dt, prv, comm, self.nccl.stream)
         self.nccl("ncclGroupEnd")
-        self.check("ncclSend/ncclRecv", dt, self.read(dt, rb, count), [((prv * 13 + i + it) % 97) for i in range(count)])
+        self.check("ncclSend/ncclRecv", dt, self.read(dt, rb, count),
+                   [((prv * 13 + i + it) % 97) for i in range(count)])
 
     # -------- workloads
     def run_allreduce(self):
@@ -258,18 +259,18 @@ class Rank:
         --no-check: zero-filled buffers and no result checks (the Python
         reference values would cost more than the collective: benches)."""
         r, n, cnt = self.rank, self.n, self.a.count
-        L = self.nccl
+        nccl = self.nccl
         world = self.comm_init("world")
         solo = c_void_p()
-        L("ncclCommSplit", world, r, 0, ctypes.byref(solo), None)
+        nccl("ncclCommSplit", world, r, 0, ctypes.byref(solo), None)
         self.allreduce(solo, 0, 1, FLOAT32, SUM, 0, cnt)
-        L.sync(solo)
-        L("ncclCommDestroy", solo)
-        L.autosync = False
+        nccl.sync(solo)
+        nccl("ncclCommDestroy", solo)
+        nccl.autosync = False
         pending = []
 
         def settle():
-            L.sync(world)
+            nccl.sync(world)
             for what, dt, b, c, want in pending:
                 if what != "keep":  # "keep": a send buffer held until the stream is done with it
                     self.check(what, dt, self.read(dt, b, c), want)
@@ -279,7 +280,7 @@ class Rank:
             self.delay()
             if self.a.no_check:
                 sb, rb = self.buf(FLOAT32, count=cnt), self.buf(FLOAT32, count=cnt)
-                L("ncclAllReduce", sb, rb, cnt, FLOAT32, SUM, world, L.stream)
+                nccl("ncclAllReduce", sb, rb, cnt, FLOAT32, SUM, world, nccl.stream)
                 pending.append(("keep", FLOAT32, sb, 0, []))
                 pending.append(("keep", FLOAT32, rb, 0, []))
                 if self.a.sync_every > 0 and (it + 1) % self.a.sync_every == 0:
@@ -287,17 +288,17 @@ class Rank:
                 continue
             vals = [self.values(FLOAT32, SUM, q, it, cnt) for q in range(n)]
             sb, rb = self.buf(FLOAT32, vals[r]), self.buf(FLOAT32, count=cnt)
-            L("ncclAllReduce", sb, rb, cnt, FLOAT32, SUM, world, L.stream)
+            nccl("ncclAllReduce", sb, rb, cnt, FLOAT32, SUM, world, nccl.stream)
             pending.append((f"ncclAllReduce#{it}", FLOAT32, rb, cnt, reduce_expected(FLOAT32, SUM, vals)))
             pending.append(("keep", FLOAT32, sb, 0, []))
             if n > 1 and it % 3 == 2:
                 nxt, prv = (r + 1) % n, (r - 1) % n
                 ssb = self.buf(INT32, [((r * 13 + i + it) % 97) for i in range(cnt)])
                 rrb = self.buf(INT32, count=cnt)
-                L("ncclGroupStart")
-                L("ncclSend", ssb, cnt, INT32, nxt, world, L.stream)
-                L("ncclRecv", rrb, cnt, INT32, prv, world, L.stream)
-                L("ncclGroupEnd")
+                nccl("ncclGroupStart")
+                nccl("ncclSend", ssb, cnt, INT32, nxt, world, nccl.stream)
+                nccl("ncclRecv", rrb, cnt, INT32, prv, world, nccl.stream)
+                nccl("ncclGroupEnd")
                 pending.append((f"ncclRecv#{it}", INT32, rrb, cnt, [((prv * 13 + i + it) % 97) for i in range(cnt)]))
                 pending.append(("keep", INT32, ssb, 0, []))
             if self.a.sync_every > 0 and (it + 1) % self.a.sync_every == 0:
@@ -305,10 +306,10 @@ class Rank:
         if self.a.finish == "abort":
             if self.a.finish_delay_ms > 0:
                 time.sleep(self.a.finish_delay_ms / 1000.0)
-            L("ncclCommAbort", world)
+            nccl("ncclCommAbort", world)
             return
         settle()
-        L("ncclCommDestroy", world)
+        nccl("ncclCommDestroy", world)
 
     def run_hang(self):
         """Every rank makes --hang-after AllReduces; then rank 0 stops (sleeps

@@ -48,7 +48,7 @@ class _Handler(serving.Handler):
     server: "_Server"
     server_version = "nccl-exporter"
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         url = urlsplit(self.path)
         if url.path == METRICS_PATH:
             self._metrics(url.query)
@@ -62,7 +62,7 @@ class _Handler(serving.Handler):
         else:
             self._text(404, f"not found; try {METRICS_PATH}, {READY_PATH} or {HEALTHY_PATH}\n")
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self.do_GET()
 
     def _metrics(self, query: str) -> None:

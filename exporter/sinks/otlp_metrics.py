@@ -185,7 +185,7 @@ class OtlpMetricsPusher:
             data = metrics_data(self.registry.collect(), self.resource, self.starts, time.time_ns())
             try:
                 ok = self.exporter.export(data) == MetricExportResult.SUCCESS
-            except Exception as e:  # the backend is down or refuses: say so, keep counting
+            except Exception as e:  # noqa: BLE001 - the backend is down or refuses: say so, keep counting
                 log.warning("OTLP metrics export failed: %s", e)
                 ok = False
             self.exports["exported" if ok else "failed"] += 1

@@ -277,7 +277,7 @@ class NcclCollector:
         traced = set()
         try:
             traced = {k.value for k in self.nccl.probes["traced_processes"].keys()}
-        except Exception:
+        except Exception:  # noqa: BLE001 - map unreadable: no process counts as traced, the scrape goes on
             pass
         self.processes.mark_collectives(comms, getattr(self, "_made_collectives", ()))
         yield from gpu_families(self.node, self.plugin, comms, traced | {c.pid for c in comms}, alive,

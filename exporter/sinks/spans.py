@@ -78,7 +78,7 @@ class CountingExporter(SpanExporter):
     def export(self, spans):
         try:
             result = self.inner.export(spans)
-        except Exception as e:  # an exporter bug or a dead backend must not kill the thread
+        except Exception as e:  # noqa: BLE001 - an exporter bug or a dead backend must not kill the thread
             log.warning("span export failed: %s", e)
             result = SpanExportResult.FAILURE
         if result == SpanExportResult.SUCCESS:
@@ -237,7 +237,7 @@ class SpanSink:
             try:
                 self.build(event)
                 self.built += 1
-            except Exception as e:  # one bad event must not stop the builder
+            except Exception as e:  # noqa: BLE001 - one bad event must not stop the builder
                 log.warning("could not build a span for %s: %s", event.op, e,
                             extra={"comm": format_comm(event.comm_hash), "rank": event.rank}
                             if isinstance(event, CallEvent) else None)

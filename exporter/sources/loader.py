@@ -92,7 +92,7 @@ class LoaderSource(Program):
                 continue
             try:
                 self.bpf.attach_uprobe(name=path, sym=LOADER_FUNCTION, fn_name="on_link_map_change")
-            except Exception as e:  # a loader without the symbol (static binaries have none)
+            except Exception as e:  # noqa: BLE001 - a loader without the symbol (static binaries have none)
                 self.failed[path] = str(e).splitlines()[0] if str(e) else type(e).__name__
                 continue
             self.probed[key] = path

@@ -67,7 +67,7 @@ class ProcessTable:
         if self.probes is not None and os.path.exists(f"{self.proc}/{pid}"):
             try:
                 self.probes.trace_process(pid, who.get("rank"), proc=self.proc)
-            except Exception:  # map full: counted by the kernel side; rank stays unknown
+            except Exception:  # noqa: BLE001 - map full: counted by the kernel side; rank stays unknown
                 pass
         return who
 
@@ -79,7 +79,7 @@ class ProcessTable:
         if library is None:
             try:
                 library = next((lib.path for lib in self._scanner.scan([pid])), None)
-            except Exception:  # gone, or maps unreadable: version unknown
+            except Exception:  # noqa: BLE001 - gone, or maps unreadable: version unknown
                 library = None
         who["libnccl_version"] = libfind.nccl_version(library) if library else ""
         who["collectives"] = False  # set by mark_collectives once a collective of it is counted

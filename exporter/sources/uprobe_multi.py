@@ -100,10 +100,10 @@ def load(bpf, name: str) -> int:
     if not start:
         raise LinkError(0, f"no BPF function {name}")
     size = lib.bpf_function_size(bpf.module, fname)
-    license = ctypes.create_string_buffer(lib.bpf_module_license(bpf.module))
+    license_text = ctypes.create_string_buffer(lib.bpf_module_license(bpf.module))
     log = ctypes.create_string_buffer(1 << 16)
     attr = _ProgLoadAttr(prog_type=BPF_PROG_TYPE_KPROBE, insn_cnt=size // 8, insns=start,
-                         license=ctypes.addressof(license), kern_version=lib.bpf_module_kern_version(bpf.module),
+                         license=ctypes.addressof(license_text), kern_version=lib.bpf_module_kern_version(bpf.module),
                          prog_name=fname[:15], expected_attach_type=BPF_TRACE_UPROBE_MULTI)
     try:
         return _bpf(BPF_PROG_LOAD, attr)

@@ -111,11 +111,11 @@ def align(calls: list[Loose], launcher_rank: dict | None = None) -> list[tuple[s
         else:
             groups.append((s, [(key, s, 0)]))
     out = []
-    for ref, members in groups:
+    for _ref, members in groups:
         if len(members) < 2:
             continue
         label = f"{members[0][0][2]}~aligned"
-        for pos, (key, s, k) in enumerate(sorted(members, key=lambda m: (m[1][0].rank, m[0]))):
+        for pos, (_key, s, k) in enumerate(sorted(members, key=lambda m: (m[1][0].rank, m[0]))):
             for i, c in enumerate(s):
                 rank = c.rank if c.rank >= 0 else launcher_rank.get((c.node, c.pid))
                 out.append((label, c.op, i + k, pos if rank is None else rank, c))

@@ -107,7 +107,8 @@ def _durations(collectives, comm, op) -> str:
         return ""
     p90 = d[min(len(d) - 1, int(0.9 * len(d)))]
     n = sum(1 for c in collectives if c.comm == comm and c.op == op)
-    return f"median {op} call on comm {comm[:8]}… took {_ms(statistics.median(d))} (p90 {_ms(p90)}) over {n} collectives"
+    return (f"median {op} call on comm {comm[:8]}… took {_ms(statistics.median(d))} (p90 {_ms(p90)}) "
+            f"over {n} collectives")
 
 
 def _no_collectives(conn: sqlite3.Connection) -> list[str]:
@@ -279,7 +280,8 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
         where = "the link between " + named if len(hosts) == 2 else f"the link of {named}, both ways"
         return [f"network: no rank arrives late, collectives are slow alike; {where}: its connections "
                 f"retransmitted {n} times ({100 * n / total_retx:.0f} % of all)",
-                "; ".join(f"link {link_text(link)} on {node}: {v} retransmits, socket of {who(*link_owner[(node, link)])}"
+                "; ".join(f"link {link_text(link)} on {node}: {v} retransmits, "
+                          f"socket of {who(*link_owner[(node, link)])}"
                           for (node, link), v in mine[:4]) + f"; all links {total_retx}",
                 _durations(collectives, *main),
                 _no_late(stats), clocks]
@@ -290,7 +292,7 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
             _no_late(stats),
             f"retransmits: {total_retx} in the collectives' windows"
             + (f", spread over {len(ranked_links)} links (most: {ranked_links[0][1]})" if ranked_links else ""),
-            f"run-queue waits per rank (caller and proxy threads): "
+            "run-queue waits per rank (caller and proxy threads): "
             + ", ".join(f"{who(*k).split(' on ')[0]} {_ms(w)}" for k, w in sorted(proc_wait.items(),
                                                                                key=lambda kv: prank.get(kv[0], 0))),
             _durations(collectives, *main), clocks] + ([

@@ -132,9 +132,11 @@ def export(conn: sqlite3.Connection, out, align: bool = True) -> dict:
             f"kind, {runq} FROM nccl_events ORDER BY node, pid, timestamp_ns"):
         p, t = track(node, pid)
         start = ts - offsets[node] - origin
-        raw(f'{{"ph":"X","name":{json_string(op)},"cat":{json_string(kind)},"pid":{p},"tid":{t},"ts":{start / 1000:.3f},'
-            f'"dur":{dur / 1000:.3f},"args":{{"comm":{json_value(comm)},"seq":{json_value(seq)},"rank":{json_value(rank)},'
-            f'"nranks":{json_value(nranks)},"bytes":{json_value(nbytes)},"count":{json_value(count)},"duration_ms":{dur / 1e6:.6f},'
+        raw(f'{{"ph":"X","name":{json_string(op)},"cat":{json_string(kind)},"pid":{p},"tid":{t},'
+            f'"ts":{start / 1000:.3f},"dur":{dur / 1000:.3f},'
+            f'"args":{{"comm":{json_value(comm)},"seq":{json_value(seq)},"rank":{json_value(rank)},'
+            f'"nranks":{json_value(nranks)},"bytes":{json_value(nbytes)},"count":{json_value(count)},'
+            f'"duration_ms":{dur / 1e6:.6f},'
             f'"thread":{tid}' + ("}}" if rq is None else f',"runq_wait_ms":{rq / 1e6:.6f}}}}}'))
         counts["slices"] += 1
         if op in _SYNC and seq is not None and comm and comm != "unknown":
@@ -165,7 +167,8 @@ def export(conn: sqlite3.Connection, out, align: bool = True) -> dict:
                 f"ORDER BY node, pid, timestamp_ns"):
             p, t = track(node, pid)
             raw(f'{{"ph":"X","name":"runq wait","cat":"sched","pid":{p},"tid":{t if th == "caller" else t + 1},'
-                f'"ts":{(ts - offsets[node] - origin) / 1000:.3f},"dur":{dur / 1000:.3f},"args":{{"thread":{json_value(th)},'
+                f'"ts":{(ts - offsets[node] - origin) / 1000:.3f},"dur":{dur / 1000:.3f},'
+                f'"args":{{"thread":{json_value(th)},'
                 f'"tid":{json_value(tid)},"comm":{json_value(comm_name)},"wait_ms":{dur / 1e6:.6f}}}}}')
             counts["runq_slices"] += 1
 

@@ -203,7 +203,7 @@ class Recorder:
                 if not full:
                     self._wake.wait(self.batch_seconds)
                     self._wake.clear()
-        except BaseException as e:  # reported now (on_error) and by close(); drops counted
+        except BaseException as e:  # noqa: BLE001 - reported now (on_error) and by close(); drops counted
             self._fail(e, lost=len(batch))
 
     def _fail(self, error: BaseException, lost: int = 0) -> None:
@@ -217,7 +217,7 @@ class Recorder:
         if self.on_error is not None:
             try:
                 self.on_error(self.error_message)
-            except Exception:  # a broken callback must not hide the error from close()
+            except Exception:  # noqa: BLE001 - a broken callback must not hide the error from close()
                 pass
 
     @property

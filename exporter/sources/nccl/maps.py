@@ -249,7 +249,7 @@ class NcclReader:
             try:
                 table[table.Key(tgid, 0, ptr)] = leaf
                 written += 1
-            except Exception:  # map full: the calls stay "unknown" in the kernel's series
+            except Exception:  # noqa: BLE001 - map full: the calls stay "unknown" in the kernel's series
                 pass
         self._pending.clear()
         if written:

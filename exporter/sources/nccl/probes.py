@@ -121,7 +121,7 @@ class NcclProbes(Program):
         exported = exported_functions(path)
         report = AttachReport(path=path)
         by_address: dict[int, str] = {}
-        for function, (op, layout) in contract.NCCL_FUNCTIONS.items():
+        for function, (_op, _layout) in contract.NCCL_FUNCTIONS.items():
             address = exported.get(function, exported.get("p" + function))
             if address is None:
                 report.missing.append(function)
@@ -191,7 +191,7 @@ class NcclProbes(Program):
                 # no return seen is recovered only at the thread's next call).
                 self.bpf.attach_uretprobe(name=path, addr=address, fn_name="on_return")
                 self.bpf.attach_uprobe(name=path, addr=address, fn_name=entry_stub(op, layout))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - one function's failure is in the report; the others attach
                 report.failed[function] = str(e)
                 continue
             report.attached[function] = op
@@ -268,5 +268,5 @@ class NcclProbes(Program):
     def _detach_quietly(self, name) -> None:
         try:
             self.bpf.detach_uprobe_event(name)
-        except Exception:  # already gone; cleanup() retries what is left
+        except Exception:  # noqa: BLE001 - already gone; cleanup() retries what is left
             pass

@@ -67,7 +67,7 @@ def built_plugin() -> str | None:
         return str(lib.resolve())
     try:
         return str(build.build_plugin())
-    except Exception:
+    except Exception:  # noqa: BLE001 - no plugin when it cannot be built
         return None
 
 
@@ -96,7 +96,7 @@ def has_hooks(path: str) -> bool:
     """Does the file export the plugin's hooks (ours, possibly renamed)?"""
     try:
         return "nccl_exporter_gpu_done" in elf.exported_functions(path)
-    except Exception:
+    except Exception:  # noqa: BLE001 - unreadable or not an ELF: not ours
         return False
 
 
@@ -155,7 +155,7 @@ class PluginSource(Program):
         exported = set()
         try:
             exported = elf.exported_functions(real)
-        except Exception:
+        except Exception:  # noqa: BLE001 - exports unreadable: attach the hooks that are not optional
             pass
         try:
             for sym, fn in HOOKS.items():
@@ -163,11 +163,11 @@ class PluginSource(Program):
                     continue
                 self.bpf.attach_uprobe(name=real, sym=sym, fn_name=fn)
                 done.append(sym)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - undone and raised as ProbeError below
             for sym in done:
                 try:
                     self.bpf.detach_uprobe(name=real, sym=sym)
-                except Exception:
+                except Exception:  # noqa: BLE001 - best effort while undoing
                     pass
             raise ProbeError(f"cannot attach to the profiler plugin {path}: {e}".splitlines()[0]) from None
         self.attached[real] = ident
