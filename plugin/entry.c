@@ -24,6 +24,9 @@ _Static_assert((OUR_MASK & NXP_EV_KERNEL_PHASE) == 0, "never ask for KernelPhase
  * docs/plugin.md "Network time per peer"), the network steps too. */
 #define PROXY_MASK (NXP_EV_PROXY_OP | NXP_EV_PROXY_STEP)
 
+/* ------------------------------------------------------------------------ */
+/* Common entry points: startEvent, stopEvent, recordEventState            */
+
 nxp_result_t common_start(int ver, void *context, void **eHandle, const void *descr, const struct ev *e) {
   *eHandle = NULL; /* always written: NCCL may reuse the slot otherwise */
   /* PXN: another process's ProxyOp; its context and parentObj are that
@@ -107,7 +110,6 @@ nxp_result_t common_record(int ver, void *h, int state, nxp_state_args *a) {
 
 /* ------------------------------------------------------------------------ */
 /* init / finalize                                                         */
-
 
 static void open_log(void) {
   const char *p = getenv("NCCL_EXPORTER_PROFILER_LOG");

@@ -9,7 +9,6 @@ struct plugin_state G = {.lock = PTHREAD_MUTEX_INITIALIZER, .log_fd = -1};
 struct ctx *ctx_arena;
 uint32_t ctx_used;
 
-void logmsg(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void logmsg(int level, const char *fmt, ...) {
   char buf[512];
   va_list ap;
@@ -26,6 +25,9 @@ void disable(const char *why) {
   if (atomic_compare_exchange_strong(&G.disabled, &expected, 1))
     logmsg(NXP_LOG_WARN, "nccl-exporter profiler: disabled: %s (NCCL continues; chained plugin, if any, still runs)", why);
 }
+
+/* ------------------------------------------------------------------------ */
+/* Contexts                                                                */
 
 /* Contexts live in one array of ours (ctx_alloc), so that a context pointer
  * NCCL passes can be checked before it is read: a ProxyOp or ProxyStep that
