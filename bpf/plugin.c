@@ -1,4 +1,4 @@
-// GPU time from nccl-exporter's NCCL profiler plugin (plugin/nccl_profiler.c).
+// GPU time from nccl-exporter's NCCL profiler plugin (plugin/: the hooks in plugin/hooks.c).
 //
 // The plugin calls empty exported hook functions with a pointer to a
 // fixed-layout record (plugin/nccl_exporter_plugin.h); the agent attaches

@@ -246,7 +246,7 @@ def test_exports(layouts):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the nop5 hook entry is x86-64's")
 def test_hooks_start_with_a_five_byte_nop():
     """Each hook's first instruction is the 5-byte nop the kernel can turn
-    into a call to its uprobe trampoline (plugin/nccl_profiler.c, "Hooks"):
+    into a call to its uprobe trampoline (plugin/hooks.c):
     with a `ret` there every hit costs a trap and a single-step."""
     plugin = build_plugin()
     addresses = exported_functions(plugin)

@@ -60,14 +60,11 @@ def log(msg: str) -> None:
 
 
 def build_plugin(work: Path) -> Path:
-    """gcc, as exporter/sources/plugin/build.py does, without importing the exporter."""
-    out = work / "plugin" / "libnccl-profiler-exporter.so"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    src = REPO / "plugin"
-    subprocess.run(["gcc", "-O2", "-g", "-fPIC", "-shared", "-pthread", "-std=gnu11", "-Wall", "-fvisibility=hidden",
-                    "-fno-semantic-interposition", "-I", str(src), "-o", str(out), str(src / "nccl_profiler.c"),
-                    "-ldl", "-Wl,-z,nodelete"], check=True, capture_output=True, text=True)
-    return out
+    """The plugin built by exporter/sources/plugin/build.py (every .c of plugin/, its
+    flags): that module needs only the standard library and exporter/cbuild.py, so
+    it runs from the working tree without the exporter's dependencies installed."""
+    from exporter.sources.plugin.build import build_plugin as build
+    return build(work / "plugin")
 
 
 def free_port() -> int:

@@ -13,17 +13,22 @@
  * IPv4/IPv6 address (default 127.0.0.1).
  *
  * The files, by concern (exporter/simulator/build.py compiles them all into
- * one library with -fvisibility=hidden, so only EXPORT names are exported):
+ * one library with -fvisibility=hidden, so only EXPORT names are exported),
+ * from the public entries down: a file calls only files below it, never
+ * one above (tests/test_c_layout.py checks that from the object files):
  *   nccl_sim.h     the ABI, the communicator, shared declarations
- *   bootstrap.c    sockets, unique id, the mesh
- *   p2p.c          the progress engine and the proxy thread
- *   reduce.c       reductions over every data type
- *   collectives.c  algorithms, groups, the public collective entries
  *   lifecycle.c    init, split, finalize, destroy, abort, queries
  *   nccl_2_28.c    the calls NCCL 2.28-2.32 added
- *   truth.c        the ground-truth JSON lines
- *   gpu.c          GPU-like mode and the profiler plugin (docs/simulator.md)
+ *   enqueue.c      the public collective, send/recv and group entries; groups
+ *   bootstrap.c    sockets, unique id, the mesh
+ *   gpu.c          GPU-like mode's streams: enqueued work run, kernel events (docs/simulator.md)
+ *   collectives.c  the algorithms over p2p.c (exec_coll)
+ *   p2p.c          the progress engine and the proxy thread
  *   netsteps.c     GPU-like mode's network steps on the proxy thread (ProxyOp/ProxyStep)
+ *   profiler.c     GPU-like mode's switch and timer; the profiler plugin as NCCL drives it
+ *                  (profiler.h: its interface, shared with gpu.c only)
+ *   reduce.c       reductions over every data type
+ *   truth.c        the ground-truth JSON lines
  */
 #ifndef NCCL_SIM_H
 #define NCCL_SIM_H
@@ -213,14 +218,15 @@ ncclResult_t get_unique_id_impl(ncclUniqueId *id);
 ncclResult_t exec_coll(const collargs_t *a);
 ncclResult_t do_allgather(ncclComm_t c, const void *sb, void *rb, size_t count, int dt);
 /* gpu.c */
-void gpu_comm_ready(ncclComm_t c);
 uint64_t nccl_split_hash(uint64_t parent, uint32_t count, uint32_t color);
 ncclResult_t gpu_drain(ncclComm_t c);
 void gpu_comm_teardown(ncclComm_t c, int abort);
 uint64_t nccl_root_hash(const ncclUniqueId *id);
-int gpu_on(void);
 ncclResult_t gpu_enqueue(collargs_t *q, int qn);
 void gpu_assign(collargs_t *a);
+/* profiler.c */
+int gpu_on(void);
+void gpu_comm_ready(ncclComm_t c);
 int gpu_net_steps(void);
 void gpu_net_op(p2p_t *o);
 void *gpu_proxy_op_start(ncclComm_t c, void *parent, int pid, int ch, int peer, int nsteps, int chunk, int is_send);

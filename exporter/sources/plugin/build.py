@@ -44,14 +44,19 @@ def host_arch() -> str:
     return platform.machine()
 
 
+# A file every plugin source directory has: how source_dir() recognises one.
+# The sources themselves are every .c there (_sources), compiled into one library.
+MARKER = "profiler_abi.h"
+
+
 def source_dir() -> pathlib.Path:
-    """The directory holding nccl_profiler.c and its headers."""
+    """The directory holding the plugin's .c files and their headers."""
     repo = REPO_ROOT / "plugin"
-    if (repo / "nccl_profiler.c").is_file():
+    if (repo / MARKER).is_file():
         return repo
     try:
         pkg = importlib.resources.files("exporter") / "_plugin"
-        if pkg.joinpath("nccl_profiler.c").is_file():
+        if pkg.joinpath(MARKER).is_file():
             return pathlib.Path(str(pkg))
     except (ModuleNotFoundError, TypeError):
         pass
@@ -73,12 +78,13 @@ def default_outdir() -> pathlib.Path:
     env = os.environ.get("NCCL_EXPORTER_PLUGIN_BUILD")
     if env:
         return pathlib.Path(env)
-    if (REPO_ROOT / "plugin" / "nccl_profiler.c").is_file() and writable(REPO_ROOT / "build" / "plugin"):
+    if (REPO_ROOT / "plugin" / MARKER).is_file() and writable(REPO_ROOT / "build" / "plugin"):
         return REPO_ROOT / "build" / "plugin"
     return cache_dir("plugin")
 
 
 def _sources(src: pathlib.Path) -> list[pathlib.Path]:
+    """Every .c (one library, no list kept anywhere) and every .h (dependencies)."""
     return sorted(list(src.glob("*.c")) + list(src.glob("*.h")))
 
 
