@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from exporter.records import contract
-from exporter.sinks.recording import query
+from exporter.sinks.recording import query, read
 from exporter.offline.fleet import client
 
 try:  # mcp 2.x
@@ -51,15 +50,7 @@ class Sources:
 # --- helpers ---------------------------------------------------------------------
 
 def _node_of(path: str) -> str:
-    try:
-        conn = query.open_readonly(path)
-        try:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'node'").fetchone()
-        finally:
-            conn.close()
-        return row[0] if row and row[0] else Path(path).stem
-    except (query.QueryError, sqlite3.DatabaseError):
-        return Path(path).stem
+    return read.node_name(path, Path(path).stem)
 
 
 LOCAL_LIMITS = dataclasses.replace(query.SHARED, time_s=30.0)
@@ -218,10 +209,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
         (op, rank, comm, seq, ms). op: e.g. ALL_REDUCE (default: every op)."""
         _check_limit("limit", limit)
         op = _check_op(op)
-        where = "kind = 'call'" + (f" AND op = '{op}'" if op else "")
-        out = run_everywhere(src, (
-            "SELECT op, rank, nranks, comm_id_hash, seq, duration_ns / 1e6 AS ms, timestamp_ns "
-            f"FROM nccl_events WHERE {where} ORDER BY duration_ns DESC LIMIT {limit}"), limit)
+        out = run_everywhere(src, read.slowest_calls_sql(limit, op), limit)
         ms = out["columns"].index("ms")
         out["rows"] = sorted(out["rows"], key=lambda r: -(r[ms] or 0))[:limit]
         return out
@@ -231,11 +219,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
         """TCP retransmits per link (owner rank, local and remote address) across every recording
         and node, most first: a lossy link stands out."""
         _check_limit("limit", limit)
-        out = run_everywhere(src, (
-            "SELECT rank, pid, saddr || ':' || sport AS local, daddr || ':' || dport AS remote, "
-            "COUNT(*) AS retransmits, (MAX(timestamp_ns) - MIN(timestamp_ns)) / 1e9 AS over_s "
-            "FROM tcp_events WHERE event = 'tcp_retransmit_skb' "
-            f"GROUP BY rank, pid, saddr, sport, daddr, dport ORDER BY retransmits DESC LIMIT {limit}"), limit)
+        out = run_everywhere(src, read.retransmits_by_link_sql(limit), limit)
         n = out["columns"].index("retransmits")
         out["rows"] = sorted(out["rows"], key=lambda r: -(r[n] or 0))[:limit]
         return out
@@ -263,19 +247,19 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
                 raise ToolError(f"db: one of the server's recordings ({', '.join(src.dbs) or 'none'}), "
                                 f"not {db!r}")
             try:
-                return query.open_readonly(db)
-            except query.QueryError as e:
+                return read.Recording.open(db)
+            except read.ReadError as e:
                 raise ToolError(str(e)) from None
 
         @mcp.tool()
         def explain(db: str | None = None, align: bool = True) -> dict:
             """One line of verdict on a (merged) recording — who is the straggler and why — then
             the evidence. db: one of the server's --db recordings (default: the only one)."""
-            conn = open_db(db)
+            rec = open_db(db)
             try:
-                lines = explain_mod.explain(conn, align=align)
+                lines = explain_mod.explain(rec, align=align)
             finally:
-                conn.close()
+                rec.close()
             return {"verdict": lines[0] if lines else "", "evidence": lines[1:]}
 
         @mcp.tool()
@@ -286,12 +270,12 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
             _check_limit("limit", limit)
             op = _check_op(op)
             comm = _check_comm(comm)
-            conn = open_db(db)
+            rec = open_db(db)
             try:
-                collectives, _ = stragglers_mod.load(conn, align=True, comm=comm, op=op)
+                collectives, _ = stragglers_mod.load(rec, align=True, comm=comm, op=op)
                 stats = stragglers_mod.per_rank(collectives)
             finally:
-                conn.close()
+                rec.close()
             rows = stragglers_mod.rank_rows(stats)
             cols = list(stragglers_mod.RANK_COLUMNS)
             k = cols.index("last")
@@ -312,15 +296,15 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
             _check_limit("limit", limit)
             op = _check_op(op)
             comm = _check_comm(comm, local=False)
-            conn = open_db(db)
+            rec = open_db(db)
             try:
-                if not network_mod.available(conn):
+                if not network_mod.available(rec):
                     raise ToolError("this recording predates the network waits (schema < 7, no "
                                     "nccl_peer_waits table): nothing to judge")
-                links = network_mod.load(conn, comm=comm, op=op)
+                links = network_mod.load(rec, comm=comm, op=op)
                 network_mod.judge(links)
             finally:
-                conn.close()
+                rec.close()
             rows = network_mod.link_rows(links)
             out = {"columns": list(network_mod.LINK_COLUMNS), "rows": [list(r) for r in rows[:limit]],
                    "links": len(links)}
