@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import sqlite3
 import urllib.parse
+from typing import NamedTuple
 
-from exporter.sinks.recording.read import Identity, Recording
+from exporter.sinks.recording.read import Recording
 from exporter.sinks.recording.schema import DEFERRED_INDEXES, SCHEMA_VERSION, migrate
 
 IDENTITY = {
@@ -35,6 +36,17 @@ TABLES = ("nccl_events", "tcp_events", "sched_events", "processes", "communicato
           "nccl_peer_waits")
 # The index the skew estimate and stragglers read; merge builds the others only when asked.
 SKEW_INDEX = "nccl_events_comm_seq"
+
+
+class Identity(NamedTuple):
+    """A node as merge records it (the nodes table, else the recording's meta)."""
+    node: str
+    machine_id: str
+    boot_id: str
+    hostname: str | None
+    start_ns: int | None
+    end_ns: int | None
+    source: str | None
 
 
 class MergeError(RuntimeError):
@@ -124,12 +136,24 @@ def _check_tables(path: str, label: str, version: int) -> None:
 
 
 def identities(path: str, label: str) -> list[Identity]:
-    """The nodes a checked input holds (Recording.identities), `label` being its name."""
+    """The nodes a checked input holds: its nodes table (a merged file), else one row per
+    node named by its meta (or its calls), `label` being its source."""
     conn = sqlite3.connect(_uri(path) + "?mode=ro", uri=True)
     try:
-        return Recording(conn, path).identities(label)
+        rec = Recording(conn, path)
+        if rec.has_table("nodes"):
+            ids = list(map(Identity._make, conn.execute(
+                "SELECT node, machine_id, boot_id, hostname, start_ns, end_ns, source FROM nodes")))
+            if ids:
+                return ids
+        meta = rec.meta()
+        names = {meta["node"]} if meta.get("node") and meta["node"] != "(merged)" else set(rec.nodes())
     finally:
         conn.close()
+    end = meta.get("end_ns") or meta.get("last_commit_ns")
+    return [Identity(n, meta.get("machine_id", ""), meta.get("boot_id", ""), meta.get("hostname"),
+                     int(meta["start_ns"]) if meta.get("start_ns") else None, int(end) if end else None, label)
+            for n in sorted(names)]
 
 
 # --- the output -------------------------------------------------------------------

@@ -109,17 +109,6 @@ class PeerWaits(NamedTuple):
     pid: int
 
 
-class Identity(NamedTuple):
-    """A node as merge records it (the nodes table, else the recording's meta)."""
-    node: str
-    machine_id: str
-    boot_id: str
-    hostname: str | None
-    start_ns: int | None
-    end_ns: int | None
-    source: str | None
-
-
 # --- the reader -------------------------------------------------------------------
 
 class Recording:
@@ -355,28 +344,13 @@ class Recording:
             "AND g.kind = w.kind AND (g.node IS w.node OR g.node IS NULL OR w.node IS NULL) "
             "GROUP BY w.nccl_comm_hash, w.rank", (op,) if op else ())}
 
-    # --- clocks and nodes (merge) ---------------------------------------------------------
+    # --- clocks (merge) ---------------------------------------------------------
 
     def clock_skew(self) -> list[tuple]:
         """The clock_skew rows merge stored, in CLOCK_SKEW_COLUMNS order; [] without the table."""
         if not self.has_table("clock_skew"):
             return []
         return list(self.conn.execute(f"SELECT {', '.join(CLOCK_SKEW_COLUMNS)} FROM clock_skew"))
-
-    def identities(self, source: str) -> list[Identity]:
-        """The nodes a recording holds: merge's nodes table, else one row per node named by
-        its meta (or its calls), `source` being the file it is read from."""
-        if self.has_table("nodes"):
-            ids = list(map(Identity._make, self.conn.execute(
-                "SELECT node, machine_id, boot_id, hostname, start_ns, end_ns, source FROM nodes")))
-            if ids:
-                return ids
-        meta = self.meta()
-        names = {meta["node"]} if meta.get("node") and meta["node"] != "(merged)" else set(self.nodes())
-        end = meta.get("end_ns") or meta.get("last_commit_ns")
-        return [Identity(n, meta.get("machine_id", ""), meta.get("boot_id", ""), meta.get("hostname"),
-                         int(meta["start_ns"]) if meta.get("start_ns") else None, int(end) if end else None, source)
-                for n in sorted(names)]
 
 
 CLOCK_SKEW_COLUMNS = ("node", "offset_ns", "reference", "collectives", "residual_ns", "method", "lower_ns",
