@@ -187,13 +187,13 @@ class Recording:
             "SELECT node, pid, launcher_rank FROM processes WHERE launcher_rank IS NOT NULL")}
 
     def process_ranks(self) -> dict[tuple[str, int], int]:
-        """(node, pid) -> the process's rank, by the one rule every tool uses (and the
-        recorder, for tcp_events.rank and sched_events.rank; the agent for its `rank`
-        labels, sources/processes.py): the launcher's rank, else its rank in the largest
-        communicator it made calls on (ties: the lowest rank).
+        """(node, pid) -> the process's rank, by the one rule every tool uses (docs/schema.md;
+        the recorder writes tcp_events.rank and sched_events.rank by it, rows.py): the
+        launcher's rank, else its rank in the largest communicator it made calls on
+        (ties: the lowest rank).
 
         Unknown: a process with neither is absent (`rank_of` answers None), and every
-        tool shows it as `?` ("rank ?"); a recording never stores a made-up rank."""
+        tool shows it as `?` ("rank ?"), never a rank guessed from elsewhere."""
         if self._ranks is None:
             best: dict[tuple, tuple] = {}
             for node, pid, rank, nranks in self.conn.execute(

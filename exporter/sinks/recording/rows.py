@@ -135,10 +135,11 @@ class RecordRows:
         (self._unranked_comms.add if e.rank < 0 else self._unranked_comms.discard)((e.pid, e.comm_hash))
         self._comm_rows.append((self.node, e.pid, self._rows.comm(e.comm_hash),
                                 self._rows.comm(e.nccl_hash), e.rank, e.nranks, e.start_real_ns))
-        # A process's rank, for its TCP events: its rank in its largest communicator,
-        # unless the launcher said (processes table).
+        # A process's rank, for its TCP and scheduler rows: its rank in its largest
+        # communicator (ties: the lowest rank), unless the launcher said (processes
+        # table); the rule of read.Recording.process_ranks, as known so far.
         best = self._world.get(e.pid)
-        if e.rank >= 0 and (best is None or e.nranks > best[0]):
+        if e.rank >= 0 and (best is None or (e.nranks, -e.rank) > (best[0], -best[1])):
             self._world[e.pid] = (e.nranks, e.rank)
 
     def _rank_of(self, pid):
