@@ -14,7 +14,8 @@ Tools (every input checked; a bad one is a tool error saying what is wrong):
     slow_links(db, comm, op, limit)      per link: network waits, slow link or GPU straggler
                                          (offline/analysis/network.py, docs/network.md)
 Resources: nccl://schema (docs/schema.md), nccl://queries (docs/queries.md) and
-nccl://queries/<name>, one per documented query.
+nccl://queries/<name>, one per documented query. The stdio transport and its
+JSON-RPC checks: mcp_stdio.py.
 """
 
 from __future__ import annotations
