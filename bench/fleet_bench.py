@@ -27,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS
 from exporter.sinks.recording import schema
+from exporter.sinks.recording.read import Recording
 
 RANKS_PER_NODE = 8
 T0 = 1_700_000_000_000_000_000
@@ -147,7 +148,7 @@ def main() -> int:
     merge.merge(str(small), [str(f) for f in files[:n_exp]])
     t = time.monotonic()
     with open(d / "trace.json", "w") as f:
-        counts = perfetto.export(sqlite3.connect(small), f)
+        counts = perfetto.export(Recording(sqlite3.connect(small)), f)
     export_s = time.monotonic() - t
     print(f"export perfetto: {n_exp * a.events} recorded events -> {counts['events']} trace events in "
           f"{export_s:.1f} s (goal < 30 s); {os.path.getsize(d / 'trace.json') / 1e6:.0f} MB", flush=True)

@@ -26,6 +26,8 @@ import pytest
 from conftest import pin
 
 from conftest import REPO
+from exporter.sinks.recording.read import Recording
+
 NRANKS = 4
 SLEEPER, LOSSY, STARVED = 2, 3, 1
 JOB_S = 8
@@ -249,7 +251,7 @@ def _estimate(db, tmp_path):
     split_by_rank(db, tmp_path, SHIFT, combined="all.db")
     conn = sqlite3.connect(tmp_path / "all.db")
     try:
-        return skew.estimate(conn)
+        return skew.estimate(Recording(conn))
     finally:
         conn.close()
 

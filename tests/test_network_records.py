@@ -10,7 +10,7 @@ from exporter.records.events import GpuCall, NetworkSeries, PeerWait
 from exporter.records.render import gpu_span_attributes, top_network_wait
 from exporter.sinks.prometheus import network_families
 from exporter.sinks.recording.schema import PEER_WAIT_FIELDS
-from exporter.sinks.recording.writer import peer_wait_rows
+from exporter.sinks.recording.rows import peer_wait_rows
 from exporter.sources.plugin.source import peer_waits
 
 MS = 1_000_000

@@ -29,6 +29,7 @@ import pytest
 
 from conftest import REPO
 from exporter.sinks.recording import schema
+from exporter.sinks.recording.read import Recording
 from exporter.offline.analysis import network
 
 NRANKS, OPS = 4, 20
@@ -93,7 +94,7 @@ def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA
 
 def judged(path, **kw) -> dict[tuple[int, int], network.Link]:
     conn = sqlite3.connect(path)
-    links = network.load(conn, **kw)
+    links = network.load(Recording(conn), **kw)
     network.judge(links)
     conn.close()
     return {(lk.sender, lk.receiver): lk for lk in links}
@@ -277,7 +278,7 @@ def test_old_recording_still_opens(tmp_path):
     assert p.returncode == 0 and len(json.loads(p.stdout)) == NRANKS, p.stderr
     conn = sqlite3.connect(old)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 6
-    assert not network.available(conn) and network.load(conn) == []
+    assert not network.available(Recording(conn)) and network.load(Recording(conn)) == []
     conn.close()
 
 

@@ -8,8 +8,9 @@ import sqlite3
 import sys
 import tempfile
 
-from exporter.cli import fleet
+from exporter.cli.common import nodes
 from exporter.cli.common.options import CliError
+from exporter.cli.common.recording import open_recording
 
 
 def add_parser(sub) -> None:
@@ -22,7 +23,7 @@ def add_parser(sub) -> None:
                    help="a recording, or a merged one ('merge'); or ask live agents with --nodes")
     p.add_argument("--no-align", action="store_true", help="raw node clocks: no skew correction")
     live = p.add_argument_group("live: the nodes' query endpoints ('run --db --query-listen')")
-    fleet._common(live)
+    nodes.add_node_options(live)
     live.add_argument("--since", default="10m", metavar="T",
                       help="the window fetched from each node: a duration ago (default 10m), ISO "
                            "8601 or ns since the epoch")
@@ -36,14 +37,14 @@ def fetch_and_merge(args, workdir: str) -> str:
     file (clocks aligned) in workdir; returns its path."""
     from exporter.offline.fleet import client, merge
 
-    urls, opts = fleet._options(args)
-    since = fleet._time_arg("--since", args.since)
+    urls, opts = nodes.fleet_options(args)
+    since = nodes.time_arg("--since", args.since)
     got = []
     for res in client.fetch(urls, os.path.join(workdir, "nodes"), opts, since, None):
         if res.ok:
             got.append(res.path)
         else:
-            fleet._warn(res)
+            nodes.warn(res)
     if not got:
         raise CliError(f"no node answered (of {len(urls)})")
     out = os.path.join(workdir, "merged.db")
@@ -68,15 +69,14 @@ def main(args) -> int:
 
 def _explain(args) -> int:
     from exporter.offline.analysis import explain
-    from exporter.cli.stragglers import open_recording
 
-    conn = open_recording(args.db)
+    rec = open_recording(args.db)
     try:
-        lines = [line for line in explain.explain(conn, align=not args.no_align) if line]
+        lines = [line for line in explain.explain(rec, align=not args.no_align) if line]
     except sqlite3.DatabaseError as e:
         raise CliError(f"{args.db}: {e}") from None
     finally:
-        conn.close()
+        rec.close()
     if args.format == "json":
         print(json.dumps({"verdict": lines[0], "evidence": lines[1:]}, indent=1))
     else:

@@ -6,6 +6,7 @@ import sqlite3
 import sys
 
 from exporter.cli.common.options import CliError
+from exporter.cli.common.recording import open_recording
 
 
 def add_parser(sub) -> None:
@@ -23,21 +24,20 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from exporter.cli.stragglers import open_recording
     from exporter.offline.export import perfetto
 
-    conn = open_recording(args.db)
+    rec = open_recording(args.db)
     try:
         out = sys.stdout if args.out == "-" else open(args.out, "w")
     except OSError as e:
-        conn.close()
+        rec.close()
         raise CliError(f"{args.out}: {e.strerror or e}") from None
     try:
-        counts = perfetto.export(conn, out, align=not args.no_align)
+        counts = perfetto.export(rec, out, align=not args.no_align)
     except sqlite3.DatabaseError as e:
         raise CliError(f"{args.db}: {e}") from None
     finally:
-        conn.close()
+        rec.close()
         if out is not sys.stdout:
             out.close()
     print(f"wrote {counts['events']} trace events to {args.out}: {counts['slices']} NCCL call slices, "

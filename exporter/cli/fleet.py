@@ -16,24 +16,9 @@ import argparse
 import sys
 import time
 
-from exporter.cli.common import output
-from exporter.cli.common.options import CliError, parse_duration, positive_duration, positive_int
+from exporter.cli.common import nodes, output
+from exporter.cli.common.options import CliError, positive_int
 from exporter.offline.fleet.summary import Summary, clock_table
-
-def _common(p) -> None:
-    p.add_argument("--nodes", action="append", metavar="URL[,URL...]",
-                   help="the nodes' query endpoints, e.g. https://gpu-017:9402 (repeatable; "
-                        "host:port means https)")
-    p.add_argument("--nodes-file", metavar="FILE", help="one URL per line (# comments)")
-    p.add_argument("--token-file", metavar="F",
-                   help="the bearer token (default: $NCCL_EXPORTER_QUERY_TOKEN)")
-    p.add_argument("--ca-file", metavar="F", help="CA bundle that signed the nodes' certificates")
-    p.add_argument("--concurrency", type=positive_int, default=64, metavar="N",
-                   help="nodes asked at once (default 64)")
-    p.add_argument("--timeout", type=positive_duration, default=10.0, metavar="D",
-                   help="per node: to connect and start answering, and the longest pause while "
-                        "streaming (default 10s)")
-
 
 def add_parser(sub) -> None:
     f = sub.add_parser("fleet", help="ask every node's query endpoint (query, fetch)",
@@ -50,7 +35,7 @@ def add_parser(sub) -> None:
                                "  nccl-exporter fleet query --nodes-file nodes.txt --summary \\\n"
                                "      \"SELECT duration_ns/1e6 AS ms FROM nccl_events WHERE op='ALL_REDUCE'\"\n"
                                "  nccl-exporter fleet query --nodes-file nodes.txt --clock\n")
-    _common(q)
+    nodes.add_node_options(q)
     q.add_argument("--format", choices=["table", "csv", "json"], default="table",
                    help="table (default, aligned columns), csv (with a header row) "
                         "or json (an array of one object per row)")
@@ -70,41 +55,13 @@ def add_parser(sub) -> None:
     g = fsub.add_parser("fetch", help="download each node's recording (or a time window of it)",
                         description="Download each node's recording to DIR/<node>.db, for "
                                     "offline review (query, merge).")
-    _common(g)
+    nodes.add_node_options(g)
     g.add_argument("-o", "--out", required=True, metavar="DIR", help="where the files go")
     g.add_argument("--since", metavar="T",
                    help="window start: ns since the epoch, ISO 8601, or a duration ago (30m)")
     g.add_argument("--until", metavar="T", help="window end (same forms)")
     g.set_defaults(func=main_fetch)
     f.set_defaults(func=lambda args: (f.print_help(), 2)[1])
-
-
-def _options(args):
-    from exporter.offline.fleet import client, protocol
-
-    try:
-        urls = client.parse_nodes(args.nodes, args.nodes_file)
-        token = protocol.read_token(args.token_file)
-    except (client.FleetError, protocol.ProtocolError) as e:
-        raise CliError(str(e)) from None
-    if args.ca_file:
-        try:
-            open(args.ca_file).close()
-        except OSError as e:
-            raise CliError(f"--ca-file {args.ca_file}: {e.strerror or e}") from None
-    opts = client.FleetOptions(token=token, ca_file=args.ca_file, concurrency=args.concurrency,
-                               timeout=args.timeout)
-    return urls, opts
-
-
-def _warn(res) -> None:
-    where = res.node if res.node in res.url else f"{res.node} ({res.url})"
-    _warning(f"node {where}: {res.error}")
-
-
-def _warning(text: str) -> None:
-    """One line on stderr, whatever a node sent (output.terminal_safe)."""
-    print(f"nccl-exporter: warning: {output.terminal_safe(text, 500)}", file=sys.stderr, flush=True)
 
 
 # --- fleet query -------------------------------------------------------------------
@@ -116,7 +73,7 @@ def main_query(args) -> int:
         raise CliError("fleet query: give the SQL (or --clock alone for clock offsets)")
     if args.summary_column and not args.summary:
         raise CliError("--summary-column goes with --summary")
-    urls, opts = _options(args)
+    urls, opts = nodes.fleet_options(args)
     opts.max_rows = args.max_rows
     opts.clock = args.clock
     out = sys.stdout
@@ -137,7 +94,7 @@ def main_query(args) -> int:
                                    + ", ".join(names))
             elif list(ev.names) != names:
                 bad_columns.add(ev.url)
-                _warning(f"node {ev.node}: columns {ev.names} differ from {names}; its rows are left out")
+                nodes.warning(f"node {ev.node}: columns {ev.names} differ from {names}; its rows are left out")
         elif ev.kind == "rows":
             if ev.url in bad_columns:
                 continue
@@ -150,9 +107,9 @@ def main_query(args) -> int:
             if res.url in bad_columns:
                 res.ok, res.error = False, "columns differ from the other nodes'"
             elif not res.ok:
-                _warn(res)
+                nodes.warn(res)
             elif res.truncated:
-                _warning(f"node {res.node}: answer cut at its {res.truncated}")
+                nodes.warning(f"node {res.node}: answer cut at its {res.truncated}")
             results.append(res)
     answered = [r for r in results if r.ok]
     if writer:
@@ -168,29 +125,13 @@ def main_query(args) -> int:
 
 # --- fleet fetch ------------------------------------------------------------------
 
-def _time_arg(flag, text):
-    from exporter.offline.fleet.protocol import parse_time_ns
-
-    if text is None:
-        return None
-    try:
-        return parse_time_ns(text)
-    except ValueError:
-        pass
-    try:
-        return time.time_ns() - int(parse_duration(text) * 1e9)
-    except argparse.ArgumentTypeError:
-        raise CliError(f"{flag} {text!r}: ns since the epoch, ISO 8601 (2026-01-02T03:04:05Z) "
-                       "or a duration ago (30m)") from None
-
-
 def main_fetch(args) -> int:
     from exporter.offline.fleet import client
 
-    since, until = _time_arg("--since", args.since), _time_arg("--until", args.until)
+    since, until = nodes.time_arg("--since", args.since), nodes.time_arg("--until", args.until)
     if since is not None and until is not None and until < since:
         raise CliError("--until is before --since")
-    urls, opts = _options(args)
+    urls, opts = nodes.fleet_options(args)
     ok = 0
     t0 = time.monotonic()
     try:
@@ -200,7 +141,7 @@ def main_fetch(args) -> int:
                 ok += 1
                 print(f"{res.node}: {res.path} ({res.rows} NCCL calls)", flush=True)
             else:
-                _warn(res)
+                nodes.warn(res)
     except OSError as e:
         raise CliError(f"-o {args.out}: {e.strerror or e}") from None
     print(f"nccl-exporter: {ok} of {len(urls)} recordings fetched to {args.out} in "

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sqlite3
 import sys
 
-from exporter.sinks.recording import query
 from exporter.cli.common import output
 from exporter.cli.common.options import CliError
+from exporter.cli.common.recording import open_recording
 
 
 def add_parser(sub) -> None:
@@ -37,13 +37,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
-def open_recording(path: str) -> sqlite3.Connection:
-    try:
-        return query.open_readonly(path)
-    except query.QueryError as e:
-        raise CliError(str(e)) from None
-
-
 def main(args) -> int:
     from exporter.offline.analysis import stragglers
 
@@ -51,18 +44,18 @@ def main(args) -> int:
         return _links(args)
     from exporter.offline.analysis import network
 
-    conn = open_recording(args.db)
+    rec = open_recording(args.db)
     try:
-        collectives, _ = stragglers.load(conn, align=not args.no_align, comm=args.comm,
+        collectives, _ = stragglers.load(rec, align=not args.no_align, comm=args.comm,
                                          op=args.op.upper() if args.op else None)
         if not collectives and (args.op or args.comm):
             raise CliError(f"no collective matches {_filters(args)} in {args.db}; "
-                           + stragglers.what_there_is(conn))
-        judged = network.judge(network.load(conn, comm=args.comm, op=args.op.upper() if args.op else None))
+                           + stragglers.what_there_is(rec))
+        judged = network.judge(network.load(rec, comm=args.comm, op=args.op.upper() if args.op else None))
     except sqlite3.DatabaseError as e:
         raise CliError(f"{args.db}: {e}") from None
     finally:
-        conn.close()
+        rec.close()
     if args.collectives:
         output.write(stragglers.COLLECTIVE_COLUMNS, stragglers.collective_rows(collectives), args.format)
     else:
@@ -77,14 +70,14 @@ def main(args) -> int:
 def _links(args) -> int:
     from exporter.offline.analysis import network
 
-    conn = open_recording(args.db)
+    rec = open_recording(args.db)
     try:
-        if not network.available(conn):
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if not network.available(rec):
+            version = rec.version
             raise CliError(f"{args.db} has no network waits: recording schema {version} predates the "
                            "nccl_peer_waits table (7); record with this nccl-exporter and the profiler plugin "
                            "(docs/network.md)")
-        links = network.load(conn, comm=args.comm, op=args.op.upper() if args.op else None)
+        links = network.load(rec, comm=args.comm, op=args.op.upper() if args.op else None)
         if not links:
             if args.op or args.comm:
                 raise CliError(f"no network waits match {_filters(args)} in {args.db}")
@@ -95,7 +88,7 @@ def _links(args) -> int:
     except sqlite3.DatabaseError as e:
         raise CliError(f"{args.db}: {e}") from None
     finally:
-        conn.close()
+        rec.close()
     output.write(network.LINK_COLUMNS, network.link_rows(links), args.format)
     return 0
 

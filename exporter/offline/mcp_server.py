@@ -14,19 +14,19 @@ Tools (every input checked; a bad one is a tool error saying what is wrong):
     slow_links(db, comm, op, limit)      per link: network waits, slow link or GPU straggler
                                          (offline/analysis/network.py, docs/network.md)
 Resources: nccl://schema (docs/schema.md), nccl://queries (docs/queries.md) and
-nccl://queries/<name>, one per documented query.
+nccl://queries/<name>, one per documented query. The stdio transport and its
+JSON-RPC checks: mcp_stdio.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from exporter.records import contract
-from exporter.sinks.recording import query
+from exporter.sinks.recording import query, read
 from exporter.offline.fleet import client
 
 try:  # mcp 2.x
@@ -51,15 +51,7 @@ class Sources:
 # --- helpers ---------------------------------------------------------------------
 
 def _node_of(path: str) -> str:
-    try:
-        conn = query.open_readonly(path)
-        try:
-            row = conn.execute("SELECT value FROM meta WHERE key = 'node'").fetchone()
-        finally:
-            conn.close()
-        return row[0] if row and row[0] else Path(path).stem
-    except (query.QueryError, sqlite3.DatabaseError):
-        return Path(path).stem
+    return read.node_name(path, Path(path).stem)
 
 
 LOCAL_LIMITS = dataclasses.replace(query.SHARED, time_s=30.0)
@@ -218,10 +210,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
         (op, rank, comm, seq, ms). op: e.g. ALL_REDUCE (default: every op)."""
         _check_limit("limit", limit)
         op = _check_op(op)
-        where = "kind = 'call'" + (f" AND op = '{op}'" if op else "")
-        out = run_everywhere(src, (
-            "SELECT op, rank, nranks, comm_id_hash, seq, duration_ns / 1e6 AS ms, timestamp_ns "
-            f"FROM nccl_events WHERE {where} ORDER BY duration_ns DESC LIMIT {limit}"), limit)
+        out = run_everywhere(src, read.slowest_calls_sql(limit, op), limit)
         ms = out["columns"].index("ms")
         out["rows"] = sorted(out["rows"], key=lambda r: -(r[ms] or 0))[:limit]
         return out
@@ -231,11 +220,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
         """TCP retransmits per link (owner rank, local and remote address) across every recording
         and node, most first: a lossy link stands out."""
         _check_limit("limit", limit)
-        out = run_everywhere(src, (
-            "SELECT rank, pid, saddr || ':' || sport AS local, daddr || ':' || dport AS remote, "
-            "COUNT(*) AS retransmits, (MAX(timestamp_ns) - MIN(timestamp_ns)) / 1e9 AS over_s "
-            "FROM tcp_events WHERE event = 'tcp_retransmit_skb' "
-            f"GROUP BY rank, pid, saddr, sport, daddr, dport ORDER BY retransmits DESC LIMIT {limit}"), limit)
+        out = run_everywhere(src, read.retransmits_by_link_sql(limit), limit)
         n = out["columns"].index("retransmits")
         out["rows"] = sorted(out["rows"], key=lambda r: -(r[n] or 0))[:limit]
         return out
@@ -263,19 +248,19 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
                 raise ToolError(f"db: one of the server's recordings ({', '.join(src.dbs) or 'none'}), "
                                 f"not {db!r}")
             try:
-                return query.open_readonly(db)
-            except query.QueryError as e:
+                return read.Recording.open(db)
+            except read.ReadError as e:
                 raise ToolError(str(e)) from None
 
         @mcp.tool()
         def explain(db: str | None = None, align: bool = True) -> dict:
             """One line of verdict on a (merged) recording — who is the straggler and why — then
             the evidence. db: one of the server's --db recordings (default: the only one)."""
-            conn = open_db(db)
+            rec = open_db(db)
             try:
-                lines = explain_mod.explain(conn, align=align)
+                lines = explain_mod.explain(rec, align=align)
             finally:
-                conn.close()
+                rec.close()
             return {"verdict": lines[0] if lines else "", "evidence": lines[1:]}
 
         @mcp.tool()
@@ -286,12 +271,12 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
             _check_limit("limit", limit)
             op = _check_op(op)
             comm = _check_comm(comm)
-            conn = open_db(db)
+            rec = open_db(db)
             try:
-                collectives, _ = stragglers_mod.load(conn, align=True, comm=comm, op=op)
+                collectives, _ = stragglers_mod.load(rec, align=True, comm=comm, op=op)
                 stats = stragglers_mod.per_rank(collectives)
             finally:
-                conn.close()
+                rec.close()
             rows = stragglers_mod.rank_rows(stats)
             cols = list(stragglers_mod.RANK_COLUMNS)
             k = cols.index("last")
@@ -312,15 +297,15 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
             _check_limit("limit", limit)
             op = _check_op(op)
             comm = _check_comm(comm, local=False)
-            conn = open_db(db)
+            rec = open_db(db)
             try:
-                if not network_mod.available(conn):
+                if not network_mod.available(rec):
                     raise ToolError("this recording predates the network waits (schema < 7, no "
                                     "nccl_peer_waits table): nothing to judge")
-                links = network_mod.load(conn, comm=comm, op=op)
+                links = network_mod.load(rec, comm=comm, op=op)
                 network_mod.judge(links)
             finally:
-                conn.close()
+                rec.close()
             rows = network_mod.link_rows(links)
             out = {"columns": list(network_mod.LINK_COLUMNS), "rows": [list(r) for r in rows[:limit]],
                    "links": len(links)}
@@ -371,93 +356,13 @@ def _analysis():
         return None
 
 
-def jsonrpc_error(line: str):
-    """None for a line the SDK takes as a JSON-RPC message; else (code, message, id) of the
-    error JSON-RPC 2.0 asks for: -32700 for what is not JSON, -32600 for JSON that is not
-    a request (a batch, no method, a wrong jsonrpc, ...)."""
-    import json
-
-    import mcp_types as types
-
-    try:
-        types.jsonrpc_message_adapter.validate_json(line, by_name=False)
-        return None
-    except Exception:  # noqa: BLE001 - pydantic's ValidationError, and anything else it says
-        pass
-    try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError):
-        return types.PARSE_ERROR, "Parse error: not JSON", None
-    rid = obj.get("id") if isinstance(obj, dict) else None
-    if isinstance(rid, bool) or not isinstance(rid, (int, str)):
-        rid = None
-    if isinstance(obj, list):
-        why = "a batch (JSON array) is not served"
-    elif not isinstance(obj, dict):
-        why = "not a JSON object"
-    elif obj.get("jsonrpc") != "2.0":
-        why = 'jsonrpc must be "2.0"'
-    elif "method" not in obj and "result" not in obj and "error" not in obj:
-        why = "no method"
-    else:
-        why = "not a valid request"
-    return types.INVALID_REQUEST, f"Invalid Request: {why}", rid
-
-
-class _CheckedLines:
-    """stdin's lines for the SDK's stdio transport, less the ones that are not JSON-RPC
-    messages: those are answered here with a JSON-RPC error (the SDK drops them without
-    a word) through the transport's own writer, so answers never interleave."""
-
-    def __init__(self, lines):
-        self.lines = lines
-        self.out = None
-        self.ready = None
-
-    def __aiter__(self):
-        return self._checked()
-
-    async def _checked(self):
-        import mcp_types as types
-        from mcp.shared.message import SessionMessage
-
-        async for line in self.lines:
-            if not line.strip():
-                continue
-            bad = jsonrpc_error(line)
-            if bad is None:
-                yield line
-                continue
-            code, message, rid = bad
-            await self.ready.wait()
-            await self.out.send(SessionMessage(types.JSONRPCError(
-                jsonrpc="2.0", id=rid, error=types.ErrorData(code=code, message=message))))
-
-
-async def _serve_stdio(mcp) -> None:
-    import io
-    import sys
-
-    import anyio
-    from mcp.server.stdio import stdio_server
-
-    # the SDK's low-level server (MCPServer: _lowlevel_server; 1.x FastMCP: _mcp_server):
-    # run() on our streams is the only way to put _CheckedLines in front of it
-    server = getattr(mcp, "_lowlevel_server", None) or mcp._mcp_server
-    lines = _CheckedLines(anyio.wrap_file(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8",
-                                                           errors="replace")))
-    lines.ready = anyio.Event()
-    async with stdio_server(stdin=lines) as (read_stream, write_stream):
-        lines.out = write_stream
-        lines.ready.set()
-        await server.run(read_stream, write_stream, server.create_initialization_options())
-
-
 def serve(src: Sources, http: tuple[str, int] | None = None) -> None:
     if http is None:
         import anyio
 
-        anyio.run(_serve_stdio, build_server(src))
+        from exporter.offline import mcp_stdio
+
+        anyio.run(mcp_stdio.serve_stdio, build_server(src))
         return
     host, port = http
     server = build_server(src, host, port)

@@ -37,11 +37,11 @@ The checks, in order (docs/fleet.md; thresholds below):
 
 from __future__ import annotations
 
-import sqlite3
 import statistics
 from collections import defaultdict
 
 from exporter.offline.analysis import network, skew, stragglers
+from exporter.sinks.recording.read import Recording
 
 STRAGGLER_SHARE = 0.5
 MIN_LAG_NS = 2_000_000
@@ -61,31 +61,15 @@ def _ms(ns) -> str:
     return f"{ms:.1f} ms" if ms >= 1 else f"{ms:.2f} ms"
 
 
-def _process_ranks(conn, collectives) -> dict[tuple, int]:
-    """(node, pid) -> the process's rank: the launcher's, else its rank in its largest communicator."""
-    out: dict[tuple, int] = {}
-    best: dict[tuple, tuple] = {}
-    for c in collectives:
-        for a in c.arrivals:
-            key = (a.node, a.pid)
-            if key not in best or c.nranks > best[key][0]:
-                best[key] = (c.nranks, a.rank)
-    out.update({k: v[1] for k, v in best.items()})
-    try:
-        for node, pid, rank in conn.execute(
-                "SELECT node, pid, launcher_rank FROM processes WHERE launcher_rank IS NOT NULL"):
-            out[(node, pid)] = rank
-    except sqlite3.DatabaseError:
-        pass
-    return out
-
-
-def _addr_ranks(conn) -> dict[str, str]:
-    """Local address -> 'rank R' of the processes whose sockets used it."""
+def _addr_ranks(rec: Recording) -> dict[str, str]:
+    """Local address -> 'rank R' of the processes whose sockets used it (their rank:
+    Recording.process_ranks; unknown ones are left out)."""
+    ranks = rec.process_ranks()
     seen: dict[str, set] = defaultdict(set)
-    for saddr, rank in conn.execute(
-            "SELECT DISTINCT saddr, rank FROM tcp_events WHERE rank IS NOT NULL AND saddr IS NOT NULL"):
-        seen[saddr].add(rank)
+    for saddr, node, pid in rec.local_addresses():
+        r = ranks.get((node, pid))
+        if r is not None:
+            seen[saddr].add(r)
     return {a: "rank " + ",".join(str(r) for r in sorted(rs)) for a, rs in seen.items()}
 
 
@@ -111,14 +95,9 @@ def _durations(collectives, comm, op) -> str:
             f"over {n} collectives")
 
 
-def _no_collectives(conn: sqlite3.Connection) -> list[str]:
+def _no_collectives(rec: Recording) -> list[str]:
     """What the recording lacked, and what to run instead."""
-    rows = conn.execute("SELECT COUNT(*), COUNT(DISTINCT node), "
-                        "SUM(comm_id_hash IS NULL OR comm_id_hash = 'unknown' OR comm_id_hash LIKE 'local-%'), "
-                        "COUNT(DISTINCT CASE WHEN comm_id_hash NOT LIKE 'local-%' AND comm_id_hash != 'unknown' "
-                        "THEN comm_id_hash END) "
-                        "FROM nccl_events WHERE kind = 'call'").fetchone()
-    calls, nodes, local, comms = (v or 0 for v in rows)
+    calls, nodes, local, comms = rec.call_counts()
     if not calls:
         return ["no collectives: the recording holds no NCCL call (was the job running, and traced? "
                 "'nccl-exporter check', then 'trace --duration 30s' to see calls as they come)",
@@ -135,18 +114,18 @@ def _no_collectives(conn: sqlite3.Connection) -> list[str]:
             f"nccl_events rows: {calls} calls on {comms} communicator(s), {nodes} node(s)"]
 
 
-def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
+def explain(rec: Recording, align: bool = True) -> list[str]:
     """[verdict, evidence...]"""
-    collectives, offsets = stragglers.load(conn, align=align)
-    measured = network.load(conn)
+    collectives, offsets = stragglers.load(rec, align=align)
+    measured = network.load(rec)
     slow = network.judge(measured)
     if not collectives:
         if slow:  # e.g. one node's recording: its ranks' waits on peers elsewhere
-            return _network(slow) + _no_collectives(conn)[:1]
-        return _no_collectives(conn)
+            return _network(slow) + _no_collectives(rec)[:1]
+        return _no_collectives(rec)
     stats = stragglers.per_rank(collectives)
-    prank = _process_ranks(conn, collectives)
-    addr_rank = _addr_ranks(conn)
+    prank = rec.process_ranks()
+    addr_rank = _addr_ranks(rec)
     nodes = sorted({a.node for c in collectives for a in c.arrivals})
 
     def who(node, pid):
@@ -174,7 +153,7 @@ def explain(conn: sqlite3.Connection, align: bool = True) -> list[str]:
     ranked_links = sorted(links.items(), key=lambda kv: -kv[1])
 
     if len(nodes) > 1 and align:
-        found = skew.stored(conn) or skew.estimate(conn)
+        found = skew.stored(rec) or skew.estimate(rec)
         worst = max((abs(o.offset_ns) for o in found.values()), default=0)
         resid = max((o.residual_ns for o in found.values()), default=0)
         clocks = (f"clocks: {len(nodes)} nodes aligned by collective ends (largest offset {_ms(worst)}, "

@@ -41,10 +41,11 @@ figures: `available` is False and the callers say so.
 
 from __future__ import annotations
 
-import sqlite3
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+from exporter.sinks.recording.read import Recording
 
 RATIO = 3.0        # times the communicator's median link (the alert NcclPeerNetworkWaitHigh uses the same)
 SHARE = 0.10       # of the receiver's time in the operations (the alert: of wall time)
@@ -100,35 +101,16 @@ class Link:
         return self.recv_wait_ns / self.receiver_time_ns if self.receiver_time_ns else None
 
 
-def available(conn: sqlite3.Connection) -> bool:
+def available(rec: Recording) -> bool:
     """The recording has the table (schema 7 and later)."""
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'nccl_peer_waits'"
-                        ).fetchone() is not None
+    return rec.has_table("nccl_peer_waits")
 
 
-def _has(conn, table: str) -> bool:
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)).fetchone() \
-        is not None
-
-
-def _labels(conn) -> dict[str, str]:
-    """nccl_comm_hash -> comm_id_hash (the `comm` label), from the communicators table."""
-    if not _has(conn, "communicators"):
-        return {}
-    return {h: c for h, c in conn.execute(
-        "SELECT nccl_comm_hash, MIN(comm_id_hash) FROM communicators WHERE nccl_comm_hash IS NOT NULL "
-        "AND comm_id_hash NOT LIKE 'local-%' AND comm_id_hash != 'unknown' GROUP BY nccl_comm_hash")}
-
-
-def load(conn: sqlite3.Connection, comm: str | None = None, op: str | None = None) -> list[Link]:
+def load(rec: Recording, comm: str | None = None, op: str | None = None) -> list[Link]:
     """Every link of the recording with its figures (unjudged); [] without the table."""
-    if not available(conn):
+    if not available(rec):
         return []
-    labels = _labels(conn)
-    where, params = ["peer IS NOT NULL"], []
-    if op:
-        where.append("op = ?")
-        params.append(op)
+    labels = rec.comm_labels()
     links: dict[tuple, Link] = {}
     at: dict[tuple, tuple] = {}   # (comm, rank) -> (node, pid)
 
@@ -138,10 +120,7 @@ def load(conn: sqlite3.Connection, comm: str | None = None, op: str | None = Non
             links[key] = Link(c, labels.get(c, c), sender, receiver)
         return links[key]
 
-    for c, rank, peer, direction, phase, wall, nbytes, ops, node, pid in conn.execute(
-            "SELECT nccl_comm_hash, rank, peer, direction, phase, SUM(wall_ns), SUM(bytes), "
-            "COUNT(DISTINCT op || ':' || seq || ':' || kind), MIN(node), MIN(pid) FROM nccl_peer_waits "
-            f"WHERE {' AND '.join(where)} GROUP BY nccl_comm_hash, rank, peer, direction, phase", params):
+    for c, rank, peer, direction, phase, wall, nbytes, ops, node, pid in rec.peer_waits(op):
         if rank is None or (comm and not (c.startswith(comm) or labels.get(c, "").startswith(comm))):
             continue
         at[(c, rank)] = (node, pid)
@@ -157,23 +136,15 @@ def load(conn: sqlite3.Connection, comm: str | None = None, op: str | None = Non
     for lk in links.values():
         lk.receiver_at = at.get((lk.comm, lk.receiver))
         lk.sender_at = at.get((lk.comm, lk.sender))
-    _receiver_time(conn, links.values(), op)
-    _retransmits(conn, links.values())
+    _receiver_time(rec, links.values(), op)
+    _retransmits(rec, links.values())
     return sorted(links.values(), key=lambda lk: (lk.label, lk.receiver, lk.sender))
 
 
-def _receiver_time(conn, links, op) -> None:
+def _receiver_time(rec: Recording, links, op) -> None:
     """Each receiver's time in its operations: GPU time where gpu_intervals has them, else the
     process's span in the recording."""
-    gpu: dict[tuple, int] = {}
-    if _has(conn, "gpu_intervals"):
-        opf = "WHERE op = ?" if op else ""
-        gpu = {(c, r): t for c, r, t in conn.execute(
-            "SELECT w.nccl_comm_hash, w.rank, SUM(g.gpu_duration_ns) FROM (SELECT DISTINCT pid, node, "
-            f"nccl_comm_hash, op, seq, kind, rank FROM nccl_peer_waits {opf}) AS w JOIN gpu_intervals AS g "
-            "ON g.pid = w.pid AND g.nccl_comm_hash = w.nccl_comm_hash AND g.op = w.op AND g.seq = w.seq "
-            "AND g.kind = w.kind AND (g.node IS w.node OR g.node IS NULL OR w.node IS NULL) "
-            "GROUP BY w.nccl_comm_hash, w.rank", (op,) if op else ())}
+    gpu = rec.gpu_time_of_peer_waits(op)
     span: dict[tuple, int] = {}
     for lk in links:
         t = gpu.get((lk.comm, lk.receiver))
@@ -181,22 +152,19 @@ def _receiver_time(conn, links, op) -> None:
             lk.receiver_time_ns = t
         elif lk.receiver_at:
             if lk.receiver_at not in span:
-                row = conn.execute("SELECT MAX(timestamp_ns + duration_ns) - MIN(timestamp_ns) FROM nccl_events "
-                                   "WHERE node = ? AND pid = ?", lk.receiver_at).fetchone()
-                span[lk.receiver_at] = (row[0] or 0) if row else 0
+                span[lk.receiver_at] = rec.span(*lk.receiver_at)
             lk.receiver_time_ns = span[lk.receiver_at]
 
 
-def _retransmits(conn, links) -> None:
+def _retransmits(rec: Recording, links) -> None:
     """The sender's sockets' retransmits, on connections to the receiver's addresses where known."""
     by_owner: dict[tuple, list] = defaultdict(list)
     addrs: dict[tuple, set] = defaultdict(set)
-    for node, pid, event, saddr, daddr in conn.execute(
-            "SELECT node, pid, event, saddr, daddr FROM tcp_events WHERE pid IS NOT NULL"):
-        if saddr:
-            addrs[(node, pid)].add(saddr)
-        if event == "tcp_retransmit_skb":
-            by_owner[(node, pid)].append((saddr, daddr))
+    for e in rec.tcp_events(order=""):
+        if e.saddr:
+            addrs[(e.node, e.pid)].add(e.saddr)
+        if e.event == "tcp_retransmit_skb":
+            by_owner[(e.node, e.pid)].append((e.saddr, e.daddr))
     for lk in links:
         if not lk.sender_at:
             continue

@@ -40,12 +40,12 @@ is there, else estimate.
 
 from __future__ import annotations
 
-import sqlite3
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
 from exporter.records import contract
+from exporter.sinks.recording.read import CLOCK_SKEW_COLUMNS, Recording, is_local_comm
 
 # Collectives every rank of a communicator takes part in (not SEND/RECV).
 # Synchronous collectives only: not point-to-point, not one-sided (put/signal/wait).
@@ -71,50 +71,29 @@ class NodeOffset:
                 self.lower_ns, self.upper_ns)
 
 
-COLUMNS = ("node", "offset_ns", "reference", "collectives", "residual_ns", "method", "lower_ns", "upper_ns")
+COLUMNS = CLOCK_SKEW_COLUMNS
 
 
-def _ends(conn: sqlite3.Connection) -> dict[tuple, dict[str, tuple]]:
+def _ends(rec: Recording) -> dict[tuple, dict[str, tuple]]:
     """(comm, op, seq) -> node -> (median end, first end, last start) of its ranks' calls."""
     per: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     # Per communicator and op, at most MAX_COLLECTIVES sequence numbers (every k-th): served by the
     # (comm_id_hash, op, seq) index where there is one.
-    for comm, op in _comm_ops(conn):
-        if not comm or comm == "unknown" or comm.startswith("local-") or op not in SYNC_OPS:
+    for comm, op in rec.comm_ops():
+        if is_local_comm(comm) or op not in SYNC_OPS:
             continue  # no job-wide id: its seq does not name one collective across processes
-        lo = conn.execute("SELECT seq FROM nccl_events WHERE comm_id_hash = ? AND op = ? AND seq IS NOT NULL "
-                          "ORDER BY seq LIMIT 1", (comm, op)).fetchone()
-        hi = conn.execute("SELECT seq FROM nccl_events WHERE comm_id_hash = ? AND op = ? AND seq IS NOT NULL "
-                          "ORDER BY seq DESC LIMIT 1", (comm, op)).fetchone()
-        if lo is None:
+        seqs = rec.seq_range(comm, op)
+        if seqs is None:
             continue
-        lo, hi = lo[0], hi[0]
+        lo, hi = seqs
         stride = max(1, -(-(hi - lo + 1) // MAX_COLLECTIVES))
-        seqs = list(range(lo, hi + 1, stride))
-        for i in range(0, len(seqs), 500):
-            chunk = seqs[i:i + 500]
-            for seq, node, start, end in conn.execute(
-                    f"SELECT seq, node, timestamp_ns, timestamp_ns + duration_ns FROM nccl_events "
-                    f"WHERE comm_id_hash = ? AND op = ? AND seq IN ({','.join('?' * len(chunk))}) AND kind = 'call'",
-                    (comm, op, *chunk)):
-                per[(comm, op, seq)][node].append((start, end))
+        for seq, node, start, end in rec.calls_at(comm, op, list(range(lo, hi + 1, stride))):
+            per[(comm, op, seq)][node].append((start, end))
     out = {}
     for key, nodes in per.items():
         if len(nodes) >= 2:
             out[key] = {n: (int(statistics.median(e for _, e in v)), min(e for _, e in v), max(s for s, _ in v))
                         for n, v in nodes.items()}
-    return out
-
-
-def _comm_ops(conn):
-    """The distinct (comm_id_hash, op): one seek each on the (comm_id_hash, op, seq) index."""
-    out = []
-    row = conn.execute("SELECT comm_id_hash, op FROM nccl_events WHERE comm_id_hash IS NOT NULL "
-                       "ORDER BY comm_id_hash, op LIMIT 1").fetchone()
-    while row is not None:
-        out.append(row)
-        row = conn.execute("SELECT comm_id_hash, op FROM nccl_events WHERE (comm_id_hash, op) > (?, ?) "
-                           "ORDER BY comm_id_hash, op LIMIT 1", row).fetchone()
     return out
 
 
@@ -157,12 +136,12 @@ def _pair(ends, base: str, node: str):
     return int(round(est)), len(diffs), int(round(resid)), lower, upper, how
 
 
-def estimate(conn: sqlite3.Connection) -> dict[str, NodeOffset]:
+def estimate(rec: Recording) -> dict[str, NodeOffset]:
     """Per-node offsets against a reference node (see the module's text)."""
-    nodes = [r[0] for r in conn.execute("SELECT DISTINCT node FROM nccl_events ORDER BY node")]
+    nodes = rec.nodes()
     if len(nodes) <= 1:
         return {n: NodeOffset(n, 0, n, 0, 0, "reference", 0, 0) for n in nodes}
-    ends = _ends(conn)
+    ends = _ends(rec)
     count: dict[str, int] = defaultdict(int)
     for per_node in ends.values():
         for n in per_node:
@@ -194,22 +173,16 @@ def estimate(conn: sqlite3.Connection) -> dict[str, NodeOffset]:
     return out
 
 
-def has_table(conn: sqlite3.Connection, name: str) -> bool:
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
-
-
-def stored(conn: sqlite3.Connection) -> dict[str, NodeOffset]:
+def stored(rec: Recording) -> dict[str, NodeOffset]:
     """The offsets `merge` stored (clock_skew table); {} if none."""
-    if not has_table(conn, "clock_skew"):
-        return {}
-    return {r[0]: NodeOffset(*r) for r in conn.execute(f"SELECT {', '.join(COLUMNS)} FROM clock_skew")}
+    return {r[0]: NodeOffset(*r) for r in rec.clock_skew()}
 
 
-def offsets(conn: sqlite3.Connection, align: bool = True) -> dict[str, int]:
+def offsets(rec: Recording, align: bool = True) -> dict[str, int]:
     """node -> offset_ns to subtract (all 0 when not aligning): stored, else estimated."""
     if not align:
         return defaultdict(int)
-    found = stored(conn) or estimate(conn)
+    found = stored(rec) or estimate(rec)
     out: dict[str, int] = defaultdict(int)
     out.update({n: o.offset_ns for n, o in found.items()})
     return out

@@ -30,7 +30,6 @@ recording of a multi-node job sees only its own ranks: merge first).
 from __future__ import annotations
 
 import bisect
-import sqlite3
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from exporter.offline.analysis import align as midjob
 from exporter.offline.analysis import skew
 from exporter.offline.analysis.skew import SYNC_OPS
+from exporter.sinks.recording.read import Recording
 
 
 @dataclass(slots=True)
@@ -151,32 +151,25 @@ class _Series:
         return self._get(key)[2][i:j]
 
 
-def _columns(conn, table) -> set[str]:
-    return {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
-
-
-def load(conn: sqlite3.Connection, align: bool = True, comm: str | None = None,
+def load(rec: Recording, align: bool = True, comm: str | None = None,
          op: str | None = None) -> tuple[list[Collective], dict[str, int]]:
     """The collectives of a recording, each rank's arrival and window evidence."""
-    offsets = skew.offsets(conn, align)
-    have = _columns(conn, "nccl_events")
-    runq = "runq_wait_ns" if "runq_wait_ns" in have else "NULL"
-    marks = ",".join("?" * len(SYNC_OPS))
-    # Every call of each caller thread, to find the previous call's end (the window start).
-    sql = (f"SELECT comm_id_hash, op, seq, rank, nranks, node, pid, tid, timestamp_ns, duration_ns, bytes, "
-           f"{runq}, LAG(timestamp_ns + duration_ns) OVER (PARTITION BY node, pid, tid ORDER BY timestamp_ns) "
-           f"FROM nccl_events WHERE kind = 'call'")
+    offsets = skew.offsets(rec, align)
     groups: dict[tuple, list[Arrival]] = defaultdict(list)
     nranks_of: dict[tuple, int] = {}
     loose: list[midjob.Loose] = []
-    for (c, o, seq, rank, nranks, node, pid, tid, ts, dur, nbytes, rq, prev_end) in conn.execute(sql):
+    # Every call of each caller thread, with the previous call's end (the window start).
+    for call in rec.calls(kind="call", previous_end=True, order=""):
+        c, o, seq, rank, nranks, node = call.comm, call.op, call.seq, call.rank, call.nranks, call.node
         if o not in SYNC_OPS or seq is None:
             continue
         local = midjob.is_local(c)
         if (comm and not local and not c.startswith(comm)) or (op and o != op):
             continue
+        pid, tid, ts, nbytes, rq, prev_end = call.pid, call.tid, call.timestamp_ns, call.bytes, \
+            call.runq_wait_ns, call.previous_end_ns
         off = offsets[node]
-        end = ts + dur
+        end = ts + call.duration_ns
         wstart = prev_end if prev_end is not None and prev_end <= ts else ts
         if local:  # a communicator first seen mid-job: aligned by call sequence below
             loose.append(midjob.Loose(c or "unknown", o, -1 if rank is None else rank, node, pid, nbytes,
@@ -185,12 +178,8 @@ def load(conn: sqlite3.Connection, align: bool = True, comm: str | None = None,
         groups[(c, o, seq)].append(Arrival(rank, node, pid, tid, ts - off, end - off, wstart - off, ts,
                                            (wstart, end), nbytes, rq))
         nranks_of[(c, o, seq)] = max(nranks_of.get((c, o, seq), 0), nranks or 0)
-    del marks
     members: dict[str, set] = defaultdict(set)
-    launcher = {}
-    if loose and skew.has_table(conn, "processes"):
-        launcher = {(n, p): r for n, p, r in conn.execute(
-            "SELECT node, pid, launcher_rank FROM processes WHERE launcher_rank IS NOT NULL")}
+    launcher = rec.launcher_ranks() if loose else {}
     for label, o, index, rank, lc in midjob.align(loose, launcher):
         if comm and not label.startswith(comm):
             continue
@@ -208,25 +197,20 @@ def load(conn: sqlite3.Connection, align: bool = True, comm: str | None = None,
         arr.sort(key=lambda a: (a.start, a.rank))
         collectives.append(Collective(key[0], key[1], key[2], nranks_of[key], arr))
     collectives.sort(key=lambda c: (c.arrivals[0].start, c.comm, c.op, c.seq))
-    _evidence(conn, collectives)
+    _evidence(rec, collectives)
     return collectives, offsets
 
 
-def _evidence(conn, collectives: list[Collective]) -> None:
+def _evidence(rec: Recording, collectives: list[Collective]) -> None:
     """Fill each arrival's retransmits and run-queue waits in its window."""
     tcp = _Series()
-    for ts, node, pid, saddr, daddr in conn.execute(
-            "SELECT timestamp_ns, node, pid, saddr, daddr FROM tcp_events WHERE event = 'tcp_retransmit_skb'"):
-        tcp.add((node, pid), ts, 1, f"{saddr}\u2192{daddr}")
+    for e in rec.tcp_events("tcp_retransmit_skb", order=""):
+        tcp.add((e.node, e.pid), e.timestamp_ns, 1, f"{e.saddr}\u2192{e.daddr}")
     waits = _Series()
     have_sched = False
-    if skew.has_table(conn, "sched_events"):
-        cols = _columns(conn, "sched_events")
-        where = "WHERE thread IN ('caller', 'proxy')" if "thread" in cols else ""
-        for ts, node, pid, dur in conn.execute(
-                f"SELECT timestamp_ns, node, pid, duration_ns FROM sched_events {where}"):
-            waits.add((node, pid), ts, dur)
-            have_sched = True
+    for w in rec.waits(threads=("caller", "proxy"), order=""):
+        waits.add((w.node, w.pid), w.timestamp_ns, w.duration_ns)
+        have_sched = True
     for c in collectives:
         for a in c.arrivals:
             key = (a.node, a.pid)
@@ -244,13 +228,10 @@ def _evidence(conn, collectives: list[Collective]) -> None:
                 a.runq_measured = a.runq_in_call is not None
 
 
-def what_there_is(conn: sqlite3.Connection) -> str:
+def what_there_is(rec: Recording) -> str:
     """The synchronous collectives a recording holds, by op and communicator, in one line
     (what a --op/--comm that matched nothing could have been)."""
-    marks = ",".join("?" * len(SYNC_OPS))
-    rows = conn.execute(f"SELECT op, comm_id_hash, COUNT(*) FROM nccl_events WHERE kind = 'call' "
-                        f"AND op IN ({marks}) GROUP BY op, comm_id_hash ORDER BY COUNT(*) DESC",
-                        sorted(SYNC_OPS)).fetchall()
+    rows = rec.calls_by_comm(SYNC_OPS)
     if not rows:
         return "it holds no synchronous collective call"
     shown = ", ".join(f"{op} on {comm} ({n} calls)" for op, comm, n in rows[:6])

@@ -26,11 +26,11 @@ index (one small tuple per collective call).
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections import defaultdict
 
 from exporter.offline.analysis import skew
 from exporter.offline.analysis.skew import SYNC_OPS
+from exporter.sinks.recording.read import Recording
 
 _SYNC = frozenset(SYNC_OPS)
 
@@ -67,35 +67,17 @@ class _Writer:
         self.out.write("\n], \"metadata\": " + json.dumps(metadata) + "}\n")
 
 
-def export(conn: sqlite3.Connection, out, align: bool = True) -> dict:
+def export(rec: Recording, out, align: bool = True) -> dict:
     """Write the trace to the text stream `out`; returns counts of what was written."""
-    offsets = skew.offsets(conn, align)
-    origin = None
-    for table in ("nccl_events", "tcp_events", "sched_events"):
-        if skew.has_table(conn, table):
-            for node, t in conn.execute(f"SELECT node, MIN(timestamp_ns) FROM {table} GROUP BY node"):
-                if t is not None:
-                    t -= offsets[node]
-                    origin = t if origin is None else min(origin, t)
-    origin = origin or 0
+    offsets = skew.offsets(rec, align)
+    tables = ("nccl_events", "tcp_events", "sched_events")
+    starts = [t - offsets[node] for table in tables for node, t in rec.first_times(table).items()]
+    origin = min(starts, default=None) or 0
 
     # Tracks: a process per node, a thread per traced process (rank).
-    nodes = sorted({r[0] for t in ("nccl_events", "tcp_events", "sched_events") if skew.has_table(conn, t)
-                    for r in conn.execute(f"SELECT DISTINCT node FROM {t}")})
+    nodes = sorted({n for t in tables for n in rec.nodes(t)})
     node_pid = {n: i + 1 for i, n in enumerate(nodes)}
-    ranks: dict[tuple, int] = {}
-    best: dict[tuple, tuple] = {}
-    for node, pid, rank, nranks in conn.execute(
-            "SELECT node, pid, rank, MAX(nranks) FROM nccl_events WHERE rank >= 0 GROUP BY node, pid, rank"):
-        if (node, pid) not in best or (nranks or 0) > best[(node, pid)][0]:
-            best[(node, pid)] = (nranks or 0, rank)
-    ranks.update({k: v[1] for k, v in best.items()})
-    try:
-        for node, pid, rank in conn.execute(
-                "SELECT node, pid, launcher_rank FROM processes WHERE launcher_rank IS NOT NULL"):
-            ranks[(node, pid)] = rank
-    except sqlite3.DatabaseError:
-        pass
+    ranks = rec.process_ranks()
     tids: dict[tuple, int] = {}
 
     w = _Writer(out)
@@ -125,11 +107,7 @@ def export(conn: sqlite3.Connection, out, align: bool = True) -> dict:
     counts = {"slices": 0, "runq_slices": 0, "instants": 0, "flows": 0}
     raw = w.raw
     flows: dict[tuple, list] = defaultdict(list)
-    have = {r[1] for r in conn.execute("PRAGMA table_info(nccl_events)")}
-    runq = "runq_wait_ns" if "runq_wait_ns" in have else "NULL"
-    for (ts, dur, op, rank, nranks, comm, seq, count, nbytes, node, pid, tid, kind, rq) in conn.execute(
-            f"SELECT timestamp_ns, duration_ns, op, rank, nranks, comm_id_hash, seq, count, bytes, node, pid, tid, "
-            f"kind, {runq} FROM nccl_events ORDER BY node, pid, timestamp_ns"):
+    for (ts, dur, op, rank, nranks, comm, seq, count, nbytes, node, pid, tid, kind, rq, _) in rec.calls():
         p, t = track(node, pid)
         start = ts - offsets[node] - origin
         raw(f'{{"ph":"X","name":{json_string(op)},"cat":{json_string(kind)},"pid":{p},"tid":{t},'
@@ -158,23 +136,15 @@ def export(conn: sqlite3.Connection, out, align: bool = True) -> dict:
         counts["flows"] += 1
     del flows
 
-    if skew.has_table(conn, "sched_events"):
-        cols = {r[1] for r in conn.execute("PRAGMA table_info(sched_events)")}
-        thread = "thread" if "thread" in cols else "NULL"
-        name = "comm" if "comm" in cols else "NULL"
-        for ts, dur, node, pid, tid, th, comm_name in conn.execute(
-                f"SELECT timestamp_ns, duration_ns, node, pid, tid, {thread}, {name} FROM sched_events "
-                f"ORDER BY node, pid, timestamp_ns"):
-            p, t = track(node, pid)
-            raw(f'{{"ph":"X","name":"runq wait","cat":"sched","pid":{p},"tid":{t if th == "caller" else t + 1},'
-                f'"ts":{(ts - offsets[node] - origin) / 1000:.3f},"dur":{dur / 1000:.3f},'
-                f'"args":{{"thread":{json_value(th)},'
-                f'"tid":{json_value(tid)},"comm":{json_value(comm_name)},"wait_ms":{dur / 1e6:.6f}}}}}')
-            counts["runq_slices"] += 1
+    for ts, dur, node, pid, tid, th, comm_name in rec.waits():
+        p, t = track(node, pid)
+        raw(f'{{"ph":"X","name":"runq wait","cat":"sched","pid":{p},"tid":{t if th == "caller" else t + 1},'
+            f'"ts":{(ts - offsets[node] - origin) / 1000:.3f},"dur":{dur / 1000:.3f},'
+            f'"args":{{"thread":{json_value(th)},'
+            f'"tid":{json_value(tid)},"comm":{json_value(comm_name)},"wait_ms":{dur / 1e6:.6f}}}}}')
+        counts["runq_slices"] += 1
 
-    for ts, event, node, pid, saddr, sport, daddr, dport, state in conn.execute(
-            "SELECT timestamp_ns, event, node, pid, saddr, sport, daddr, dport, state FROM tcp_events "
-            "WHERE pid IS NOT NULL ORDER BY node, timestamp_ns"):
+    for ts, event, node, pid, saddr, sport, daddr, dport, state in rec.tcp_events():
         p, t = track(node, pid)
         raw(f'{{"ph":"i","s":"t","name":{json_string(event.replace("tcp_", "").replace("_skb", ""))},"cat":"tcp",'
             f'"pid":{p},"tid":{t},"ts":{(ts - offsets[node] - origin) / 1000:.3f},'

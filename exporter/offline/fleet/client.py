@@ -25,7 +25,6 @@ import os
 import queue
 import re
 import shutil
-import sqlite3
 import ssl
 import threading
 import time
@@ -34,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from exporter.offline.fleet.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH
+from exporter.sinks.recording.read import Recording
 
 BATCH = 256                 # rows per event at most,
 BATCH_BYTES = 16 << 10      # and about this many bytes of NDJSON
@@ -365,12 +365,8 @@ def fetch_one(url: str, outdir: str, opts: FleetOptions, since: int | None, unti
         if expected is not None and os.path.getsize(part) != int(expected):
             raise RuntimeError(f"cut short: {os.path.getsize(part)} of {expected} bytes")
         # immutable: no -shm/-wal beside the part file, whatever journal mode the copy has
-        conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(part))}?mode=ro&immutable=1",
-                               uri=True)
-        try:
-            res.rows = conn.execute("SELECT COUNT(*) FROM nccl_events").fetchone()[0]
-        finally:
-            conn.close()
+        with Recording.open_copy(part) as rec:
+            res.rows = rec.count_calls()
         os.replace(part, final)
         part = None
         res.path = final
