@@ -29,6 +29,7 @@ from exporter.records.render import Renderer, table_of
 from exporter.sinks.recording.schema import (DEFERRED_INDEXES, FOLD_GPU_INTERVALS, INSERT, SCHEMA_VERSION,
                                              RecordingError, open_db)
 from exporter.sinks.recording.scope import Scope, pid_netns
+from exporter.sinks.recording.tables import RecordTable
 
 # Batching and bounds (env overrides are for tests and benchmarks).
 BATCH_ROWS = 5000
@@ -103,6 +104,8 @@ class Recorder:
         self._launcher_rank: dict[int, int] = {}
         self._extra_meta: dict[str, str] = {}
         self._clock_sampled = float("-inf")
+        self._tables: dict[type, RecordTable] = {}  # sources' own tables (add_tables), by record type
+        self._new_tables: list[RecordTable] = []  # ... to create, by the writer thread
         self.conn = open_db(path)
         # A recording added to (run --db / trace --out on an existing file) keeps its start
         # and counts on from its totals: its rows are all still there.
@@ -166,6 +169,19 @@ class Recorder:
         """Losses before the recorder (ring buffers full): written to meta."""
         self.kernel_lost.update({k: int(v) for k, v in counts.items()})
 
+    def add_tables(self, tables) -> None:
+        """Sources' own tables (RecordTable): created by the writer before it
+        writes again; their records are written from then on."""
+        self._new_tables.extend(tables)
+
+    def _create_tables(self) -> None:
+        while self._new_tables:
+            t = self._new_tables.pop(0)
+            with self.conn:
+                self.conn.execute(t.create)
+            self._tables[t.record] = t
+            self.recorded.setdefault(t.name, 0)
+
     @property
     def queued(self) -> int:
         return len(self._q)
@@ -186,6 +202,7 @@ class Recorder:
         try:
             while True:
                 stopping = self._stop.is_set()
+                self._create_tables()
                 batch = self._drain()
                 full = len(batch) >= self.batch_rows  # more may be queued: no pause
                 if batch:
@@ -287,8 +304,13 @@ class Recorder:
         rows = self._rows
         nccl, tcp, sched, gpu, waits = [], [], [], [], []
         procs = []
+        own: dict[RecordTable, list] = {}  # sources' own tables' rows
         seen = self._seen_pids
         for event in batch:
+            table = self._tables.get(type(event))
+            if table is not None:
+                own.setdefault(table, []).append(table.row(event, self.node))
+                continue
             if type(event) is GpuCall:
                 gpu.append((event.pid, rows.comm(event.nccl_hash), event.op, event.seq, event.kind, event.rank,
                             event.peer if event.peer >= 0 else None, event.enqueue_real_ns or None,
@@ -332,6 +354,8 @@ class Recorder:
                 c.executemany(INSERT["peer_waits"], waits)
             if procs:
                 c.executemany(INSERT["processes"], procs)
+            for table, table_rows in own.items():
+                c.executemany(table.insert, table_rows)
             if comms:
                 # A split child's rank is learnt after its first event: fill it in then.
                 c.executemany("INSERT INTO communicators VALUES (?, ?, ?, ?, ?, ?, ?) "
@@ -349,6 +373,8 @@ class Recorder:
         self.recorded["tcp"] += len(tcp)
         self.recorded["sched"] += len(sched)
         self.recorded["gpu"] += len(gpu)
+        for table, table_rows in own.items():
+            self.recorded[table.name] += len(table_rows)
 
     def _learn_comm(self, e) -> None:
         self._seen_comms.add((e.pid, e.comm_hash))
