@@ -105,6 +105,10 @@ class SchedTotals(SchedTable, Source):
         self._totals: dict[tuple[int, str], SchedStats] = {}  # (pid, kind) -> counts so far
         self._next_poll = 0.0
 
+    def losses(self) -> dict[str, int]:
+        """No ring buffer: nothing lost; the key is in every recording's meta (docs/schema.md)."""
+        return {"kernel_sched_events": 0}
+
     def tick(self, now: float) -> None:
         if now >= self._next_poll:
             self._next_poll = now + POLL_INTERVAL_S
