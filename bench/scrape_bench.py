@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Bytes and milliseconds per /metrics scrape against series count.
 
-Builds the exposition with the real collector (exporter/sinks/prometheus.py
-NcclCollector) fed by a fake reader that returns N Series records, so no BPF
+Builds the exposition with the real collector (exporter/sinks/prometheus/:
+Collector with the NCCL and plugin parts) fed by a fake reader that returns N Series records, so no BPF
 is needed. For each encoding of a scrape it prints the plain and gzipped
 size of the whole scrape and of the duration histogram family, and the
 median time of one scrape (collect + encode [+ gzip]):
@@ -43,7 +43,7 @@ from prometheus_client.exposition import generate_latest
 from exporter.records import contract, histogram
 from exporter.records.events import Series
 from exporter.sinks import protobuf
-from exporter.sinks.prometheus import NcclCollector
+from exporter.sinks.prometheus import Collector, NcclCollector, PluginCollector
 
 OPS = list(contract.COLLECTIVE_OPS.values())
 
@@ -124,8 +124,8 @@ ENCODINGS = {
 def measure(series: list[Series], encoding: str, reps: int) -> dict:
     classic, encode = ENCODINGS[encoding]
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(NcclCollector("node-0", FakeReader(series), FakeProcesses(),
-                                    classic=histogram.CLASSIC[classic]))
+    registry.register(Collector("node-0", FakeProcesses(), [NcclCollector(FakeReader(series)), PluginCollector(None)],
+                                classic=histogram.CLASSIC[classic]))
     times, gz_times = [], []
     for _ in range(reps):
         t0 = time.perf_counter()

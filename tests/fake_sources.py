@@ -235,7 +235,8 @@ class FakeAgent:
     the process table, the lock and the config."""
 
     def __init__(self, **extra):
-        from exporter.agent.loop import SOURCES, AgentConfig
+        from exporter.agent.loop import AgentConfig
+        from exporter.agent.sources import SOURCES
 
         self.config = AgentConfig(node="n1")
         self.lock = threading.Lock()

@@ -96,11 +96,11 @@ def _bcc_or_skip():
 def _collect(reader, probes) -> list:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from exporter.sinks.prometheus import NcclCollector
+    from exporter.sinks.prometheus import Collector, NcclCollector
     from exporter.sources.processes import ProcessTable
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(NcclCollector("test-node", reader, ProcessTable(probes)))
+    registry.register(Collector("test-node", ProcessTable(probes), [NcclCollector(reader)]))
     return parse_metrics(generate_latest(registry).decode())
 
 

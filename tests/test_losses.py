@@ -147,11 +147,11 @@ def test_recording_dropped_metric_is_declared():
 
 
 def test_collector_exposes_the_recorder_drops():
-    from exporter.sinks.prometheus import NcclCollector
+    from exporter.sinks.prometheus import Collector, self_metrics
     import inspect
 
-    assert "recorder" in inspect.signature(NcclCollector.__init__).parameters
-    src = inspect.getsource(NcclCollector)
+    assert "recorder" in inspect.signature(Collector.__init__).parameters
+    src = inspect.getsource(self_metrics.exporter_families)
     assert "EXPORTER_RECORDING_DROPPED" in src
 
 

@@ -304,12 +304,11 @@ def test_series_and_errors_count_each_call_once(traced):
 def test_collector_exposes_call_errors(traced):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from exporter.sinks.prometheus import NcclCollector
+    from exporter.sinks.prometheus import Collector, NcclCollector
     from exporter.sources.processes import ProcessTable
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(NcclCollector("test-node", traced.reader,
-                                    ProcessTable(traced.probes)))
+    registry.register(Collector("test-node", ProcessTable(traced.probes), [NcclCollector(traced.reader)]))
     samples = parse_metrics(generate_latest(registry).decode())
     err = metrics.CALL_ERRORS
     assert sample_value(samples, err, node="test-node", op="ALL_REDUCE",

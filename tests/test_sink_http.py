@@ -11,8 +11,7 @@ the same Pipeline `run` uses.
   and review the diff like code.
 - Serving: gzip when asked, OpenMetrics when asked, HEAD, /-/ready (503, then
   200), /-/healthy, 404 elsewhere.
-- Wiring: a source added as one row of agent/loop.py's SOURCES shows on
-  /metrics (with the real agent as well: test_a_new_source_row_shows_on_metrics_of_the_real_agent).
+- Wiring a new source (one row of SOURCES) onto /metrics: tests/test_source_plugin.py.
 """
 
 from __future__ import annotations
@@ -23,15 +22,13 @@ import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 
 import fake_sources
 from exporter import __version__
 from conftest import REPO, parse_metrics
 from exporter.records import metrics
-from exporter.sinks import prometheus as prometheus_sink
+from exporter.sinks.prometheus import collector as prometheus_collector
 from exporter.sinks.http import HttpServer
-from exporter.agent import loop as agent_module
 from exporter.agent.pipeline import Pipeline
 
 GOLDEN = REPO / "tests" / "fixtures" / "metrics.txt"
@@ -48,9 +45,9 @@ def frozen_clock(monkeypatch):
     fake_time = SimpleNamespace(clock_gettime_ns=lambda clock: fake_sources.NOW_NS,
                                 CLOCK_MONOTONIC=real_time.CLOCK_MONOTONIC,
                                 perf_counter=lambda: 1.0, time=lambda: 1.7e9)
-    monkeypatch.setattr(prometheus_sink, "time", fake_time)
+    monkeypatch.setattr(prometheus_collector, "time", fake_time)
     # the fake sources' pid counts as a living process
-    monkeypatch.setattr(prometheus_sink, "alive_checker", lambda: lambda pid: True)
+    monkeypatch.setattr(prometheus_collector, "alive_checker", lambda: lambda pid: True)
 
 
 def registry_of(agent, **sinks) -> CollectorRegistry:
@@ -170,60 +167,3 @@ def test_ready_healthy_and_404(served):
     for path in ("/", "/metricsx", "/-/readyz", "/metrics/x"):
         code, _, body = get(base + path)
         assert code == 404 and b"nccl_" not in body, path
-
-
-# --- wiring: one row of SOURCES -----------------------------------------------------------
-
-class Thermometer:
-    """A made-up source: one reading, and the family it gives itself."""
-
-    reading = 41.5
-
-
-def thermometer_metrics(source, node):
-    f = GaugeMetricFamily("nccl_test_thermometer_celsius", "A made-up source's reading", labels=["node"])
-    f.add_metric([node], source.reading)
-    yield f
-
-
-def thermometer_row():
-    return agent_module.Source("thermometer", lambda agent: Thermometer(), metrics=thermometer_metrics)
-
-
-def test_a_new_source_row_shows_on_metrics(monkeypatch, frozen_clock):
-    monkeypatch.setattr(agent_module, "SOURCES", [*agent_module.SOURCES, thermometer_row()])
-    server = HttpServer("127.0.0.1", 0, registry_of(fake_sources.FakeAgent(thermometer=Thermometer())))
-    try:
-        text = get(f"http://127.0.0.1:{server.port}/metrics")[2].decode()
-    finally:
-        server.shutdown()
-    assert 'nccl_test_thermometer_celsius{node="node-a"} 41.5' in text
-    assert "nccl_exporter_build_info" in text  # beside the collector's families
-
-
-def test_a_new_source_row_shows_on_metrics_of_the_real_agent(monkeypatch, bpf):
-    """The same with the real Agent loading its real sources (root): the row is
-    loaded, closed with the others, and its family served."""
-    from exporter.agent.loop import Agent, AgentConfig
-
-    closed = []
-
-    class ClosingThermometer(Thermometer):
-        def close(self):
-            closed.append(True)
-
-    row = agent_module.Source("thermometer", lambda agent: ClosingThermometer(), metrics=thermometer_metrics)
-    monkeypatch.setattr(agent_module, "SOURCES", [*agent_module.SOURCES, row])
-    agent = Agent(AgentConfig(node=NODE))
-    try:
-        assert isinstance(agent.thermometer, ClosingThermometer)
-        server = HttpServer("127.0.0.1", 0, registry_of(agent))
-        try:
-            text = get(f"http://127.0.0.1:{server.port}/metrics")[2].decode()
-        finally:
-            server.shutdown()
-    finally:
-        agent.close()
-    assert 'nccl_test_thermometer_celsius{node="node-a"} 41.5' in text
-    assert "nccl_collective_duration_seconds" in text
-    assert closed == [True]

@@ -1,7 +1,7 @@
 """OTLP metrics: every family of the collector, pushed every interval.
 
 `run --otlp-metrics-endpoint URL` reads the same collector a scrape reads
-(exporter/sinks/prometheus.py) and turns what it yields into OTLP data:
+(exporter/sinks/prometheus/) and turns what it yields into OTLP data:
 
 - counters: cumulative monotonic sums (named without Prometheus's _total);
 - gauges: gauges;

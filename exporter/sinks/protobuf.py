@@ -7,7 +7,7 @@ write native histograms, so a scrape whose Accept header asks for
     application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily; encoding=delimited
 
 (Prometheus with native histograms on) is answered here, from the same
-collector. A histogram family of sinks/prometheus.py (ExponentialHistogramFamily)
+collector. A histogram family of sinks/prometheus/histograms.py (ExponentialHistogramFamily)
 becomes native histograms of schema 3: zero threshold 2^-20 s, the
 populated buckets as spans and deltas (records/histogram.py, Layout.native);
 with `classic=True` each also carries the classic buckets of a text scrape

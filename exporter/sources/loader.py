@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 
 from exporter.records import contract
+from exporter.sources.base import Source
 from exporter.sources.bpf import Program
 
 LOADER_PATTERNS = ("ld-linux*.so*", "ld-*.so*", "ld-musl-*.so*")
@@ -75,7 +76,7 @@ def mapped_loaders(pids=None, proc: str = "/proc") -> dict[tuple[int, int], str]
     return out
 
 
-class LoaderSource(Program):
+class LoaderSource(Program, Source):
     """bpf/loader.c and the loader files it is attached to."""
 
     def __init__(self):

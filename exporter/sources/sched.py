@@ -14,6 +14,7 @@ import os
 from exporter.records import contract, histogram
 from exporter.records.events import SchedEvent, SchedStats
 from exporter.sources import kernel_btf
+from exporter.sources.base import Source, shared_counter
 from exporter.sources.bpf import ClockOffset, ProbeError, Program
 from exporter.sources.expiry import OwnerExpiry, delete_keys
 from exporter.sources.schedstat import SchedTable
@@ -70,9 +71,11 @@ def tgid_of(tid: int, proc: str = "/proc") -> int:
     return 0
 
 
-class SchedSource(SchedTable, Program):
+class SchedSource(SchedTable, Program, Source):
     """bpf/sched.c: reads `sched_stats` and `thread_sched`, and the
     `sched_events` ring buffer."""
+
+    node_wide = "scheduler"
 
     HOT_TRACEPOINTS = tuple(RAW_TRACEPOINTS)  # every context switch and wakeup of the node
     layout = histogram.RUNQ  # the run-queue histogram's slots (SchedTotals has none)
@@ -91,6 +94,9 @@ class SchedSource(SchedTable, Program):
             # wait once attached again. Per-process totals are kept.
             delete_keys(self, [("thread_sched", k) for k in self["thread_sched"].keys()])
             self["task_filter"].clear()
+
+    def losses(self) -> dict[str, int]:
+        return {"kernel_sched_events": shared_counter(self, "SCHED_EVENTS_LOST")}
 
     def set_runq_event_min(self, min_wait_ns: int) -> None:
         """Run-queue waits of traced threads at least this long become events; 0: none."""

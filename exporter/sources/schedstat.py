@@ -25,6 +25,7 @@ import threading
 import time
 
 from exporter.records.events import SchedStats
+from exporter.sources.base import Source
 from exporter.sources.expiry import OwnerExpiry, delete_keys, sum_records
 
 POLL_INTERVAL_S = 1.0  # the agent's loop reads this often: a thread that exits loses at most this much
@@ -63,6 +64,9 @@ class SchedTable:
         out += [((lset[1], lset[0]), kept["sched_stats"]) for lset, kept in self.expiry.retired.items()]
         return out
 
+    def prune(self, ttl: float, rank_label) -> None:
+        self.expire_owners(ttl, rank_label)
+
     def _expire(self, keyed, table, ttl: float, rank_label, now: float | None, proc: str) -> int:
         """OwnerExpiry over (key, SchedStats) pairs; deletes the expired keys
         from table["sched_stats"] and returns how many went."""
@@ -77,7 +81,7 @@ def thread_kind(name: str, tid: int, callers: set[int]) -> str:
     return "caller" if tid in callers else "other"
 
 
-class SchedTotals(SchedTable):
+class SchedTotals(SchedTable, Source):
     """Per (process, thread kind) run-queue delay, switch-ins and off-CPU time
     of traced processes, from /proc (module docstring). The same accessors as
     SchedSource (SchedTable, expire_owners) so the sinks take either;
@@ -99,9 +103,17 @@ class SchedTotals(SchedTable):
         self._threads: dict[int, tuple[int, int, int, int, int]] = {}  # tid -> (pid, time, run, wait, n)
         self._names: dict[int, tuple[str, int]] = {}  # tid -> (name, when read)
         self._totals: dict[tuple[int, str], SchedStats] = {}  # (pid, kind) -> counts so far
+        self._next_poll = 0.0
 
-    def set_hot(self, on: bool) -> None:
-        """Nothing runs in the kernel for this source; kept for the agent's idle detach."""
+    def losses(self) -> dict[str, int]:
+        """No ring buffer: nothing lost; the key is in every recording's meta (docs/schema.md)."""
+        return {"kernel_sched_events": 0}
+
+    def tick(self, now: float) -> None:
+        if now >= self._next_poll:
+            self._next_poll = now + POLL_INTERVAL_S
+            with self.lock:  # traced_pids and callers read the NCCL program's maps; a scrape polls too
+                self.poll()
 
     def poll(self) -> None:
         """Read every thread of every traced process and add what each did
@@ -155,6 +167,3 @@ class SchedTotals(SchedTable):
         with self._lock:
             return self._expire(list(self._totals.items()), {"sched_stats": self._totals},
                                 ttl, rank_label, now, proc)
-
-    def close(self) -> None:
-        pass

@@ -13,6 +13,7 @@ import time
 
 from exporter.records import contract
 from exporter.records.events import AF_INET, AF_INET6, TcpEvent, TcpLink, TcpSrtt
+from exporter.sources.base import Source, shared_counter
 from exporter.sources.bpf import ClockOffset, Program, set_tracepoint
 from exporter.sources.expiry import OwnerExpiry, delete_keys
 
@@ -53,8 +54,16 @@ def _link_fields(k) -> dict:
             "daddr": format_addr(k.family, k.daddr), "port": k.port, "owner": k.owner}
 
 
-class TcpSource(Program):
-    """bpf/tcp.c: reads tcp_links / tcp_srtt and decodes tcp_events."""
+class TcpSource(Program, Source):
+    """bpf/tcp.c: reads tcp_links / tcp_srtt and decodes tcp_events.
+
+    srtt_sampling: (window, period) s of tcp_probe attached while hot (None:
+    the whole time); owner_window: s the owner tracepoints stay attached after
+    a socket may have an unknown owner (None: the whole time). Both are duty
+    cycles of `tick` (docs/tcp.md, "srtt" and "Owner windows")."""
+
+    node_wide = "socket"
+    OWNER_POLL_S = 1.0  # how often tick looks for a reason to open an owner window
 
     # Every incoming segment, and every send and receive on any socket of the
     # node: only srtt and socket ownership need them, and `run` attaches them
@@ -64,8 +73,12 @@ class TcpSource(Program):
     OWNER_TRACEPOINTS = ("sock:sock_send_length", "sock:sock_recv_length")
     HOT_TRACEPOINTS = (SRTT_TRACEPOINT, *OWNER_TRACEPOINTS)
 
-    def __init__(self, clock: ClockOffset | None = None):
+    def __init__(self, clock: ClockOffset | None = None, srtt_sampling: tuple[float, float] | None = None,
+                 owner_window: float | None = None):
         super().__init__("tcp")
+        self.srtt_sampling = srtt_sampling
+        self.owner_window = owner_window
+        self._next_owner_poll = 0.0
         self.clock = clock or ClockOffset()
         self.expiry = OwnerExpiry()
         self._hot_since = time.monotonic()  # the duty cycles start here (attached at load)
@@ -77,6 +90,27 @@ class TcpSource(Program):
         if on != self.hot:  # the duty cycles start again when the source goes hot
             self._hot_since = time.monotonic()
         super().set_hot(on)
+
+    def tick(self, now: float) -> None:
+        """The duty cycles, without the agent's lock: a detach waits ~70 ms for
+        the kernel (RCU), which a scrape need not share (scrapes never attach
+        or detach)."""
+        if self.srtt_sampling is not None:
+            self.srtt_duty(now, *self.srtt_sampling)
+        if self.owner_window is not None and now >= self._next_owner_poll:
+            self._next_owner_poll = now + self.OWNER_POLL_S
+            self.owner_duty(now, self.owner_window, shared_counter(self, "OWNERS_WANTED"),
+                            [k.value for k in self["traced_processes"].keys()])
+
+    def prune(self, ttl: float, rank_label) -> None:
+        self.expire_owners(ttl, rank_label)
+
+    def losses(self) -> dict[str, int]:
+        counters = {name: shared_counter(self, name)
+                    for name in ("TCP_EVENTS_LOST", "RETRANSMIT_HITS", "RETRANSMIT_SEEN")}
+        # retransmits bpf/tcp.c did not run for (e.g. another BPF program was running on that CPU)
+        return {"kernel_tcp_events": counters["TCP_EVENTS_LOST"],
+                "kernel_skipped_retransmits": retransmits_missed(counters)}
 
     def srtt_duty(self, now: float, window: float, period: float) -> bool:
         """While hot, keep tcp_probe (every incoming segment of every socket

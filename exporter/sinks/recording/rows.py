@@ -67,8 +67,13 @@ class RecordRows:
         rows = self._rows
         nccl, tcp, sched, gpu, waits = [], [], [], [], []
         procs = []
+        own: dict = {}  # sources' own tables' rows (Recorder.add_tables)
         seen = self._seen_pids
         for event in batch:
+            table = self._tables.get(type(event))
+            if table is not None:
+                own.setdefault(table, []).append(table.row(event, self.node))
+                continue
             if type(event) is GpuCall:
                 gpu.append((event.pid, rows.comm(event.nccl_hash), event.op, event.seq, event.kind, event.rank,
                             event.peer if event.peer >= 0 else None, event.enqueue_real_ns or None,
@@ -112,6 +117,8 @@ class RecordRows:
                 c.executemany(INSERT["peer_waits"], waits)
             if procs:
                 c.executemany(INSERT["processes"], procs)
+            for table, table_rows in own.items():
+                c.executemany(table.insert, table_rows)
             if comms:
                 # A split child's rank is learnt after its first event: fill it in then.
                 c.executemany("INSERT INTO communicators VALUES (?, ?, ?, ?, ?, ?, ?) "
@@ -129,6 +136,8 @@ class RecordRows:
         self.recorded["tcp"] += len(tcp)
         self.recorded["sched"] += len(sched)
         self.recorded["gpu"] += len(gpu)
+        for table, table_rows in own.items():
+            self.recorded[table.name] += len(table_rows)
 
     def _learn_comm(self, e) -> None:
         self._seen_comms.add((e.pid, e.comm_hash))

@@ -27,6 +27,7 @@ from exporter.sinks.recording.rows import RecordRows
 from exporter.sinks.recording.schema import (DEFERRED_INDEXES, FOLD_GPU_INTERVALS, SCHEMA_VERSION,
                                              RecordingError, open_db)
 from exporter.sinks.recording.scope import Scope
+from exporter.sinks.recording.tables import RecordTable
 
 # Batching and bounds (env overrides are for tests and benchmarks).
 BATCH_ROWS = 5000
@@ -96,6 +97,8 @@ class Recorder(RecordRows):
         self._init_rows()
         self._extra_meta: dict[str, str] = {}
         self._clock_sampled = float("-inf")
+        self._tables: dict[type, RecordTable] = {}  # sources' own tables (add_tables), by record type
+        self._new_tables: list[RecordTable] = []  # ... to create, by the writer thread
         self.conn = open_db(path)
         # A recording added to (run --db / trace --out on an existing file) keeps its start
         # and counts on from its totals: its rows are all still there.
@@ -159,6 +162,19 @@ class Recorder(RecordRows):
         """Losses before the recorder (ring buffers full): written to meta."""
         self.kernel_lost.update({k: int(v) for k, v in counts.items()})
 
+    def add_tables(self, tables) -> None:
+        """Sources' own tables (RecordTable): created by the writer before it
+        writes again; their records are written from then on."""
+        self._new_tables.extend(tables)
+
+    def _create_tables(self) -> None:
+        while self._new_tables:
+            t = self._new_tables.pop(0)
+            with self.conn:
+                self.conn.execute(t.create)
+            self._tables[t.record] = t
+            self.recorded.setdefault(t.name, 0)
+
     @property
     def queued(self) -> int:
         return len(self._q)
@@ -179,6 +195,7 @@ class Recorder(RecordRows):
         try:
             while True:
                 stopping = self._stop.is_set()
+                self._create_tables()
                 batch = self._drain()
                 full = len(batch) >= self.batch_rows  # more may be queued: no pause
                 if batch:

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 
 from exporter.records import contract
 from exporter.records.events import CallEvent, Communicator, InflightCall, Series, local_comm_hash
+from exporter.sources.base import Source
 from exporter.sources.processes import alive_checker
 from exporter.sources.bpf import ClockOffset, forget_dead
+
+NAMING_INTERVAL_S = 1.0  # tick: communicators of a job that began before the agent are named this often
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,10 @@ class AsyncState:
     last_ns: int      # CLOCK_MONOTONIC of the last poll
 
 
-class NcclReader:
-    """Reads bpf/nccl.c's maps; decodes its ring buffer's call records."""
+class NcclReader(Source):
+    """Reads bpf/nccl.c's maps; decodes its ring buffer's call records.
+    on_series_freed(slots): told of the series slots prune freed (the slow-call
+    policy forgets their thresholds: agent/slow.py)."""
 
     def __init__(self, probes, clock: ClockOffset | None = None):
         self.probes = probes  # an NcclProbes (exporter/sources/nccl/probes.py)
@@ -53,6 +58,26 @@ class NcclReader:
         self.announced = None                   # () -> the profiler plugin's PluginComm list
         self._announced: dict[int, list] = {}   # pid -> its announced communicators, this turn
         self._tgids: dict[int, int] = {}        # thread id -> process id
+        self.on_series_freed = None
+        self._next_naming = 0.0
+
+    # --- the agent's loop (sources/base.py) ----------------------------------
+
+    def tick(self, now: float) -> None:
+        if now >= self._next_naming:
+            self._next_naming = now + NAMING_INTERVAL_S
+            with self.lock:  # communicators of a job that began before the agent
+                self.name_unknown_comms()
+
+    def prune(self, ttl: float, rank_label) -> None:
+        self.forget_dead_processes()
+        self.forget_local_names(alive_checker())
+        freed = self.expire_series(ttl)
+        if freed and self.on_series_freed is not None:
+            self.on_series_freed(freed)
+
+    def losses(self) -> dict[str, int]:
+        return {"kernel_nccl_events": self.counter("EVENTS_LOST")}
 
     def series(self) -> list[Series]:
         """Every series in the kernel: those of series_index, the lifecycle

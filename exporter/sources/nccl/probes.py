@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from exporter.records import contract
+from exporter.sources.base import Source
 from exporter.sources.bpf import Program, set_tracepoint
 from exporter.sources import uprobe_multi
 from exporter.sources.nccl.elf import exported_functions, vaddrs_to_offsets
@@ -64,9 +65,13 @@ class AttachReport:
 GETPGID = "syscalls:sys_enter_getpgid"  # bpf/nccl.c's door for trace_threads()
 
 
-class NcclProbes(Program):
+class NcclProbes(Program, Source):
     """bpf/nccl.c compiled, and the libraries it is attached to. It owns the
     maps shared with the other programs (bpf/traced.h): load it first."""
+
+    def tracing(self) -> bool:
+        """Whether the kernel side traces a process now (`traced_processes`)."""
+        return next(iter(self["traced_processes"].keys()), None) is not None
 
     def __init__(self, extra_cflags: tuple[str, ...] = (), series_capacity: int | None = None):
         """series_capacity: how many (op, comm, rank, nranks) series the kernel

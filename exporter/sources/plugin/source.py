@@ -19,6 +19,7 @@ from pathlib import Path
 
 from exporter.records import contract
 from exporter.records.events import GpuCall, GpuInflight, GpuSeries, NetworkSeries, PeerWait, PluginComm, PluginProcess
+from exporter.sources.base import Source
 from exporter.sources.bpf import ClockOffset, Program, ProbeError, forget_dead
 from exporter.sources.nccl import elf
 
@@ -100,11 +101,16 @@ def has_hooks(path: str) -> bool:
         return False
 
 
-class PluginSource(Program):
-    """bpf/plugin.c: GPU histograms, GPU in-flight collectives, processes with the plugin."""
+class PluginSource(Program, Source):
+    """bpf/plugin.c: GPU histograms, GPU in-flight collectives, processes with the plugin.
 
-    def __init__(self, clock: ClockOffset | None = None):
+    live_comms() -> the NCCL commHashes of the communicators the NCCL source
+    knows now: network series expire with their communicator (prune;
+    docs/network.md). None: they are never expired."""
+
+    def __init__(self, clock: ClockOffset | None = None, live_comms=None):
         self.clock = clock or ClockOffset()
+        self.live_comms = live_comms
         super().__init__("plugin", extra_cflags=(
             f"-DGPU_MAX_SERIES={contract.GPU_MAX_SERIES}",
             f"-DGPU_MAX_INFLIGHT={contract.GPU_MAX_INFLIGHT}",
@@ -287,6 +293,11 @@ class PluginSource(Program):
     def untimed(self) -> int:
         """Done records with no GPU interval (docs/metrics.md)."""
         return self.drops()["no_gpu_time"]
+
+    def prune(self, ttl: float, rank_label) -> None:
+        self.forget_dead_processes()
+        if self.live_comms is not None:
+            self.expire_network(set(self.live_comms()), ttl)
 
     def forget_dead_processes(self, proc: str = "/proc") -> int:
         """Drop in-flight entries and process entries of processes that are gone."""
