@@ -393,7 +393,7 @@ def test_bad_input_is_one_line(tmp_path):
 def test_explain_asks_live_agents_and_gives_the_recordings_verdict(sleeping, tmp_path):
     """explain --nodes: each node's window fetched from its real query endpoint,
     merged with clocks aligned, and explained: the same verdict as offline."""
-    from exporter.offline.fleet.endpoint import QueryEndpoint
+    from exporter.sinks.recording.endpoint import QueryEndpoint
 
     parts = split_by_rank(sleeping, tmp_path / "nodes", {r: 0 for r in range(NRANKS)})
     token = tmp_path / "token"

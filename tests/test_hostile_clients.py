@@ -2,7 +2,7 @@
 and MCP (docs/fleet-live.md "Limits", docs/architecture.md "Serving HTTP").
 
 Everything runs on loopback against the real servers (exporter/sinks/serving.py
-under sinks/http.py and offline/fleet/endpoint.py) and small recordings made by the
+under sinks/http.py and sinks/recording/endpoint.py) and small recordings made by the
 real Recorder; the memory test runs the endpoint in a child process and reads its
 peak RSS from /proc. No BPF, no agent: no lock needed.
 """
@@ -28,7 +28,7 @@ from exporter.sinks import serving
 from exporter.sinks.http import HttpServer
 from exporter.sinks.recording import query
 from exporter.sinks.recording.writer import Recorder
-from exporter.offline.fleet.endpoint import LIMITS, QueryEndpoint
+from exporter.sinks.recording.endpoint import LIMITS, QueryEndpoint
 from tests.test_fleet import TOKEN, cli, ev, make_recording, post
 
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
@@ -112,7 +112,7 @@ def test_pragma_table_info_and_dbstat_are_answered(db):
 
 ENDPOINT_CHILD = """
 import sys
-from exporter.offline.fleet.endpoint import QueryEndpoint
+from exporter.sinks.recording.endpoint import QueryEndpoint
 ep = QueryEndpoint(sys.argv[1], "child", sys.argv[2]).start()
 print(ep.port, flush=True)
 sys.stdin.read()

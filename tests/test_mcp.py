@@ -26,7 +26,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
 
 from exporter.records.events import CallEvent  # noqa: E402
 from exporter.sinks.recording.writer import Recorder  # noqa: E402
-from exporter.offline.fleet.endpoint import QueryEndpoint  # noqa: E402
+from exporter.sinks.recording.endpoint import QueryEndpoint  # noqa: E402
 
 from conftest import REPO
 T0 = 1_700_000_000_000_000_000

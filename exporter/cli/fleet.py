@@ -79,7 +79,8 @@ def add_parser(sub) -> None:
 
 
 def _options(args):
-    from exporter.offline.fleet import client, protocol
+    from exporter.offline.fleet import client
+    from exporter.sinks.recording import protocol
 
     try:
         urls = client.parse_nodes(args.nodes, args.nodes_file)
@@ -168,7 +169,7 @@ def main_query(args) -> int:
 # --- fleet fetch ------------------------------------------------------------------
 
 def _time_arg(flag, text):
-    from exporter.offline.fleet.protocol import parse_time_ns
+    from exporter.sinks.recording.protocol import parse_time_ns
 
     if text is None:
         return None

@@ -38,7 +38,8 @@ def main(args) -> int:
         raise CliError(f"the MCP server needs the 'mcp' extra (pip install 'nccl-exporter[mcp]', "
                        f"or pip install 'mcp>=2.3,<3'): {e}") from None
     from exporter.cli.common.options import parse_duration
-    from exporter.offline.fleet import client, protocol
+    from exporter.offline.fleet import client
+    from exporter.sinks.recording import protocol
 
     for db in args.db:
         if not os.path.isfile(db):

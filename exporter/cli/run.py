@@ -316,7 +316,7 @@ def add_query_endpoint_options(r) -> None:
 
 def open_query_endpoint(args):
     """Validate the --query-* options and bind the listener (not serving yet); None when off."""
-    from exporter.offline.fleet import endpoint, protocol
+    from exporter.sinks.recording import endpoint, protocol
 
     if not getattr(args, "query_listen", None):
         if any(getattr(args, k, None) for k in ("query_token_file", "query_tls_cert", "query_tls_key")):

@@ -33,7 +33,7 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from exporter.offline.fleet.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH
+from exporter.sinks.recording.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH
 
 BATCH = 256                 # rows per event at most,
 BATCH_BYTES = 16 << 10      # and about this many bytes of NDJSON
