@@ -59,7 +59,7 @@ def main(args) -> int:
         raise CliError("--concurrency: at least 1")
     http = None
     if args.http:
-        host, port = parse_listen(args.http)
+        host, port = parse_listen(args.http, "--http")
         if not protocol.is_loopback(host):
             raise CliError(f"--http {args.http}: the MCP server has no authentication; listen on "
                            "loopback (127.0.0.1) and put an authenticating proxy in front")
