@@ -442,7 +442,7 @@ def test_merge_of_a_corrupt_input_is_one_line_exit_2(db, tmp_path, capsys):
     for i in range(len(data) // 2 // 4096 * 4096, len(data) - 4096, 4096):  # the later half's pages
         data[i + 8:i + 400] = b"\xff" * 392                                  # (rows, not the schema)
     bad.write_bytes(bytes(data))
-    code, out, err = cli(capsys, "merge", "-o", tmp_path / "out.db", bad)
+    code, out, err = cli(capsys, "merge", "--db", tmp_path / "out.db", bad)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert not (tmp_path / "out.db").exists()
 
@@ -454,7 +454,7 @@ def test_merge_of_a_schema_version_that_lies_is_one_line_exit_2(db, tmp_path, ca
     conn.execute("ALTER TABLE tcp_events RENAME TO tcp_events_old")
     conn.commit()
     conn.close()
-    code, out, err = cli(capsys, "merge", "-o", tmp_path / "out.db", liar)
+    code, out, err = cli(capsys, "merge", "--db", tmp_path / "out.db", liar)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not match" in err, err
 
 

@@ -60,14 +60,16 @@ class SourceMetrics:
 
 
 class Pipeline:
-    """The sinks of one Config, opened by `open_pipeline` and attached to an
-    agent by `attach`; `opened` closes them."""
+    """The sinks of an agent: those of a Config are opened by `open_pipeline`
+    (before the agent exists) and attached to it by `attach`; `opened` closes
+    them. Pipeline(agent, node).serve_metrics(registry) alone is /metrics."""
 
-    def __init__(self, cfg: Config, opened: ExitStack):
+    def __init__(self, agent: Agent | None, node: str, cfg: Config | None = None,
+                 opened: ExitStack | None = None):
+        self.agent = agent
+        self.node = node
         self.cfg = cfg
         self.opened = opened
-        self.node = cfg.node
-        self.agent: Agent | None = None
         self.registry = None
         self.server = None    # HttpServer (run)
         self.recorder = None  # Recorder (--db)
@@ -142,7 +144,7 @@ def open_pipeline(cfg: Config, opened: ExitStack) -> Pipeline:
     busy port done before the probes load: the node query endpoint bound (not
     answering yet), the HTTP server serving /metrics (/-/ready 503 until the
     agent counts), the recording opened. `opened` closes each."""
-    p = Pipeline(cfg, opened)
+    p = Pipeline(None, cfg.node, cfg, opened)
     if cfg.command == "run":
         p.queries = open_query_endpoint(cfg)
         if p.queries is not None:
