@@ -256,7 +256,8 @@ def start_spans(cfg: Config, agent: Agent):
     policy = agent.slow
     sink = SpanSink(cfg.node, exporter, agent.processes,
                     slow=agent.slow.is_slow if agent.config.record_all else None,
-                    gpu_slow=(lambda e: e.duration_ns >= policy.threshold_ns(e.op)) if agent.config.record_all else None)
+                    gpu_slow=((lambda e: e.duration_ns >= policy.threshold_ns(e.op))
+                              if agent.config.record_all else None))
     announce(f"spans of slow calls -> {cfg.otlp_endpoint} (OTLP {protocol})")
     return sink
 

@@ -59,18 +59,7 @@ protobuf_classic_buckets = true
 
 Read by the agent and the CLI besides the settings' own above:
 
-| variable | read by | what |
-|---|---|---|
-| `NCCL_EXPORTER_QUERY_TOKEN` | `fleet`, `mcp` | the bearer token when `--token-file` is not given |
-| `NCCL_EXPORTER_PLUGIN_BUILD` | `run`, `plugin-path`, `check` | where the profiler plugin is built and looked for ([plugin.md](plugin.md#enabling-it)) |
-| `NCCL_EXPORTER_STORE_QUEUE` | `run --db`, `trace --db` | events the recorder queues before it drops (default 65536; counted in `nccl_exporter_recording_dropped_total`) |
-| `BCC_KERNEL_SOURCE` | `run`, `trace`, `check` | kernel headers for BCC when `/lib/modules/$(uname -r)/build` has none |
-| `XDG_CACHE_HOME`, `HOME` | builds outside a checkout | where the plugin and the simulator are built (`…/nccl-exporter/`) |
-| `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, `OTEL_EXPORTER_OTLP_METRICS_PROTOCOL` | `run` | the OTLP protocol of one signal, before `$OTEL_EXPORTER_OTLP_PROTOCOL` (a flag or key wins) |
-| `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES` | `run` | the OTLP resource (default `service.name=nccl-exporter`) |
-| other `OTEL_EXPORTER_OTLP_*` (headers, certificates, timeouts) | `run` | honoured by the OpenTelemetry SDK's exporters |
-| `NOTIFY_SOCKET` | `run` | set by systemd (`Type=notify`): `READY=1` is sent there |
-
+{environment}
 Read by the profiler plugin inside the training process (set them in the
 job's environment, beside `NCCL_PROFILER_PLUGIN`): `NCCL_EXPORTER_PROFILER_LOG`,
 `NCCL_EXPORTER_PROFILER_CHAIN`, `NCCL_EXPORTER_PROFILER_POOL`,
@@ -87,6 +76,28 @@ identity").
 
 `NCCL_SIM_*` variables belong to the simulator ([simulator.md](simulator.md)).
 """
+
+
+# Variables read besides the settings' own: (variable, read by, what).
+ENVIRONMENT = [
+    ("`NCCL_EXPORTER_QUERY_TOKEN`", "`fleet`, `mcp`", "the bearer token when `--token-file` is not given"),
+    ("`NCCL_EXPORTER_PLUGIN_BUILD`", "`run`, `plugin-path`, `check`",
+     "where the profiler plugin is built and looked for ([plugin.md](plugin.md#enabling-it))"),
+    ("`NCCL_EXPORTER_STORE_QUEUE`", "`run --db`, `trace --db`",
+     "events the recorder queues before it drops (default 65536; counted in "
+     "`nccl_exporter_recording_dropped_total`)"),
+    ("`BCC_KERNEL_SOURCE`", "`run`, `trace`, `check`",
+     "kernel headers for BCC when `/lib/modules/$(uname -r)/build` has none"),
+    ("`XDG_CACHE_HOME`, `HOME`", "builds outside a checkout",
+     "where the plugin and the simulator are built (`…/nccl-exporter/`)"),
+    ("`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, `OTEL_EXPORTER_OTLP_METRICS_PROTOCOL`", "`run`",
+     "the OTLP protocol of one signal, before `$OTEL_EXPORTER_OTLP_PROTOCOL` (a flag or key wins)"),
+    ("`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`", "`run`",
+     "the OTLP resource (default `service.name=nccl-exporter`)"),
+    ("other `OTEL_EXPORTER_OTLP_*` (headers, certificates, timeouts)", "`run`",
+     "honoured by the OpenTelemetry SDK's exporters"),
+    ("`NOTIFY_SOCKET`", "`run`", "set by systemd (`Type=notify`): `READY=1` is sent there"),
+]
 
 
 def _cell(text: str) -> str:
@@ -119,7 +130,9 @@ def markdown() -> str:
         out.append("")
     out.append("`--config FILE` (`run`) names the TOML file below. `trace --out`, the older name of "
                "`trace --db`, is read for one more release, with a warning.\n")
-    out.append(FOOTER)
+    table = ["| variable | read by | what |", "|---|---|---|"] + [f"| {v} | {by} | {what} |"
+                                                            for v, by, what in ENVIRONMENT]
+    out.append(FOOTER.replace("{environment}", "\n".join(table)))
     return "\n".join(out)
 
 

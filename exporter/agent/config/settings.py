@@ -111,9 +111,9 @@ class Setting:
         return self.parse(value)
 
 
-def setting(flag: str, help: str, **kw) -> Any:
-    """A Config field holding its Setting."""
-    s = Setting(flag, help, **kw)
+def setting(flag: str, text: str, **kw) -> Any:
+    """A Config field holding its Setting (`text`: its help)."""
+    s = Setting(flag, text, **kw)
     default = s.default
     return field(default=default, metadata={"setting": s})
 
