@@ -62,9 +62,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exporter.sources.bpf import set_tracepoint
 from exporter.sources.schedstat import POLL_INTERVAL_S
-from exporter.cli.common.options import DEFAULT_SRTT_SAMPLING, parse_srtt_sampling
+from exporter.agent.config import Config
 
-SRTT_SAMPLING = parse_srtt_sampling(DEFAULT_SRTT_SAMPLING)  # tcp_probe's window and period in `run`
+SRTT_SAMPLING = Config().srtt_sampling  # tcp_probe's window and period in `run` (its default)
 
 WORKLOAD_C = r"""
 #define _GNU_SOURCE

@@ -6,7 +6,7 @@ A caller process maps the library (the real NCCL 2.32 wheel's libnccl.so.2
 when installed) and calls ncclAllReduce every millisecond, so each agent
 attaches its probes to it and records its calls. Then, R times each:
 
-- `nccl-exporter trace --duration D --out F`: the time from its "tracing NCCL
+- `nccl-exporter trace --duration D --db F`: the time from its "tracing NCCL
   calls for D s" line (where its clock starts, after compiling and attaching)
   to its exit, minus D (the goal: within 1 s of the duration);
 - `nccl-exporter run --db F --listen 127.0.0.1:P`: once /-/ready answers 200,
@@ -83,7 +83,7 @@ def trace_once(tmp: str, lib: str, duration: float, i: int) -> tuple[float, str]
     """Seconds from trace's "tracing NCCL calls for D s" line (its clock starts there) to its
     exit, minus D."""
     out = os.path.join(tmp, f"trace-{i}.db")
-    proc = subprocess.Popen([*CLI, "trace", "--duration", f"{duration:g}s", "--out", out, "--nccl-lib", lib],
+    proc = subprocess.Popen([*CLI, "trace", "--duration", f"{duration:g}s", "--db", out, "--nccl-lib", lib],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         t0 = None

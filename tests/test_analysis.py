@@ -1,7 +1,7 @@
 """Straggler analysis, the verdict and the data-based clock skew, on REAL recordings.
 
 Each scenario is a 4-rank simulated job (exporter/simulator) recorded by
-`nccl-exporter trace --out` (real BPF), one module-scoped fixture each:
+`nccl-exporter trace --db` (real BPF), one module-scoped fixture each:
 
 - sleeping: rank 2 computes 30 ms longer before every collective;
 - lossy:    5 % packet loss on rank 3's link, both ways (everyone slow alike);
@@ -38,7 +38,7 @@ needs_root = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the he
 # --- making real recordings -------------------------------------------------------
 
 def record_scenario(tmp: pathlib.Path, scenario: str, node: str = "simnode") -> pathlib.Path:
-    """Run one scenario's job under a `trace --out` recorder; returns the .db."""
+    """Run one scenario's job under a `trace --db` recorder; returns the .db."""
     from exporter.simulator.build import build_library
     from exporter.simulator.cluster import Cluster, start_job
 
@@ -47,7 +47,7 @@ def record_scenario(tmp: pathlib.Path, scenario: str, node: str = "simnode") -> 
     lib = build_library()
     db = tmp / f"{scenario}.db"
     log = open(tmp / f"{scenario}.log", "w+")
-    rec = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--out", str(db), "--node", node,
+    rec = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--db", str(db), "--node", node,
                             "--nccl-lib", str(lib)], stdout=log, stderr=subprocess.STDOUT,
                            stdin=subprocess.DEVNULL, cwd=REPO)
     hog = None
@@ -335,7 +335,7 @@ def test_skew_with_a_straggler_and_the_order_right_after_alignment(sleeping, tmp
     raw = _explain(tmp_path / "all.db", "--no-align")["verdict"]
     assert not raw.startswith(f"straggler: rank {SLEEPER}"), raw
     # merging the per-node files gives the same verdict, from the offsets stored in clock_skew
-    p = _cli("merge", "-o", tmp_path / "merged.db", *sorted(tmp_path.glob("node*.db")))
+    p = _cli("merge", "--db", tmp_path / "merged.db", *sorted(tmp_path.glob("node*.db")))
     assert p.returncode == 0, p.stderr
     conn = sqlite3.connect(tmp_path / "merged.db")
     stored = dict(conn.execute("SELECT node, offset_ns FROM clock_skew"))
@@ -351,7 +351,7 @@ def test_perfetto_timeline_of_a_real_recording(sleeping, tmp_path):
     or between its calls (a thread cannot wait across its own call's start or end)."""
     split_by_rank(sleeping, tmp_path, SHIFT)
     merged = tmp_path / "merged.db"
-    assert _cli("merge", "-o", merged, *sorted(tmp_path.glob("node*.db"))).returncode == 0
+    assert _cli("merge", "--db", merged, *sorted(tmp_path.glob("node*.db"))).returncode == 0
     p = _cli("export", "perfetto", merged, "-o", tmp_path / "t.json")
     assert p.returncode == 0, p.stderr
     ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
@@ -395,7 +395,7 @@ def test_bad_input_is_one_line(tmp_path):
 def test_explain_asks_live_agents_and_gives_the_recordings_verdict(sleeping, tmp_path):
     """explain --nodes: each node's window fetched from its real query endpoint,
     merged with clocks aligned, and explained: the same verdict as offline."""
-    from exporter.offline.fleet.endpoint import QueryEndpoint
+    from exporter.sinks.recording.endpoint import QueryEndpoint
 
     parts = split_by_rank(sleeping, tmp_path / "nodes", {r: 0 for r in range(NRANKS)})
     token = tmp_path / "token"

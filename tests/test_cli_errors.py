@@ -74,12 +74,15 @@ def test_bad_listen(value, fragment):
 # --- config file -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,fragments", [
-    ('nodee = "gpu-1"\n', ["unknown key(s) nodee", "known: listen, log_format, log_level, nccl_libs, node"]),
+    ('nodee = "gpu-1"\n', ["unknown key(s) nodee", "known: db, histogram_resolution,", "listen, log_format, "
+                                                                                     "log_level, nccl_lib, node"]),
     ('log_format = "xml"\n', ["log_format 'xml'", "one of text, json"]),
     ('log_level = "verbose"\n', ["log_level 'verbose'", "one of debug, info, warning, error"]),
     ('node = "gpu-1"\nlisten_addr = ":1"\n', ["unknown key(s) listen_addr"]),
     ('node = \n', ["not valid TOML"]),
-    ('nccl_libs = "/opt/libnccl.so.2"\n', ["nccl_libs must be a list"]),
+    ('nccl_libs = 3\n', ["nccl_lib 3", "a string or a list of them"]),
+    ('series_ttl = "soon"\n', ["series_ttl 'soon'", "not a duration"]),
+    ('protobuf_classic_buckets = "yes"\n', ["protobuf_classic_buckets 'yes'", "true or false"]),
 ])
 def test_bad_config(tmp_path, text, fragments):
     cfg = tmp_path / "nccl-exporter.toml"

@@ -268,7 +268,7 @@ def test_slow_gpu_operations_become_spans_over_their_gpu_interval(lib, plugin, t
 
 
 def test_recording_holds_the_gpu_interval_and_the_gpu_time_query_finds_it(lib, plugin, tmp_path):
-    """`trace --out` on a GPU-mode job with 60 ms kernels: every collective's
+    """`trace --db` on a GPU-mode job with 60 ms kernels: every collective's
     nccl_events row gets its GPU interval (the simulator's truth within
     100 us); the documented seed query (host time) finds no slow AllReduce,
     its GPU-time variant finds every one."""
@@ -281,7 +281,7 @@ def test_recording_holds_the_gpu_interval_and_the_gpu_time_query_finds_it(lib, p
     from tests.test_queries import documented_queries
 
     db, log = tmp_path / "gpu.db", tmp_path / "trace.log"
-    rec = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--out", str(db), "--node", "gpunode",
+    rec = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--db", str(db), "--node", "gpunode",
                             "--nccl-lib", str(lib)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
                            stdin=subprocess.DEVNULL, cwd=REPO)
     try:

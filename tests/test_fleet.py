@@ -1,7 +1,7 @@
 """The node query endpoint and the fleet fan-out (docs/fleet-live.md).
 
 Hundreds of light in-process endpoints on loopback run the real handler
-(exporter/offline/fleet/endpoint.py: auth, read-only guard, caps, streaming)
+(exporter/sinks/recording/endpoint.py: auth, read-only guard, caps, streaming)
 over small recordings made by the real Recorder; some are slow, dead,
 hanging or want another token. One test starts a real `nccl-exporter run
 --db --query-listen` (root).
@@ -27,7 +27,7 @@ from exporter.records.events import CallEvent
 from exporter.sinks.recording.writer import Recorder
 from exporter.cli import main as cli_main
 from exporter.offline.fleet import client
-from exporter.offline.fleet.endpoint import EndpointError, Handler, QueryEndpoint
+from exporter.sinks.recording.endpoint import EndpointError, Handler, QueryEndpoint
 
 TOKEN = "s3cret-token"
 T0 = 1_700_000_000_000_000_000

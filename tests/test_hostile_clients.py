@@ -2,7 +2,7 @@
 and MCP (docs/fleet-live.md "Limits", docs/architecture.md "Serving HTTP").
 
 Everything runs on loopback against the real servers (exporter/sinks/serving.py
-under sinks/http.py and offline/fleet/endpoint.py) and small recordings made by the
+under sinks/http.py and sinks/recording/endpoint.py) and small recordings made by the
 real Recorder; the memory test runs the endpoint in a child process and reads its
 peak RSS from /proc. No BPF, no agent: no lock needed.
 """
@@ -28,7 +28,7 @@ from exporter.sinks import serving
 from exporter.sinks.http import HttpServer
 from exporter.sinks.recording import query
 from exporter.sinks.recording.writer import Recorder
-from exporter.offline.fleet.endpoint import LIMITS, QueryEndpoint
+from exporter.sinks.recording.endpoint import LIMITS, QueryEndpoint
 from tests.test_fleet import TOKEN, cli, ev, make_recording, post
 
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
@@ -112,7 +112,7 @@ def test_pragma_table_info_and_dbstat_are_answered(db):
 
 ENDPOINT_CHILD = """
 import sys
-from exporter.offline.fleet.endpoint import QueryEndpoint
+from exporter.sinks.recording.endpoint import QueryEndpoint
 ep = QueryEndpoint(sys.argv[1], "child", sys.argv[2]).start()
 print(ep.port, flush=True)
 sys.stdin.read()
@@ -442,7 +442,7 @@ def test_merge_of_a_corrupt_input_is_one_line_exit_2(db, tmp_path, capsys):
     for i in range(len(data) // 2 // 4096 * 4096, len(data) - 4096, 4096):  # the later half's pages
         data[i + 8:i + 400] = b"\xff" * 392                                  # (rows, not the schema)
     bad.write_bytes(bytes(data))
-    code, out, err = cli(capsys, "merge", "-o", tmp_path / "out.db", bad)
+    code, out, err = cli(capsys, "merge", "--db", tmp_path / "out.db", bad)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert not (tmp_path / "out.db").exists()
 
@@ -454,7 +454,7 @@ def test_merge_of_a_schema_version_that_lies_is_one_line_exit_2(db, tmp_path, ca
     conn.execute("ALTER TABLE tcp_events RENAME TO tcp_events_old")
     conn.commit()
     conn.close()
-    code, out, err = cli(capsys, "merge", "-o", tmp_path / "out.db", liar)
+    code, out, err = cli(capsys, "merge", "--db", tmp_path / "out.db", liar)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not match" in err, err
 
 

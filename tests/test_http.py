@@ -166,7 +166,7 @@ def test_metrics_gzip_when_asked(served):
 def test_not_ready_while_a_library_failed_to_attach():
     from types import SimpleNamespace
 
-    from exporter.cli.run import attach_problems
+    from exporter.agent.pipeline import attach_problems
 
     ok = SimpleNamespace(path="/a/libnccl.so.2", attached={"ncclAllReduce": "ALL_REDUCE"},
                          failed={}, missing=["ncclGather"])

@@ -1,6 +1,6 @@
 """`--log-format json` (docs/troubleshooting.md, "Logs"): the real CLI's
 `run` and `trace`, attached to the real NCCL library, write only JSON
-objects, one a line, with the stable keys of options.LOG_KEYS; the node is
+objects, one a line, with the stable keys of exporter/agent/logs.py LOG_KEYS; the node is
 the one given; comm and rank appear where a line is about one.
 
 The agent runs need root, BPF and the real NCCL wheel (the heavy lock).
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from conftest import REPO, require_real_nccl, run_cli, running_exporter
-from exporter.cli.common.options import LOG_CONTEXT_KEYS, LOG_KEYS
+from exporter.agent.logs import LOG_CONTEXT_KEYS, LOG_KEYS
 
 
 def json_lines(text: str) -> list[dict]:
@@ -43,7 +43,7 @@ def check_keys(records: list[dict], node: str) -> None:
 
 def test_context_keys_and_text_format():
     """comm and rank where a call passes them; no JSON in the default text format."""
-    code = ("import logging; from exporter.cli.common.options import setup_logging; "
+    code = ("import logging; from exporter.agent.logs import setup_logging; "
             "setup_logging('info', sys.argv[1], 'n7'); "
             "logging.getLogger('nccl_exporter').warning('slow %s', 'x', extra={'comm': 'ab12', 'rank': 3}); "
             "logging.getLogger('nccl_exporter').info('plain')")

@@ -224,9 +224,9 @@ def test_span_sink_without_a_rule_trusts_the_kernel():
 def test_run_passes_the_rule_when_recording_every_call():
     import inspect
 
-    from exporter.cli import run
+    from exporter.agent import pipeline
 
-    src = inspect.getsource(run.start_tracing)
+    src = inspect.getsource(pipeline.start_spans)
     assert "slow=agent.slow.is_slow if agent.config.record_all" in src
 
 

@@ -26,7 +26,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from exporter.records.events import CallEvent
 from exporter.sinks.recording.writer import Recorder
-from exporter.offline.fleet.endpoint import QueryEndpoint
+from exporter.sinks.recording.endpoint import QueryEndpoint
 
 from conftest import REPO
 T0 = 1_700_000_000_000_000_000

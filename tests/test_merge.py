@@ -96,7 +96,7 @@ def nodes(tmp_path):
 
 def test_merge_keeps_nodes_and_dedups_repeats_and_copies(tmp_path, nodes):
     out = tmp_path / "m.db"
-    p = cli("merge", "-o", out, *nodes)
+    p = cli("merge", "--db", out, *nodes)
     assert p.returncode == 0, p.stderr
     once = counts(out)
     assert once["nccl_events"] == 200 * NODES and once["tcp_events"] == 20 * NODES and once["nodes"] == NODES
@@ -106,11 +106,11 @@ def test_merge_keeps_nodes_and_dedups_repeats_and_copies(tmp_path, nodes):
     # the same files again, a byte copy of one, and the merged file itself: nothing added
     copy = tmp_path / "copy.db"
     copy.write_bytes(nodes[1].read_bytes())
-    p = cli("merge", "-o", out, *nodes, copy)
+    p = cli("merge", "--db", out, *nodes, copy)
     assert p.returncode == 0, p.stderr
     assert counts(out) == once
     again = tmp_path / "again.db"
-    assert cli("merge", "-o", again, out, nodes[0]).returncode == 0
+    assert cli("merge", "--db", again, out, nodes[0]).returncode == 0
     assert counts(again) == once
 
 
@@ -134,7 +134,7 @@ def test_older_schema_versions_are_migrated_on_a_copy(tmp_path, version):
     before = old.read_bytes()
     new = synth(tmp_path / "new.db", 0)
     out = tmp_path / "m.db"
-    p = cli("merge", "-o", out, old, new)
+    p = cli("merge", "--db", out, old, new)
     assert p.returncode == 0, p.stderr
     assert old.read_bytes() == before  # the input is never written
     conn = sqlite3.connect(out)
@@ -147,11 +147,11 @@ def test_same_name_two_machines_refused_unless_renamed(tmp_path):
     a = synth(tmp_path / "a.db", 0, node="gpu-017", machine="aaaa")
     b = synth(tmp_path / "b.db", 1, node="gpu-017", machine="bbbb")
     out = tmp_path / "m.db"
-    p = cli("merge", "-o", out, a, b)
+    p = cli("merge", "--db", out, a, b)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "gpu-017" in p.stderr and "--rename" in p.stderr, \
         p.stderr
     out2 = tmp_path / "m2.db"
-    p = cli("merge", "-o", out2, a, b, "--rename", f"{b}:gpu-017=gpu-017b")
+    p = cli("merge", "--db", out2, a, b, "--rename", f"{b}:gpu-017=gpu-017b")
     assert p.returncode == 0, p.stderr
     conn = sqlite3.connect(out2)
     assert dict(conn.execute("SELECT node, COUNT(*) FROM nccl_events GROUP BY node")) == {"gpu-017": 200,
@@ -161,14 +161,14 @@ def test_same_name_two_machines_refused_unless_renamed(tmp_path):
     # the same machine under one name (two recordings of it) is fine; unknown machine ids are accepted
     c = synth(tmp_path / "c.db", 0, node="gpu-017", machine="aaaa", first=500)
     d = synth(tmp_path / "d.db", 2, node="gpu-017", machine=False, first=900)
-    assert cli("merge", "-o", tmp_path / "m3.db", a, c, d).returncode == 0
+    assert cli("merge", "--db", tmp_path / "m3.db", a, c, d).returncode == 0
 
 
 def test_bad_inputs_are_one_line(tmp_path):
     junk = tmp_path / "junk.db"
     junk.write_text("not sqlite at all")
-    for args in (["-o", tmp_path / "m.db", tmp_path / "missing.db"], ["-o", tmp_path / "m.db", junk],
-                 ["-o", tmp_path / "m.db", "--rename", "nonsense", junk]):
+    for args in (["--db", tmp_path / "m.db", tmp_path / "missing.db"], ["--db", tmp_path / "m.db", junk],
+                 ["--db", tmp_path / "m.db", "--rename", "nonsense", junk]):
         p = cli("merge", *args)
         assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
 
@@ -202,18 +202,18 @@ def test_skew_stored_and_recovered_within_1ms_and_stragglers_aligned(tmp_path, n
 
 def test_failed_merge_leaves_out_as_it_was(tmp_path, nodes):
     out = tmp_path / "m.db"
-    assert cli("merge", "-o", out, nodes[0]).returncode == 0
+    assert cli("merge", "--db", out, nodes[0]).returncode == 0
     before = out.read_bytes()
     clash = synth(tmp_path / "clash.db", 1, node="node0", machine="someone-else")
-    p = cli("merge", "-o", out, nodes[1], clash)  # node1 goes in first, then the clash stops it
+    p = cli("merge", "--db", out, nodes[1], clash)  # node1 goes in first, then the clash stops it
     assert p.returncode == 2 and "node0" in p.stderr, p.stderr
     assert out.read_bytes() == before and not (tmp_path / "m.db.partial").exists()
 
 
 def test_query_indexes_are_opt_in_and_change_no_row(tmp_path, nodes):
     full, lean = tmp_path / "full.db", tmp_path / "lean.db"
-    assert cli("merge", "-o", full, "--query-indexes", *nodes).returncode == 0
-    assert cli("merge", "-o", lean, *nodes).returncode == 0
+    assert cli("merge", "--db", full, "--query-indexes", *nodes).returncode == 0
+    assert cli("merge", "--db", lean, *nodes).returncode == 0
 
     def indexes(db):
         conn = sqlite3.connect(db)

@@ -6,7 +6,7 @@ made before the agent"; docs/fleet.md, "Recordings that began mid-job").
   seqs start at different calls: `stragglers` and `explain` align the ranks
   by their call sequence and name the straggler.
 - End to end: a 4-rank simulated job with a straggler (rank 2 sleeps 30 ms
-  before every collective), `trace --out` started 5 s after the job began:
+  before every collective), `trace --db` started 5 s after the job began:
   every call is labelled with a local id (never one shared `unknown` after
   the agent's first loop turn), the world communicator's rank and size come
   from the launcher's environment, `explain` names rank 2 and `stragglers`
@@ -185,7 +185,7 @@ def test_trace_started_mid_job_names_the_straggler(workload):
                 time.sleep(5)
                 assert all(rc is None for rc in job.poll()), job.result().summary()
                 trace = subprocess.Popen(
-                    [sys.executable, "-m", "exporter", "trace", "--nccl-lib", str(lib), "--out", str(db),
+                    [sys.executable, "-m", "exporter", "trace", "--nccl-lib", str(lib), "--db", str(db),
                      "--duration", "12s", "--sched", "totals"],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 out, err = trace.communicate(timeout=240)

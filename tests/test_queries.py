@@ -1,7 +1,7 @@
 """Recordings of a simulated 8-rank job, and the documented queries on them.
 
 One job (3 % loss on rank 5's link, rank 2 computing 30 ms longer before
-every collective) is recorded at once by five `nccl-exporter trace --out`
+every collective) is recorded at once by five `nccl-exporter trace --db`
 processes: rank 5's host (--netns PATH), rank 0's host (--netns INODE),
 everything, everything through a 2-event queue (overload), and everything
 killed with SIGKILL halfway. The others are stopped with SIGTERM after the
@@ -71,7 +71,7 @@ def rows(db, sql, *params):
 
 def start_recorder(out, lib, *extra, env=None):
     log = open(str(out) + ".log", "w+")
-    p = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--out", str(out), "--node", "simnode",
+    p = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--db", str(out), "--node", "simnode",
                           "--nccl-lib", str(lib), *extra], stdout=log, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, cwd=REPO, env={**os.environ, **(env or {})})
     p.log = log

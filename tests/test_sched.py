@@ -268,7 +268,7 @@ def test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only(probes, mode, re
 # Recording: run-queue waits as sched_events rows.
 
 def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
-    """`trace --out --runq-wait-min 0` under a CPU hog on rank 1's CPU: every wait of
+    """`trace --db --runq-wait-min 0` under a CPU hog on rank 1's CPU: every wait of
     a traced thread is a row (the per-call sums equal the kernel's own per-call
     runq_wait_ns exactly), rows name the thread kind and rank, and the documented
     query puts the starved rank first."""

@@ -67,7 +67,7 @@ def check_nothing_lost(path) -> int:
 
 def test_trace_duration_records_every_call(caller, tmp_path):
     out = tmp_path / "trace.db"
-    r = subprocess.run([*CLI, "trace", "--duration", "3s", "--out", out, "--nccl-lib", caller],
+    r = subprocess.run([*CLI, "trace", "--duration", "3s", "--db", out, "--nccl-lib", caller],
                        capture_output=True, text=True, timeout=120, cwd=str(REPO))
     assert r.returncode == 0, r.stderr
     check_nothing_lost(out)

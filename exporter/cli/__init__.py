@@ -12,7 +12,7 @@ import sys
 
 from exporter import __version__
 from exporter.records import contract
-from exporter.cli.common.options import CliError
+from exporter.agent.config import SetupError
 from exporter.agent.preflight import CAPABILITIES
 
 CORE = ("check", "run", "trace", "query", "demo")
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return args.func(args)
-    except CliError as e:
+    except SetupError as e:  # CliError is one
         print(f"nccl-exporter: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.cli.common.options import parse_listen, require_privileges
+from exporter.agent.start import require_privileges
+from exporter.cli.common.options import parse_listen
 from exporter.records import contract, histogram, metrics
 
 STRAGGLER_DELAY_MS = 40

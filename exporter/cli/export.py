@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
                                    "https://ui.perfetto.dev or chrome://tracing.")
     p.add_argument("format", choices=["perfetto"], help="the output format")
     p.add_argument("db", metavar="DB", help="a recording, or a merged one ('merge')")
-    p.add_argument("-o", "--out", required=True, metavar="FILE", help="the trace file to write ('-': stdout)")
+    p.add_argument("-o", "--out", required=True, metavar="FILE",
+                   help="the Perfetto trace file to write, not a recording ('-': stdout)")
     p.add_argument("--no-align", action="store_true", help="raw node clocks: no skew correction")
     p.set_defaults(func=main)
 

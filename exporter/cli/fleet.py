@@ -56,7 +56,8 @@ def add_parser(sub) -> None:
                         description="Download each node's recording to DIR/<node>.db, for "
                                     "offline review (query, merge).")
     nodes.add_node_options(g)
-    g.add_argument("-o", "--out", required=True, metavar="DIR", help="where the files go")
+    g.add_argument("-o", "--out", required=True, metavar="DIR",
+                   help="the directory the recordings go to, DIR/<node>.db each (created if absent)")
     g.add_argument("--since", metavar="T",
                    help="window start: ns since the epoch, ISO 8601, or a duration ago (30m)")
     g.add_argument("--until", metavar="T", help="window end (same forms)")

@@ -39,7 +39,8 @@ def main(args) -> int:
         raise CliError(f"the MCP server needs the 'mcp' extra (pip install 'nccl-exporter[mcp]', "
                        f"or pip install 'mcp>=2.3,<3'): {e}") from None
     from exporter.cli.common.options import parse_duration
-    from exporter.offline.fleet import client, protocol
+    from exporter.offline.fleet import client
+    from exporter.sinks.recording import protocol
 
     for db in args.db:
         if not os.path.isfile(db):
@@ -59,7 +60,7 @@ def main(args) -> int:
         raise CliError("--concurrency: at least 1")
     http = None
     if args.http:
-        host, port = parse_listen(args.http)
+        host, port = parse_listen(args.http, "--http")
         if not protocol.is_loopback(host):
             raise CliError(f"--http {args.http}: the MCP server has no authentication; listen on "
                            "loopback (127.0.0.1) and put an authenticating proxy in front")

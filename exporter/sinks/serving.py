@@ -1,5 +1,5 @@
 """HTTP serving with every limit explicit, for both listeners (/metrics in http.py,
-the node query endpoint in offline/fleet/endpoint.py). Why not a server library:
+the node query endpoint in sinks/recording/endpoint.py). Why not a server library:
 docs/architecture.md, "Serving HTTP".
 
 The standard library's http.server parses the requests; what it lacks is here:

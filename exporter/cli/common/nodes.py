@@ -28,7 +28,8 @@ def add_node_options(p) -> None:
 
 def fleet_options(args):
     """The node URLs and client options the flags of add_node_options name."""
-    from exporter.offline.fleet import client, protocol
+    from exporter.offline.fleet import client
+    from exporter.sinks.recording import protocol
 
     try:
         urls = client.parse_nodes(args.nodes, args.nodes_file)
@@ -57,7 +58,7 @@ def warning(text: str) -> None:
 
 def time_arg(flag, text):
     """--since/--until: ns since the epoch, ISO 8601 or a duration ago; None stays None."""
-    from exporter.offline.fleet.protocol import parse_time_ns
+    from exporter.sinks.recording.protocol import parse_time_ns
 
     if text is None:
         return None

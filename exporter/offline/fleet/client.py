@@ -1,4 +1,4 @@
-"""Fan-out to the nodes' query endpoints (exporter/offline/fleet/endpoint.py).
+"""Fan-out to the nodes' query endpoints (exporter/sinks/recording/endpoint.py).
 
     for ev in stream_query(urls, "SELECT ...", FleetOptions(token=...)):
         ev.kind == "columns"  ev.node, ev.names      (first answer of a node)
@@ -32,7 +32,7 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from exporter.offline.fleet.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH
+from exporter.sinks.recording.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH
 from exporter.sinks.recording.read import Recording
 
 BATCH = 256                 # rows per event at most,

@@ -1,5 +1,5 @@
 """Reading a recording: the one guarded read-only query (`ReadOnlyQuery`), used by
-`nccl-exporter query`, the node query endpoint (offline/fleet/endpoint.py) and the
+`nccl-exporter query`, the node query endpoint (sinks/recording/endpoint.py) and the
 MCP server (offline/mcp_server.py).
 
 The database is opened with a `mode=ro` URI, and an authorizer refuses

@@ -40,7 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 from exporter.sinks import serving
 from exporter.sinks.recording import query
 from exporter.sinks.recording.window import window_copy
-from exporter.offline.fleet.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH, is_loopback, parse_time_ns
+from exporter.sinks.recording.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH, is_loopback, parse_time_ns
 
 DEFAULT_MAX_ROWS = 100_000
 DEFAULT_MAX_BYTES = 64 << 20
