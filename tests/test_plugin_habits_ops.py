@@ -18,7 +18,6 @@ import textwrap
 
 import pytest
 
-from exporter.simulator.truth import load_truth
 
 from conftest import REPO
 from test_sim_gpu import inproc

@@ -15,12 +15,11 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from exporter.sources.nccl import hashing
-from exporter.simulator.cluster import Cluster, run_job, start_job
+from exporter.simulator.cluster import Cluster, run_job
 from exporter.simulator.truth import calls, gpu_events, gpu_kernels, load_truth
 
 from conftest import REPO

@@ -15,7 +15,7 @@ PREFIX = "ncclsim-"
 NETNS_DIR = pathlib.Path("/run/netns")
 
 
-def _run(argv: list[str], check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+def _run(argv: list[str], check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:  # noqa: A002 - subprocess.run's name
     p = subprocess.run(argv, capture_output=True, text=True, input=input)
     if check and p.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {p.stderr.strip() or p.stdout.strip()} (rc={p.returncode})")

@@ -20,7 +20,7 @@ def normalize_url(text: str) -> str:
     if u.scheme not in ("http", "https") or not u.hostname:
         raise FleetError(f"not a node URL: {text!r} (e.g. https://gpu-017:9401)")
     try:
-        u.port
+        _ = u.port  # ValueError for a bad port
     except ValueError:
         raise FleetError(f"not a node URL: {text!r} (bad port)") from None
     return f"{u.scheme}://{u.netloc}{u.path.rstrip('/')}"
