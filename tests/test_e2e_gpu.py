@@ -20,24 +20,12 @@ import pytest
 
 from conftest import CLASSIC, ExporterProcess, classic_bucket, series_by_labels
 from exporter.records import histogram, metrics
-from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, run_job, start_job
 from exporter.simulator.truth import gpu_kernels
-from exporter.sources.plugin.build import build_plugin
 
 pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
 
 KERNEL_US = 2000
-
-
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    return build_library(tmp_path_factory.mktemp("e2e-gpu"))
-
-
-@pytest.fixture(scope="module")
-def plugin():
-    return build_plugin()  # where `run` looks for it (build/plugin/)
 
 
 def gpu_env(plugin, **extra) -> dict:

@@ -18,23 +18,11 @@ import textwrap
 
 import pytest
 
-from exporter.sources.plugin.build import build_plugin
-from exporter.simulator.build import build_library
 
 from conftest import REPO
 from test_sim_gpu import inproc
 
 VERSIONS = (4, 5, 6, 7)
-
-
-@pytest.fixture(scope="module")
-def plugin():
-    return build_plugin()
-
-
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    return build_library(tmp_path_factory.mktemp("simgpu-habits"))
 
 
 def play(plugin, version: int, body: str, env: dict | None = None, timeout: int = 120) -> dict:

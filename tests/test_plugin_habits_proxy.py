@@ -15,9 +15,8 @@ import collections
 
 import pytest
 
-from exporter.simulator.build import build_library
 from exporter.simulator.truth import gpu_events
-from exporter.sources.plugin.build import build_plugin, build_plugin_sanitized, sanitizer_env
+from exporter.sources.plugin.build import build_plugin_sanitized, sanitizer_env
 
 from test_sim_gpu import inproc
 
@@ -41,16 +40,6 @@ SWEEP = {"NCCL_EXPORTER_PROFILER_ANNOUNCE_MS": "100", "NCCL_EXPORTER_PROFILER_SE
          "INPROC_PAUSE_S": "1.0"}
 F_FINALIZED, F_REJECT_LOST_CHANNEL, F_NET_UNFINISHED = 0x20, 0x1000, 0x2000
 NET_F_UNFINISHED = 0x4
-
-
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    return build_library(tmp_path_factory.mktemp("simgpu"))
-
-
-@pytest.fixture(scope="module")
-def plugin():
-    return build_plugin()
 
 
 def run(lib, plugin, tmp_path, version, env, **kw):

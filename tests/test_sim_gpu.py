@@ -19,24 +19,12 @@ import sys
 import pytest
 
 from exporter.sources.nccl import hashing
-from exporter.sources.plugin.build import build_plugin
-from exporter.simulator.build import build_library
 from exporter.simulator.cluster import Cluster, run_job
 from exporter.simulator.truth import calls, gpu_events, gpu_kernels, load_truth
 
 from conftest import REPO
 HELPERS = REPO / "tests" / "plugin"
 F_START_LATE, F_FINALIZED = 0x1, 0x20
-
-
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    return build_library(tmp_path_factory.mktemp("simgpu"))
-
-
-@pytest.fixture(scope="module")
-def plugin():
-    return build_plugin()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Stopping loses nothing: `trace --duration` and `run` (SIGTERM) while a process
 calls the real NCCL library, with the kernel's detaching left to a child process
-(sources/bpf.py Teardown). Every event the recording counts is a row, the
+(sources/teardown.py). Every event the recording counts is a row, the
 recording ended cleanly, and the port `run` listened on is free at once (the
 child holds no socket). How fast they stop is measured in bench/stop_latency.py.
 

@@ -31,6 +31,7 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from exporter.offline.fleet.nodes import FleetError, parse_nodes  # noqa: F401 - callers find them here
 
 from exporter.sinks.recording.protocol import QUERY_PATH, RECORDING_PATH, TIME_PATH
 from exporter.sinks.recording.read import Recording
@@ -40,10 +41,6 @@ BATCH_BYTES = 16 << 10      # and about this many bytes of NDJSON
 QUEUE_EVENTS = 32           # events in flight between the pool and the caller
 MAX_LINE = 16 << 20         # one NDJSON line (a row) at most
 CLOCK_SAMPLES = 5
-
-
-class FleetError(RuntimeError):
-    """Bad input for a fleet command (one line)."""
 
 
 @dataclass
@@ -86,47 +83,6 @@ class Event:
     names: list = field(default_factory=list)
     rows: list = field(default_factory=list)
     result: NodeResult | None = None
-
-
-# --- node lists -------------------------------------------------------------------
-
-def normalize_url(text: str) -> str:
-    """'host:port' -> 'https://host:port'; an http(s) URL is kept (without a trailing /)."""
-    text = text.strip()
-    if "://" not in text:
-        text = "https://" + text
-    u = urllib.parse.urlsplit(text)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise FleetError(f"not a node URL: {text!r} (e.g. https://gpu-017:9401)")
-    try:
-        _ = u.port  # ValueError for a bad port
-    except ValueError:
-        raise FleetError(f"not a node URL: {text!r} (bad port)") from None
-    return f"{u.scheme}://{u.netloc}{u.path.rstrip('/')}"
-
-
-def parse_nodes(nodes: str | list | None = None, nodes_file: str | None = None) -> list[str]:
-    """--nodes 'URL,URL' and/or --nodes-file FILE (one URL per line, # comments) -> URLs."""
-    items: list[str] = []
-    for spec in ([nodes] if isinstance(nodes, str) else list(nodes or [])):
-        items += [s for s in str(spec).split(",") if s.strip()]
-    if nodes_file:
-        try:
-            with open(nodes_file) as f:
-                for line in f:
-                    line = line.split("#", 1)[0].strip()
-                    items += [s for s in re.split(r"[\s,]+", line) if s]
-        except OSError as e:
-            raise FleetError(f"--nodes-file {nodes_file}: {e.strerror or e}") from None
-    urls, seen = [], set()
-    for item in items:
-        url = normalize_url(item)
-        if url not in seen:
-            seen.add(url)
-            urls.append(url)
-    if not urls:
-        raise FleetError("no nodes: give --nodes URL[,URL...] or --nodes-file FILE")
-    return urls
 
 
 # --- one node -------------------------------------------------------------------
