@@ -7,20 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from conftest import REPO
 
 MAX_LINES = 400
-
-# Modules being split on other branches right now; each leaves this set (and the
-# xfail below goes) once it is under MAX_LINES.
-PENDING = {
-    "exporter/agent/loop.py",
-    "exporter/sinks/prometheus.py",
-    "exporter/sinks/recording/writer.py",
-    "exporter/offline/mcp_server.py",
-}
 
 
 def oversized(root: Path, limit: int = MAX_LINES) -> dict[str, int]:
@@ -41,13 +30,7 @@ def report(found: dict[str, int]) -> str:
 
 
 def test_no_module_is_over_400_lines():
-    found = {p: n for p, n in oversized(REPO / "exporter").items() if p not in PENDING}
-    assert not found, report(found)
-
-
-@pytest.mark.xfail(strict=False, reason="split on another branch; PENDING empties when it lands")
-def test_modules_being_split_are_under_400_lines():
-    found = {p: n for p, n in oversized(REPO / "exporter").items() if p in PENDING}
+    found = {p: n for p, n in oversized(REPO / "exporter").items()}
     assert not found, report(found)
 
 
