@@ -48,7 +48,7 @@ class SourceRow:
     # Its part of /metrics: collector(source) -> a sinks/prometheus SourceCollector,
     # made for an optional source that did not load too (source None).
     collector: Callable[[Any], Any] | None = None
-    # Tables of its own in recordings (run --db, trace --out): the recorder
+    # Tables of its own in recordings (run --db, trace --db): the recorder
     # creates them and writes each record of their type there.
     tables: tuple[RecordTable, ...] = ()
 

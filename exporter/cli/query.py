@@ -8,7 +8,7 @@ from exporter.cli.common.options import CliError
 
 
 def add_parser(sub) -> None:
-    q = sub.add_parser("query", help="run read-only SQL on a recording made by 'trace --out'",
+    q = sub.add_parser("query", help="run read-only SQL on a recording made by 'trace --db' or 'run --db'",
                        description="Run one read-only SQL statement on a recording "
                                    "(tables: docs/schema.md; examples: docs/queries.md).")
     q.add_argument("db", metavar="DB", help="the recording (.db)")

@@ -1,4 +1,4 @@
-"""The recording's progress line on stderr (trace --out)."""
+"""The recording's progress line on stderr (trace --db)."""
 
 from __future__ import annotations
 

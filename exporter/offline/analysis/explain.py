@@ -106,7 +106,7 @@ def _no_collectives(rec: Recording) -> list[str]:
         return ["no collectives: the calls are on communicators made before the recording began "
                 "(comm local-<pid>-<n> or unknown) and their ranks could not be aligned by call sequence "
                 "(different op orders or sizes, or one rank per node: merge every node's recording, or "
-                "record from the job's start: 'trace --out' before the job, or 'run --db')",
+                "record from the job's start: 'trace --db' before the job, or 'run --db')",
                 f"{local} of {calls} calls on communicators without a job-wide id, {nodes} node(s)"]
     hint = ("merge every node's recording first: each communicator here was seen on one rank"
             if comms else "no collective communicator")

@@ -1,4 +1,4 @@
-"""Merge recordings of many nodes into one file (`nccl-exporter merge -o OUT.db IN.db...`).
+"""Merge recordings of many nodes into one file (`nccl-exporter merge --db OUT.db IN.db...`).
 
 Every row keeps its node. Every input is checked before anything is
 written. Rows are deduplicated by a row identity (sinks/recording/combine.py),
