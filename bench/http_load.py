@@ -64,7 +64,7 @@ def make_recording(path: str, n: int) -> None:
     for i in range(n):
         r(CallEvent(kind=1, op="ALL_REDUCE", pid=100, tid=100 + i % 8, start_ns=i * 1000,
                     end_ns=i * 1000 + 500_000 + (i * 7919) % 100_000, start_real_ns=t0 + i * 1_000_000,
-                    comm=1, comm_hash=0xAB, nccl_hash=0xCD, seq=i, rank=i % 8, nranks=8, count=4,
+                    comm_ptr=1, comm=0xAB, nccl_comm_hash=0xCD, seq=i, rank=i % 8, nranks=8, count=4,
                     bytes=16, datatype=7, red_op=0, root=-1, peer=-1, stream=0x10, result=0, color=-1))
     r.close()
 

@@ -61,7 +61,7 @@ def synthetic_events(n: int, seed: int = 1) -> list[CallEvent]:
         start = it * STEP_NS * 8 + rank * 1000
         out.append(CallEvent(kind=1, op="ALL_REDUCE" if i % 3 else "ALL_GATHER", pid=1000 + rank,
                              tid=1000 + rank, start_ns=start, end_ns=start + d, start_real_ns=T0 + start,
-                             comm=0x5500, comm_hash=0xABCDEF0123456789, nccl_hash=0x1122334455667788,
+                             comm_ptr=0x5500, comm=0xABCDEF0123456789, nccl_comm_hash=0x1122334455667788,
                              seq=it + 1, rank=rank, nranks=8, count=262144, bytes=1 << 20, datatype=7,
                              red_op=0, root=-1, peer=-1, stream=0x7F00DEAD, result=0, color=-1))
     return out

@@ -99,7 +99,7 @@ def make_series(n_comms: int, n_ranks: int, n_ops: int, rng: random.Random) -> l
     d = histogram.DURATION
     out = []
     for _c in range(n_comms):
-        comm_hash = rng.getrandbits(64) | 1
+        comm = rng.getrandbits(64) | 1
         for r in range(n_ranks):
             for o in range(n_ops):
                 counts = [0] * d.slots
@@ -107,7 +107,7 @@ def make_series(n_comms: int, n_ranks: int, n_ops: int, rng: random.Random) -> l
                 for _ in range(200):
                     i = min(d.slots - 1, max(0, centre + int(rng.gauss(0, histogram.PER_OCTAVE))))
                     counts[i] += 1
-                out.append(Series(op=OPS[o % len(OPS)], comm_hash=comm_hash, rank=r, nranks=n_ranks,
+                out.append(Series(op=OPS[o % len(OPS)], comm=comm, rank=r, nranks=n_ranks,
                                   calls=sum(counts), bytes=rng.getrandbits(30), sum_ns=rng.getrandbits(40),
                                   buckets=tuple(counts), slot=len(out)))
     return out

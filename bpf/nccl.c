@@ -77,7 +77,7 @@ struct async_state {
 };
 
 // Inputs of the ids of communicators made by ncclCommShrink / ncclCommGrow
-// (exporter/sources/nccl/hashing.py shrink_comm_id_hash, grow_comm_id_hash).
+// (exporter/sources/nccl/hashing.py shrink_agent_comm_hash, grow_agent_comm_hash).
 #define SHRINK_TAG 0x5348524E4B434F4DULL  // "SHRNKCOM"
 #define GROW_TAG 0x47524F57434F4D4DULL    // "GROWCOMM"
 #define MAX_SHRINK_EXCLUDE 64             // excludeRanksList entries read (more: new rank unknown)
@@ -697,7 +697,7 @@ static __always_inline void shrink_grow_return(struct call *c, s32 result) {
     if (c->op == OP_COMM_SHRINK) {
         if (!c->comm_hash)
             return;
-        // Same as exporter/sources/nccl/hashing.py shrink_comm_id_hash().
+        // Same as exporter/sources/nccl/hashing.py shrink_agent_comm_hash().
         c->comm_hash = splitmix64(splitmix64(c->comm_hash ^ SHRINK_TAG) ^ (c->aux << 32));
         // NCCL names a shrink child as a split with count 0 and color 0.
         c->nccl_hash = c->nccl_hash ? nccl_split_hash(c->nccl_hash, 0, 0) : 0;
@@ -743,7 +743,7 @@ static __always_inline void lifecycle_return(struct call *c, s32 result) {
         if (result != NCCL_SUCCESS || !c->comm_hash)
             return;
         u64 child = read_user_u64(c->out);
-        // Same derivation as exporter/hashing.py split_comm_id_hash().
+        // Same derivation as exporter/hashing.py split_agent_comm_hash().
         u64 mixed = splitmix64(c->comm_hash ^ SPLIT_TAG);
         c->comm_hash = splitmix64(mixed ^ (((c->aux & 0xFFFFFFFFULL) << 32) |
                                            ((u64)(u32)c->color)));

@@ -98,14 +98,14 @@ class FakeNcclReader:
         return {("ALL_REDUCE", "ncclInvalidArgument"): 1}
 
     def inflight(self):
-        return [InflightCall(tid=PID, op="ALL_REDUCE", comm_hash=COMM, rank=0, nranks=2,
+        return [InflightCall(tid=PID, op="ALL_REDUCE", comm=COMM, rank=0, nranks=2,
                              start_ns=NOW_NS - 250_000_000)]
 
     def communicators(self):
-        return [Communicator(pid=PID, handle=0x5000, comm_hash=COMM, nccl_hash=NCCL_HASH, rank=0, nranks=2)]
+        return [Communicator(pid=PID, comm_ptr=0x5000, comm=COMM, nccl_comm_hash=NCCL_HASH, rank=0, nranks=2)]
 
     def async_errors(self):
-        return [AsyncState(pid=PID, handle=0x5000, comm_hash=COMM, nccl_hash=NCCL_HASH, rank=0, nranks=2,
+        return [AsyncState(pid=PID, comm_ptr=0x5000, comm=COMM, nccl_comm_hash=NCCL_HASH, rank=0, nranks=2,
                            result="ncclRemoteError", polls=7, changes=1, changed_ns=NOW_NS - 1, last_ns=NOW_NS)]
 
     def counters(self):
@@ -134,7 +134,7 @@ class FakeProcesses:
 
     def mark_collectives(self, communicators, series_keys):
         for c in communicators:
-            if (c.comm_hash, c.rank) in series_keys:
+            if (c.comm, c.rank) in series_keys:
                 self.identity(c.pid)["collectives"] = True
 
 
@@ -174,7 +174,7 @@ class FakePlugin(FakeProgram):
                           buckets=_buckets(histogram.DURATION.slots, (histogram.bucket_of(2_400_000), 5)))]
 
     def inflight(self):
-        return [GpuInflight(pid=PID, id=1, op="ALL_REDUCE", nccl_hash=NCCL_HASH, rank=0, nranks=2, seq=5,
+        return [GpuInflight(pid=PID, id=1, op="ALL_REDUCE", comm=NCCL_HASH, rank=0, nranks=2, seq=5,
                             state="running", since_ns=NOW_NS - 100_000_000)]
 
     def processes(self):
@@ -183,8 +183,8 @@ class FakePlugin(FakeProgram):
     def comms(self):
         # the kernel's communicator (named by a call: shown once), and one no
         # call has named (idle since before the agent): shown from the announcement
-        return [PluginComm(pid=PID, nccl_hash=NCCL_HASH, rank=0, nranks=2, nnodes=1, last_ns=NOW_NS),
-                PluginComm(pid=PID, nccl_hash=IDLE_HASH, rank=1, nranks=4, nnodes=2, last_ns=NOW_NS)]
+        return [PluginComm(pid=PID, comm=NCCL_HASH, rank=0, nranks=2, nnodes=1, last_ns=NOW_NS),
+                PluginComm(pid=PID, comm=IDLE_HASH, rank=1, nranks=4, nnodes=2, last_ns=NOW_NS)]
 
     def network(self):
         """Rank 0 of a 8-rank AllToAll-like job: 6 peers with figures, 4 named

@@ -150,7 +150,7 @@ def test_async_error_after_a_peer_dies_on_the_simulator(tmp_path, bpf, netns):
             a = states[pids[r]]
             assert a.result == "ncclRemoteError", a
             assert a.rank == r and a.nranks == nranks
-            assert a.comm_hash != 0
+            assert a.comm != 0
             assert a.polls == 1 + polls  # the healthy poll, then the ones after the error
             assert a.changes == 1
             assert a.last_ns >= a.changed_ns > 0
@@ -159,7 +159,7 @@ def test_async_error_after_a_peer_dies_on_the_simulator(tmp_path, bpf, netns):
         assert calls >= nranks + len(survivors) * polls
 
         samples = _collect(reader, probes)
-        comm = [f"{states[pids[survivors[0]]].comm_hash:016x}"]
+        comm = [f"{states[pids[survivors[0]]].comm:016x}"]
         for r in survivors:
             assert sample_value(samples, metrics.COMMUNICATOR_ASYNC_ERROR, node="test-node", comm=comm[0],
                                 rank=str(r), result="ncclRemoteError") == 1
@@ -173,21 +173,21 @@ def test_async_error_after_a_peer_dies_on_the_simulator(tmp_path, bpf, netns):
         # ncclCommShrink: a child equal on every survivor, ranks renumbered.
         from exporter.sources.nccl import hashing
         parent = states[pids[0]]
-        want_hash = hashing.shrink_nccl_comm_hash(parent.nccl_hash)  # the `comm` label
+        want_hash = hashing.shrink_nccl_comm_hash(parent.nccl_comm_hash)  # the `comm` label
         for new_rank, r in enumerate(survivors):
             handle = int((rdv / f"child.{r}").read_text())
-            child = [c for c in reader.communicators() if c.pid == pids[r] and c.handle == handle]
+            child = [c for c in reader.communicators() if c.pid == pids[r] and c.comm_ptr == handle]
             assert len(child) == 1, reader.communicators()
-            assert child[0].comm_hash == want_hash
+            assert child[0].comm == want_hash
             assert (child[0].rank, child[0].nranks) == (new_rank, nranks - 1)
-            assert child[0].nccl_hash == want_hash
+            assert child[0].nccl_comm_hash == want_hash
             # The child polls healthy while the parent stays in error.
             assert states[pids[r]].result == "ncclRemoteError"
-            kids = [a for a in reader.async_errors() if a.pid == pids[r] and a.handle == handle]
-            assert kids[0].result == "ncclSuccess" and kids[0].comm_hash == want_hash
+            kids = [a for a in reader.async_errors() if a.pid == pids[r] and a.comm_ptr == handle]
+            assert kids[0].result == "ncclSuccess" and kids[0].comm == want_hash
             assert kids[0].rank == new_rank
         assert sum(s.calls for s in reader.series() if s.op == "COMM_SHRINK") == len(survivors)
-        child_ar = [s for s in reader.series() if s.op == "ALL_REDUCE" and s.comm_hash == want_hash]
+        child_ar = [s for s in reader.series() if s.op == "ALL_REDUCE" and s.comm == want_hash]
         assert sorted((s.rank, s.nranks, s.calls) for s in child_ar) == [(0, 2, 1), (1, 2, 1)]
         samples = _collect(reader, probes)
         child_label = hashing.format_hash(want_hash)
@@ -266,21 +266,21 @@ def test_real_wheel_attaches_and_decodes_null_comm_calls(tmp_path, bpf, real_ncc
         assert int(out["ncclCommGetAsyncError"]) == 4  # ncclInvalidArgument on NULL
         assert int(out["asyncError"]) == -7  # not written: nothing to read at the return
         # A failed poll leaves no async state and is counted as an error.
-        assert not [a for a in reader.async_errors() if a.handle == 0]
+        assert not [a for a in reader.async_errors() if a.comm_ptr == 0]
         assert reader.errors()[("COMM_GET_ASYNC_ERROR", "ncclInvalidArgument")] >= 1
         # Decoding: stack arguments of ncclPutSignal (comm, stream are args 10, 11).
         ps = by_op["PUT_SIGNAL"][-1]
-        assert (ps.count, ps.datatype, ps.peer, ps.stream, ps.comm) == (33, 7, 3, 0xCAFE, 0)
+        assert (ps.count, ps.datatype, ps.peer, ps.stream, ps.comm_ptr) == (33, 7, 3, 0xCAFE, 0)
         assert ps.bytes == 33 * 4 and ps.result == int(out["ncclPutSignal"])
         sg = by_op["SIGNAL"][-1]
-        assert (sg.peer, sg.stream, sg.comm, sg.bytes) == (4, 0xBEEF, 0, 0)
+        assert (sg.peer, sg.stream, sg.comm_ptr, sg.bytes) == (4, 0xBEEF, 0, 0)
         ws = by_op["WAIT_SIGNAL"][-1]
-        assert (ws.count, ws.stream, ws.comm, ws.bytes) == (2, 0xD00D, 0, 0)
+        assert (ws.count, ws.stream, ws.comm_ptr, ws.bytes) == (2, 0xD00D, 0, 0)
         for op, fn in (("COMM_REVOKE", "ncclCommRevoke"), ("COMM_SUSPEND", "ncclCommSuspend"),
                        ("COMM_RESUME", "ncclCommResume")):
             e = by_op[op][-1]
             assert e.result == int(out[fn]), (op, e)
-        assert not [c for c in reader.communicators() if c.handle == 0]
+        assert not [c for c in reader.communicators() if c.comm_ptr == 0]
         assert reader.counters()["EVENTS_LOST"] == 0
         samples = _collect(reader, probes)
         assert sample_value(samples, metrics.CALL_ERRORS, op="COMM_GET_ASYNC_ERROR",

@@ -122,7 +122,7 @@ def test_stragglers_filter_matching_nothing(tmp_path):
         for rank in range(2):
             t = 1_700_000_000_000_000_000 + seq * 10_000_000 + rank * 1000
             rec(CallEvent(kind=1, op="ALL_REDUCE", pid=100 + rank, tid=100 + rank, start_ns=t, end_ns=t + 5000,
-                          start_real_ns=t, comm=1, comm_hash=0xAB, nccl_hash=0, seq=seq, rank=rank, nranks=2,
+                          start_real_ns=t, comm_ptr=1, comm=0xAB, nccl_comm_hash=0, seq=seq, rank=rank, nranks=2,
                           count=4, bytes=16, datatype=7, red_op=0, root=-1, peer=-1, stream=0, result=0,
                           color=-1))
     rec.close()

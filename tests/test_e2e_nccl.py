@@ -34,7 +34,7 @@ def expected_comm_hashes(records, nccl: bool = True) -> dict[tuple[int, int], in
     """(pid, comm handle) -> the `comm` label, NCCL's own commHash (nccl=False:
     the agent's own id, what names children internally), from the lifecycle
     ground truth."""
-    root = hashing.nccl_comm_hash if nccl else hashing.comm_id_hash
+    root = hashing.nccl_comm_hash if nccl else hashing.agent_comm_hash
     out: dict[tuple[int, int], int] = {}
     for r in sorted(lifecycle(records), key=lambda r: r["start_mono_ns"]):
         if r["result"] != 0:
@@ -50,7 +50,7 @@ def expected_comm_hashes(records, nccl: bool = True) -> dict[tuple[int, int], in
             if nccl:  # NCCL counts the splits of a parent from 1
                 out[(r["pid"], r["comm"])] = hashing.split_nccl_comm_hash(parent, r["split_seq"] + 1, r["color"])
             else:
-                out[(r["pid"], r["comm"])] = hashing.split_comm_id_hash(parent, r["color"], r["split_seq"])
+                out[(r["pid"], r["comm"])] = hashing.split_agent_comm_hash(parent, r["color"], r["split_seq"])
     return out
 
 

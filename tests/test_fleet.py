@@ -36,7 +36,7 @@ NODES = 200
 
 def ev(i, dur_ns=500_000, rank=3, pid=100, op="ALL_REDUCE"):
     return CallEvent(kind=1, op=op, pid=pid, tid=pid, start_ns=i * 1000, end_ns=i * 1000 + dur_ns,
-                     start_real_ns=T0 + i * 1_000_000, comm=1, comm_hash=0xAB, nccl_hash=0xCD,
+                     start_real_ns=T0 + i * 1_000_000, comm_ptr=1, comm=0xAB, nccl_comm_hash=0xCD,
                      seq=i, rank=rank, nranks=8, count=4, bytes=16, datatype=7, red_op=0, root=-1,
                      peer=-1, stream=0x10, result=0, color=-1)
 

@@ -165,11 +165,11 @@ def test_fixed_vectors():
     assert hashing.splitmix64(0) == 0xE220A8397B1DCDAF
     assert hashing.splitmix64(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
     # Computed once with the C reference above (NCCL hash: also equal to the 2.32 wheel's own).
-    assert hashing.comm_id_hash(bytes(128)) == 0x676DAC289584BCC9
+    assert hashing.agent_comm_hash(bytes(128)) == 0x676DAC289584BCC9
     assert hashing.nccl_comm_hash(bytes(128)) == 0xCC976EC6C24BB53C
-    assert hashing.comm_id_hash(bytes(range(128))) == 0x5B074B4237243D35
+    assert hashing.agent_comm_hash(bytes(range(128))) == 0x5B074B4237243D35
     assert hashing.nccl_comm_hash(bytes(range(128))) == 0x6AFE1CC17717E1F4
-    assert hashing.comm_id_hash(bytes(range(128, 256))) == 0x96196B9FF33E3BD0
+    assert hashing.agent_comm_hash(bytes(range(128, 256))) == 0x96196B9FF33E3BD0
     assert hashing.nccl_comm_hash(bytes(range(128, 256))) == 0x1379339BDC3AFBDC
 
 
@@ -179,7 +179,7 @@ def test_matches_c_reference(c_hash):
     assert len(out) == len(ids)
     for uid, line in zip(ids, out):
         fold, nccl = (int(x, 16) for x in line.split())
-        assert hashing.comm_id_hash(uid) == fold, uid.hex()
+        assert hashing.agent_comm_hash(uid) == fold, uid.hex()
         assert hashing.nccl_comm_hash(uid) == nccl, uid.hex()
 
 
@@ -197,56 +197,56 @@ def test_nccl_split_hash_matches_c_reference(c_hash):
 
 def test_matches_second_python_implementation():
     for uid in _ids():
-        assert hashing.comm_id_hash(uid) == _fold(uid)
+        assert hashing.agent_comm_hash(uid) == _fold(uid)
         assert hashing.nccl_comm_hash(uid) == _nccl_hash(uid)
 
 
 def test_every_word_counts():
     rng = random.Random(7)
     base = bytes.fromhex("2bc9a5f1c6d3e4b7") + rng.randbytes(120)
-    seen = {hashing.comm_id_hash(base)}
+    seen = {hashing.agent_comm_hash(base)}
     for i in range(8, 128):  # same 8-byte magic, one byte different anywhere after it
         other = bytearray(base)
         other[i] ^= 0x01
-        seen.add(hashing.comm_id_hash(bytes(other)))
+        seen.add(hashing.agent_comm_hash(bytes(other)))
     assert len(seen) == 121
     # Two ids sharing everything but the last word.
     a = bytes(120) + (1).to_bytes(8, "little")
     b = bytes(120) + (2).to_bytes(8, "little")
-    assert hashing.comm_id_hash(a) != hashing.comm_id_hash(b)
+    assert hashing.agent_comm_hash(a) != hashing.agent_comm_hash(b)
     assert hashing.nccl_comm_hash(a) != hashing.nccl_comm_hash(b)
 
 
 def test_wrong_length_is_refused():
     for n in (0, 8, 127, 129, 256):
         with pytest.raises(ValueError):
-            hashing.comm_id_hash(bytes(n))
+            hashing.agent_comm_hash(bytes(n))
         with pytest.raises(ValueError):
             hashing.nccl_comm_hash(bytes(n))
 
 
 def test_split_hash(c_hash):
-    parent = hashing.comm_id_hash(bytes(range(128)))
-    child = hashing.split_comm_id_hash(parent, 3, 0)
-    assert child == hashing.split_comm_id_hash(parent, 3, 0)  # deterministic
+    parent = hashing.agent_comm_hash(bytes(range(128)))
+    child = hashing.split_agent_comm_hash(parent, 3, 0)
+    assert child == hashing.split_agent_comm_hash(parent, 3, 0)  # deterministic
     assert child != parent
-    colors = {hashing.split_comm_id_hash(parent, c, 0) for c in range(64)}
+    colors = {hashing.split_agent_comm_hash(parent, c, 0) for c in range(64)}
     assert len(colors) == 64  # color-sensitive
-    seqs = {hashing.split_comm_id_hash(parent, 3, s) for s in range(64)}
+    seqs = {hashing.split_agent_comm_hash(parent, 3, s) for s in range(64)}
     assert len(seqs) == 64  # the n-th split of a parent differs from the (n+1)-th
-    assert hashing.split_comm_id_hash(parent ^ 1, 3, 0) != child  # parent-sensitive
+    assert hashing.split_agent_comm_hash(parent ^ 1, 3, 0) != child  # parent-sensitive
     # Negative colors (NCCL_SPLIT_NOCOLOR = -1) are the u32 bit pattern, as in the BPF code.
-    assert hashing.split_comm_id_hash(parent, -1, 0) == hashing.split_comm_id_hash(parent, 0xFFFFFFFF, 0)
+    assert hashing.split_agent_comm_hash(parent, -1, 0) == hashing.split_agent_comm_hash(parent, 0xFFFFFFFF, 0)
 
     cases = [(parent, 3, 0), (parent, 0, 0), (parent, -1, 2), (parent, 7, 5),
              (0xFFFFFFFFFFFFFFFF, 123456, 4000000000), (1, -2, 1)]
     out = c_hash([f"split {p:x} {c} {s}" for p, c, s in cases])
     for (p, c, s), line in zip(cases, out):
-        assert hashing.split_comm_id_hash(p, c, s) == int(line, 16), (p, c, s)
+        assert hashing.split_agent_comm_hash(p, c, s) == int(line, 16), (p, c, s)
 
 
 def test_format_hash():
     assert hashing.format_hash(0) == "0000000000000000"
     assert hashing.format_hash(0xABC) == "0000000000000abc"
     assert hashing.format_hash(-1) == "ffffffffffffffff"
-    assert len(hashing.format_hash(hashing.comm_id_hash(bytes(128)))) == 16
+    assert len(hashing.format_hash(hashing.agent_comm_hash(bytes(128)))) == 16

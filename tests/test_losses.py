@@ -29,11 +29,11 @@ DEAD_PID = 4_000_000  # above any pid this test host gives out
 
 
 def call(pid: int = os.getpid(), i: int = 0, duration_ns: int = 1_000_000, op: str = "ALL_REDUCE",
-         comm_hash: int = 0xC0FFEE, rank: int = 0, nranks: int = 2) -> CallEvent:
+         comm: int = 0xC0FFEE, rank: int = 0, nranks: int = 2) -> CallEvent:
     start = time.monotonic_ns() - duration_ns
     return CallEvent(kind=contract.EVENT_CALL, op=op, pid=pid, tid=pid, start_ns=start,
                      end_ns=start + duration_ns, start_real_ns=time.time_ns() - duration_ns,
-                     comm=0x1000, comm_hash=comm_hash, nccl_hash=comm_hash, seq=i + 1, rank=rank,
+                     comm_ptr=0x1000, comm=comm, nccl_comm_hash=comm, seq=i + 1, rank=rank,
                      nranks=nranks, count=1024, bytes=4096, datatype=7, red_op=0, root=-1,
                      peer=-1, stream=0, result=0, color=0)
 
@@ -284,7 +284,7 @@ def test_recorder_forgets_dead_processes(tmp_path):
                    scope=Scope(proc=str(proc)))
     try:
         for pid in (100, 200):
-            rec(call(pid=pid, comm_hash=pid))
+            rec(call(pid=pid, comm=pid))
         assert wait_until(lambda: rec.total_recorded == 2)
         time.sleep(0.1)
         assert {100, 200} <= rec._seen_pids and {100, 200} <= set(rec._world)
@@ -311,7 +311,7 @@ def test_recorder_state_is_flat_over_many_processes(tmp_path):
     try:
         rec.dead_grace_s = 0
         for pid in range(10_000, 11_000):  # each gone when the writer looks
-            rec(call(pid=pid, comm_hash=pid))
+            rec(call(pid=pid, comm=pid))
         assert wait_until(lambda: rec.total_recorded == 1000)
         time.sleep(0.1)
         rec.forget_dead_processes(now=time.monotonic())

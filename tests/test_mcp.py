@@ -36,7 +36,7 @@ TOKEN = "mcp-test-token"
 
 def call(i, rank, start, dur, pid):
     return CallEvent(kind=1, op="ALL_REDUCE", pid=pid, tid=pid, start_ns=start - T0, end_ns=start - T0 + dur,
-                     start_real_ns=start, comm=1, comm_hash=0x3F00AA, nccl_hash=0xCD, seq=i, rank=rank,
+                     start_real_ns=start, comm_ptr=1, comm=0x3F00AA, nccl_comm_hash=0xCD, seq=i, rank=rank,
                      nranks=8, count=1 << 20, bytes=4 << 20, datatype=7, red_op=0, root=-1, peer=-1,
                      stream=0x10, result=0, color=-1)
 

@@ -53,7 +53,7 @@ def synthetic(path: Path, n: int = 60) -> None:
             if rank == 0 and i >= 3:
                 seq = i - 3
             rec(CallEvent(kind=1, op="ALL_REDUCE", pid=pid, tid=pid, start_ns=start - T0, end_ns=end - T0,
-                          start_real_ns=start, comm=0xAA, comm_hash=comm, nccl_hash=0, seq=seq, rank=rank,
+                          start_real_ns=start, comm_ptr=0xAA, comm=comm, nccl_comm_hash=0, seq=seq, rank=rank,
                           nranks=4, count=1024, bytes=4096, datatype=7, red_op=0, root=-1, peer=-1,
                           stream=0, result=0, color=-1))
     rec.close()
@@ -99,7 +99,7 @@ def test_unalignable_recording_says_what_it_lacked(tmp_path):
     for i in range(10):
         t = T0 + i * 50 * MS
         rec(CallEvent(kind=1, op="ALL_REDUCE", pid=7, tid=7, start_ns=t - T0, end_ns=t - T0 + MS,
-                      start_real_ns=t, comm=0xAA, comm_hash=local_comm_hash(7, 1), nccl_hash=0, seq=i, rank=0,
+                      start_real_ns=t, comm_ptr=0xAA, comm=local_comm_hash(7, 1), nccl_comm_hash=0, seq=i, rank=0,
                       nranks=4, count=1, bytes=4, datatype=7, red_op=0, root=-1, peer=-1, stream=0, result=0,
                       color=-1))
     rec.close()

@@ -17,7 +17,7 @@ MS = 1_000_000
 
 
 def call(*waits: PeerWait) -> GpuCall:
-    return GpuCall(op="ALL_REDUCE", pid=7, tid=8, nccl_hash=0xABC, seq=812, rank=3, nranks=8, peer=-1,
+    return GpuCall(op="ALL_REDUCE", pid=7, tid=8, comm=0xABC, seq=812, rank=3, nranks=8, peer=-1,
                    kind="coll", bytes=1 << 20, enqueue_ns=1, start_ns=2, duration_ns=50 * MS,
                    enqueue_real_ns=1, start_real_ns=2, peer_waits=waits)
 

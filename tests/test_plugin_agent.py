@@ -99,7 +99,7 @@ def test_gpu_histograms_equal_the_drivers_truth(bins, sources, version):
     _probes, plugin = sources
     truth = run_ops(bins, version, 60)
     want = expected_series(truth)
-    got = {(s.op, s.nccl_hash, s.rank, s.nranks): s for s in plugin.series()}
+    got = {(s.op, s.comm, s.rank, s.nranks): s for s in plugin.series()}
     assert set(got) == set(want)
     for k, (buckets, sum_ns) in want.items():
         s = got[k]
@@ -141,7 +141,7 @@ def test_implausible_intervals_are_counted_by_reason_not_histogrammed(bins, sour
     assert bad == {"longer_than_host": 10, "start_before_enqueue": 10, "stop_before_start": 10}
     assert plugin.rejected() == dict(bad, channel_lost=0)
     want = expected_series(good)
-    got = {(s.op, s.nccl_hash, s.rank, s.nranks): s for s in plugin.series()}
+    got = {(s.op, s.comm, s.rank, s.nranks): s for s in plugin.series()}
     assert {k: (s.calls, s.sum_ns) for k, s in got.items()} == \
         {k: (sum(c.values()), sum_ns) for k, (c, sum_ns) in want.items()}
     assert plugin.inflight() == [] and plugin.drops()["no_gpu_time"] == 0
@@ -179,7 +179,7 @@ def test_inflight_ages_queued_running_and_abandoned(bins, sources):
         flights = {f.state: f for f in plugin.inflight()}
         assert set(flights) == {"queued", "running"}, plugin.inflight()
         run, q = flights["running"], flights["queued"]
-        assert (run.op, run.nccl_hash, run.rank, run.nranks, run.pid) == \
+        assert (run.op, run.comm, run.rank, run.nranks, run.pid) == \
             ("ALL_REDUCE", 0xABCDEF0123456789, 1, 4, p.pid)
         assert (q.op, q.seq, q.pid) == ("ALL_GATHER", 0, p.pid)
         assert run.seq == 1  # the second AllReduce: the first completed
@@ -217,7 +217,7 @@ def test_gpu_comm_label_is_nccls_commhash_as_on_host_series():
     from exporter.sinks.prometheus import gpu_families
     from exporter.records.events import GpuInflight, GpuSeries, PluginProcess
 
-    comms = [Communicator(pid=1, handle=0x10, comm_hash=0x1111222233334444, nccl_hash=0x1111222233334444,
+    comms = [Communicator(pid=1, comm_ptr=0x10, comm=0x1111222233334444, nccl_comm_hash=0x1111222233334444,
                           rank=2, nranks=4)]
 
     class FakePlugin:

@@ -387,7 +387,7 @@ def test_agent_counts_a_batch_interval_once(plugin, bpf, tmp_path):
                 for k in ks: P.kch_stop(k, t + 50_000)
             P.finalize(ctx)
         """, env={"NCCL_EXPORTER_PROFILER_PROXY": "0"})
-        series = [s for s in src.series() if s.nccl_hash == 0x7777000011112222]
+        series = [s for s in src.series() if s.comm == 0x7777000011112222]
         assert len(series) == 1 and series[0].op == "ALL_REDUCE"
         assert series[0].calls == 15 and series[0].sum_ns == 10 * 30_000 + 5 * 50_000, series
         assert src.shared() == 20

@@ -216,8 +216,8 @@ def test_get_unique_id(traced):
     assert e.op == "GET_UNIQUE_ID"
     assert e.tid == traced.tid
     assert e.result == NCCL_SUCCESS
-    assert e.comm_hash == hashing.nccl_comm_hash(traced.uid_bytes)  # the `comm` label
-    assert e.nccl_hash == hashing.nccl_comm_hash(traced.uid_bytes)
+    assert e.comm == hashing.nccl_comm_hash(traced.uid_bytes)  # the `comm` label
+    assert e.nccl_comm_hash == hashing.nccl_comm_hash(traced.uid_bytes)
     assert e.end_ns >= e.start_ns > 0
 
 
@@ -227,8 +227,8 @@ def test_comm_init_rank_decodes_id_on_stack_and_rank_in_rdx(traced):
     e = traced.only_event("ncclCommInitRank")
     assert e.op == "COMM_INIT_RANK"
     assert e.result == rc  # the uretprobe saw what the caller got
-    assert e.comm_hash == hashing.nccl_comm_hash(traced.uid_bytes) != 0
-    assert e.nccl_hash == hashing.nccl_comm_hash(traced.uid_bytes) != 0
+    assert e.comm == hashing.nccl_comm_hash(traced.uid_bytes) != 0
+    assert e.nccl_comm_hash == hashing.nccl_comm_hash(traced.uid_bytes) != 0
     assert (e.rank, e.nranks) == (1, 2)
     # A failed init makes no communicator.
     assert not [c for c in traced.reader.communicators() if c.pid == traced.pid]
@@ -244,7 +244,7 @@ def test_all_reduce_decode(traced):
     assert (e.count, e.datatype, e.red_op, e.stream) == (1000, FLOAT32, SUM, 0x1234)
     assert (e.result, e.bytes) == (NCCL_INVALID_ARGUMENT, 4000)
     assert (e.root, e.peer, e.comm) == (-1, -1, 0)
-    assert (e.comm_hash, e.rank, e.nranks) == (0, -1, -1)  # NULL comm: unknown
+    assert (e.comm, e.rank, e.nranks) == (0, -1, -1)  # NULL comm: unknown
 
 
 def test_reduce_decodes_r9_and_stack(traced):

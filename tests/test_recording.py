@@ -19,7 +19,7 @@ from conftest import REPO
 
 def ev(i, pid=100, op="ALL_REDUCE", dur=1000, kind=1):
     return CallEvent(kind=kind, op=op, pid=pid, tid=pid, start_ns=i * 10, end_ns=i * 10 + dur,
-                     start_real_ns=1_700_000_000_000_000_000 + i * 10, comm=1, comm_hash=0xAB, nccl_hash=0xCD,
+                     start_real_ns=1_700_000_000_000_000_000 + i * 10, comm_ptr=1, comm=0xAB, nccl_comm_hash=0xCD,
                      seq=i, rank=3, nranks=8, count=4, bytes=16, datatype=7, red_op=0, root=-1, peer=-1,
                      stream=0x10, result=0, color=-1)
 

@@ -13,7 +13,7 @@ from exporter.sinks.recording import writer
 
 def ev(i, rank, nranks, op="ALL_REDUCE", kind=1):
     return CallEvent(kind=kind, op=op, pid=100, tid=100, start_ns=i * 10, end_ns=i * 10 + 5,
-                     start_real_ns=1_700_000_000_000_000_000 + i * 10, comm=1, comm_hash=0xAB, nccl_hash=0xCD,
+                     start_real_ns=1_700_000_000_000_000_000 + i * 10, comm_ptr=1, comm=0xAB, nccl_comm_hash=0xCD,
                      seq=i, rank=rank, nranks=nranks, count=4, bytes=16, datatype=7, red_op=0, root=-1,
                      peer=-1, stream=0x10, result=0, color=1)
 

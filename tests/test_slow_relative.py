@@ -35,7 +35,7 @@ class FakeReader:
 def series(calls_at_1ms: int, slot: int = 5, comm: int = 0xABC) -> Series:
     buckets = [0] * histogram.DURATION.slots
     buckets[histogram.bucket_of(1_000_000)] = calls_at_1ms
-    return Series(op="ALL_REDUCE", comm_hash=comm, rank=0, nranks=2, calls=calls_at_1ms, bytes=0,
+    return Series(op="ALL_REDUCE", comm=comm, rank=0, nranks=2, calls=calls_at_1ms, bytes=0,
                   sum_ns=calls_at_1ms * 1_000_000, buckets=tuple(buckets), slot=slot)
 
 

@@ -97,7 +97,7 @@ class Agent(Discovery):
         # /-/healthy's liveness (sinks/http.py STALL_S)
         self.heartbeat: float | None = None
         self.waiter = RingWaiter()  # one wait over every program's ring buffers ...
-        for program in self.sources:
+        for program in self.programs:
             if program is not self.loader:  # ... but the loader's: the attach thread's
                 self.waiter.add(program)
 
@@ -124,7 +124,7 @@ class Agent(Discovery):
         return [getattr(self, row.name) for row in self.loaded]
 
     @property
-    def sources(self) -> list:
+    def programs(self) -> list:
         """The loaded BPF programs (the NCCL reader and SchedTotals are none)."""
         return [s for s in self._loaded() if isinstance(s, Program)]
 
@@ -147,7 +147,7 @@ class Agent(Discovery):
             self.processes.identity(event.pid)  # learns (and traces) a new process once
             log.info(
                 "%s pid=%d comm=%s nccl_comm_hash=%016x rank=%d nranks=%d result=%d %.1f ms",
-                event.op, event.pid, format_comm(event.comm_hash), event.nccl_hash,
+                event.op, event.pid, format_comm(event.comm), event.nccl_comm_hash,
                 event.rank, event.nranks, event.result, event.duration_ns / 1e6,
             )
         for listener in self.listeners:

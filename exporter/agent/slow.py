@@ -37,7 +37,7 @@ class SlowCallPolicy:
         # slot -> (the series' labels, its buckets at the last refresh)
         self._last: dict[int, tuple[tuple, tuple[int, ...]]] = {}
         self._relative: set[int] = set()  # slots with a relative threshold written
-        # the same thresholds by series (op, comm_hash, rank, nranks), for is_slow()
+        # the same thresholds by series (op, comm, rank, nranks), for is_slow()
         self._relative_by_series: dict[tuple, int] = {}
         self._next_refresh = 0.0
         for op, ns in self.absolute_ns.items():
@@ -58,9 +58,9 @@ class SlowCallPolicy:
         by_series: dict[tuple, int] = {}
         for s in self.reader.series():
             if (s.op not in contract.COLLECTIVE_OPS.values() or s.slot < 0
-                    or s.comm_hash == contract.SERIES_OVERFLOW_COMM):
+                    or s.comm == contract.SERIES_OVERFLOW_COMM):
                 continue
-            labels = (s.op, s.comm_hash, s.rank, s.nranks)
+            labels = (s.op, s.comm, s.rank, s.nranks)
             seen_labels, before = last.get(s.slot, (labels, ()))
             if seen_labels != labels or len(before) != len(s.buckets):
                 before = ()  # the slot holds another series now
@@ -80,15 +80,15 @@ class SlowCallPolicy:
         self._relative &= set(self._last)
         self._relative_by_series = by_series  # only live series: bounded by the map
 
-    def threshold_ns(self, op: str, comm_hash: int = 0, rank: int = -1, nranks: int = 0) -> int:
+    def threshold_ns(self, op: str, comm: int = 0, rank: int = -1, nranks: int = 0) -> int:
         """The threshold the kernel compares a call of this series with (0: none)."""
-        limit = self._relative_by_series.get((op, comm_hash, rank, nranks))
+        limit = self._relative_by_series.get((op, comm, rank, nranks))
         return limit if limit else self.absolute_ns.get(op, 0)
 
     def is_slow(self, event) -> bool:
         """Whether a call is slow by the kernel's rule, for sinks that receive every
         call (`run --db` records them all): the span sink keeps only slow ones."""
-        limit = self.threshold_ns(event.op, event.comm_hash, event.rank, event.nranks)
+        limit = self.threshold_ns(event.op, event.comm, event.rank, event.nranks)
         return bool(limit) and event.duration_ns >= limit
 
     def forget(self, slots) -> None:

@@ -81,8 +81,8 @@ def _sched(agent: Agent):
 def _plugin(agent: Agent) -> PluginSource:
     """GPU time from the profiler plugin; its network series expire with
     their communicator (docs/network.md)."""
-    plugin = PluginSource(agent.clock, live_comms=lambda: {c.nccl_hash for c in agent.reader.communicators()
-                                                             if c.nccl_hash})
+    plugin = PluginSource(agent.clock, live_comms=lambda: {c.nccl_comm_hash for c in agent.reader.communicators()
+                                                             if c.nccl_comm_hash})
     if agent.config.record_all:  # every GPU operation too (recordings' gpu_intervals)
         for op in contract.COLLECTIVE_OPS.values():
             plugin.set_slow_threshold(op, 1)

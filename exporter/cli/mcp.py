@@ -65,8 +65,8 @@ def main(args) -> int:
             raise CliError(f"--http {args.http}: the MCP server has no authentication; listen on "
                            "loopback (127.0.0.1) and put an authenticating proxy in front")
         http = (host, port)
-    src = mcp_server.Sources(dbs=list(args.db), nodes=nodes,
+    targets = mcp_server.Targets(dbs=list(args.db), nodes=nodes,
                              options=client.FleetOptions(token=token, ca_file=args.ca_file,
                                                          concurrency=args.concurrency, timeout=timeout))
-    mcp_server.serve(src, http)
+    mcp_server.serve(targets, http)
     return 0

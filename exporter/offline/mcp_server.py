@@ -42,7 +42,7 @@ MAX_SQL = 64 << 10
 
 
 @dataclass
-class Sources:
+class Targets:
     dbs: list[str] = field(default_factory=list)
     nodes: list[str] = field(default_factory=list)
     options: client.FleetOptions = field(default_factory=client.FleetOptions)
@@ -111,7 +111,7 @@ def documented_queries() -> dict[str, str]:
             for m in re.finditer(r"^### ([\w-]+)\s*\n+```sql\n(.*?)```", text, re.M | re.S)}
 
 
-def run_everywhere(src: Sources, sql: str, max_rows: int, source: str = "all") -> dict:
+def run_everywhere(targets: Targets, sql: str, max_rows: int, source: str = "all") -> dict:
     """{"columns": [node, ...], "rows": [...], "truncated": bool, "warnings": [...]}"""
     names: list[str] | None = None
     rows: list[list] = []
@@ -119,7 +119,7 @@ def run_everywhere(src: Sources, sql: str, max_rows: int, source: str = "all") -
     truncated = False
     asked = 0
     if source in ("all", "local"):
-        for path in src.dbs:
+        for path in targets.dbs:
             asked += 1
             try:
                 cols, got, cut = _local_query(path, sql, max_rows)
@@ -134,10 +134,10 @@ def run_everywhere(src: Sources, sql: str, max_rows: int, source: str = "all") -
             node = _node_of(path)
             rows += [[node, *r] for r in got]
             truncated |= cut
-    if source in ("all", "nodes") and src.nodes:
-        opts = client.FleetOptions(**{**src.options.__dict__, "max_rows": max_rows, "clock": False})
-        asked += len(src.nodes)
-        for ev in client.stream_query(src.nodes, sql, opts):
+    if source in ("all", "nodes") and targets.nodes:
+        opts = client.FleetOptions(**{**targets.options.__dict__, "max_rows": max_rows, "clock": False})
+        asked += len(targets.nodes)
+        for ev in client.stream_query(targets.nodes, sql, opts):
             if ev.kind == "columns":
                 if names is None:
                     names = list(ev.names)
@@ -184,7 +184,7 @@ def hang_status(metrics_url, threshold_s: float = 60.0, timeout: float = 10.0,
 
 # --- the server ---------------------------------------------------------------------
 
-def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
+def build_server(targets: Targets, host: str = "127.0.0.1", port: int = 8765):
     kwargs = {}
     if _Server.__module__.startswith("mcp.server.fastmcp"):  # 1.x: HTTP settings in the constructor
         kwargs = {"host": host, "port": port}
@@ -202,7 +202,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
         _check_limit("max_rows", max_rows)
         if source not in ("all", "local", "nodes"):
             raise ToolError(f"source: one of all, local, nodes; not {source!r}")
-        return run_everywhere(src, sql, max_rows, source)
+        return run_everywhere(targets, sql, max_rows, source)
 
     @mcp.tool()
     def slowest_collectives(limit: int = 20, op: str | None = None) -> dict:
@@ -210,7 +210,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
         (op, rank, comm, seq, ms). op: e.g. ALL_REDUCE (default: every op)."""
         _check_limit("limit", limit)
         op = _check_op(op)
-        out = run_everywhere(src, read.slowest_calls_sql(limit, op), limit)
+        out = run_everywhere(targets, read.slowest_calls_sql(limit, op), limit)
         ms = out["columns"].index("ms")
         out["rows"] = sorted(out["rows"], key=lambda r: -(r[ms] or 0))[:limit]
         return out
@@ -220,7 +220,7 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
         """TCP retransmits per link (owner rank, local and remote address) across every recording
         and node, most first: a lossy link stands out."""
         _check_limit("limit", limit)
-        out = run_everywhere(src, read.retransmits_by_link_sql(limit), limit)
+        out = run_everywhere(targets, read.retransmits_by_link_sql(limit), limit)
         n = out["columns"].index("retransmits")
         out["rows"] = sorted(out["rows"], key=lambda r: -(r[n] or 0))[:limit]
         return out
@@ -240,12 +240,12 @@ def build_server(src: Sources, host: str = "127.0.0.1", port: int = 8765):
 
         def open_db(db: str | None):
             if db is None:
-                if len(src.dbs) != 1:
-                    raise ToolError("db: which recording? one of " + ", ".join(src.dbs) if src.dbs
+                if len(targets.dbs) != 1:
+                    raise ToolError("db: which recording? one of " + ", ".join(targets.dbs) if targets.dbs
                                     else "db: no local recording (start the server with --db)")
-                db = src.dbs[0]
-            if db not in src.dbs:
-                raise ToolError(f"db: one of the server's recordings ({', '.join(src.dbs) or 'none'}), "
+                db = targets.dbs[0]
+            if db not in targets.dbs:
+                raise ToolError(f"db: one of the server's recordings ({', '.join(targets.dbs) or 'none'}), "
                                 f"not {db!r}")
             try:
                 return read.Recording.open(db)
@@ -356,16 +356,16 @@ def _analysis():
         return None
 
 
-def serve(src: Sources, http: tuple[str, int] | None = None) -> None:
+def serve(targets: Targets, http: tuple[str, int] | None = None) -> None:
     if http is None:
         import anyio
 
         from exporter.offline import mcp_stdio
 
-        anyio.run(mcp_stdio.serve_stdio, build_server(src))
+        anyio.run(mcp_stdio.serve_stdio, build_server(targets))
         return
     host, port = http
-    server = build_server(src, host, port)
+    server = build_server(targets, host, port)
     if _Server.__module__.startswith("mcp.server.fastmcp"):
         server.run("streamable-http")
     else:

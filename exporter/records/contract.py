@@ -168,7 +168,7 @@ NCCL_FUNCTIONS = {
 
 MAX_SERIES = 2048      # (op, comm, rank, nranks) series: series_index / series_stats
                        # (the default of `run --series-capacity`)
-# comm_hash of the overflow series: calls made while series_index is full
+# comm of the overflow series: calls made while series_index is full
 # (one series per op, exported as comm="overflow"; STATS_FULL counts them).
 SERIES_OVERFLOW_COMM = (1 << 64) - 1
 # A communicator the agent did not see created (it attached mid-job) gets a

@@ -38,7 +38,7 @@ class Series:
     """Calls of one op on one communicator by one rank, as counted in the kernel."""
 
     op: str
-    comm_hash: int
+    comm: int
     rank: int
     nranks: int
     calls: int
@@ -59,9 +59,9 @@ class Series:
 @dataclass(frozen=True)
 class Communicator:
     pid: int
-    handle: int       # the ncclComm_t pointer in that process (0: announced by the plugin, no call seen)
-    comm_hash: int    # the `comm` label: NCCL's commHash where known (docs/communicators.md)
-    nccl_hash: int    # NCCL's commHash; 0: unknown
+    comm_ptr: int     # the ncclComm_t pointer in that process (0: announced by the plugin, no call seen)
+    comm: int         # the `comm` label: NCCL's commHash where known (docs/communicators.md)
+    nccl_comm_hash: int  # NCCL's commHash; 0: unknown
     rank: int
     nranks: int
 
@@ -70,7 +70,7 @@ class Communicator:
 class InflightCall:
     tid: int
     op: str
-    comm_hash: int
+    comm: int
     rank: int
     nranks: int
     start_ns: int  # CLOCK_MONOTONIC
@@ -87,9 +87,9 @@ class CallEvent:
     start_ns: int  # CLOCK_MONOTONIC, as the kernel saw it
     end_ns: int
     start_real_ns: int  # wall clock, converted with the agent's clock offset
-    comm: int
-    comm_hash: int
-    nccl_hash: int
+    comm_ptr: int  # the ncclComm_t pointer in that process
+    comm: int  # the `comm` label: NCCL's commHash where known (docs/communicators.md)
+    nccl_comm_hash: int  # NCCL's commHash; 0: unknown
     seq: int
     rank: int
     nranks: int
@@ -198,7 +198,7 @@ class SchedEvent:
     pid: int
     tid: int
     thread: str             # caller | proxy | other
-    comm: str               # the thread's name
+    thread_name: str        # the thread's name
     cpu: int
     op: str                 # the NCCL call it was inside ("" for none)
 
@@ -211,7 +211,7 @@ class GpuSeries:
     (earliest KernelCh start .. latest KernelCh stop), as counted in the kernel."""
 
     op: str
-    nccl_hash: int  # NCCL's commHash: the `comm` label (docs/communicators.md)
+    comm: int       # NCCL's commHash: the `comm` label (docs/communicators.md)
     rank: int
     nranks: int
     calls: int
@@ -228,7 +228,7 @@ class GpuInflight:
     pid: int
     id: int  # the plugin's record id (unique per process)
     op: str
-    nccl_hash: int
+    comm: int
     rank: int
     nranks: int
     seq: int
@@ -253,7 +253,7 @@ class NetworkSeries:
     """Network figures of one (communicator, rank, peer, direction), summed
     over its operations in the kernel (bpf/plugin.c net_series)."""
 
-    nccl_hash: int
+    comm: int
     rank: int
     peer: int  # -1: other
     direction: str  # send | recv
@@ -272,7 +272,7 @@ class GpuCall:
     op: str
     pid: int
     tid: int
-    nccl_hash: int  # NCCL's commHash
+    comm: int       # NCCL's commHash
     seq: int  # NCCL's seqNumber: per communicator and op, from 0
     rank: int
     nranks: int
@@ -305,7 +305,7 @@ class PluginComm:
     plugin announced it (at init, and once a period: docs/plugin.md)."""
 
     pid: int
-    nccl_hash: int  # NCCL's commHash: the `comm` label
+    comm: int       # NCCL's commHash: the `comm` label
     rank: int
     nranks: int
     nnodes: int

@@ -66,7 +66,7 @@ class Renderer:
         dt, rop = e.datatype, e.red_op
         return (
             e.start_real_ns, e.end_ns - e.start_ns, e.op, e.rank, e.nranks,
-            self.comm(e.comm_hash), self.comm(e.nccl_hash), e.seq, e.count, e.bytes,
+            self.comm(e.comm), self.comm(e.nccl_comm_hash), e.seq, e.count, e.bytes,
             (_DATATYPES.get(dt) or contract.datatype_name(dt)) if dt >= 0 else None,
             contract.redop_name(rop) if rop >= 0 else None,
             e.peer if e.peer >= 0 else None, e.root if e.root >= 0 else None,
@@ -98,7 +98,7 @@ class Renderer:
             return (e["timestamp_ns"], e["pid"], e.get("tid"), e["event"], e["duration_ns"], self.node,
                     rank, e.get("thread"), e.get("comm"), e.get("cpu"), e.get("op"))
         return (e.timestamp_real_ns, e.pid, e.tid, "runq_wait", e.duration_ns, self.node,
-                rank, e.thread, e.comm, e.cpu, e.op or None)
+                rank, e.thread, e.thread_name, e.cpu, e.op or None)
 
     def row(self, event, rank=None) -> tuple[str, tuple | None]:
         """('nccl' | 'tcp' | 'sched', fields) for a record; ('', None) for anything else."""
@@ -170,8 +170,8 @@ def gpu_span_attributes(event) -> dict:
     the field is the same (nccl.comm_id_hash, the `comm` label, is NCCL's
     commHash, as on host spans), and nccl.clock = "gpu"."""
     out = {
-        "nccl.op": event.op, "nccl.clock": "gpu", "nccl.comm_id_hash": _plain.comm(event.nccl_hash),
-        "nccl.nccl_comm_hash": _plain.comm(event.nccl_hash),
+        "nccl.op": event.op, "nccl.clock": "gpu", "nccl.comm_id_hash": _plain.comm(event.comm),
+        "nccl.nccl_comm_hash": _plain.comm(event.comm),
         "nccl.seq": event.seq, "nccl.rank": event.rank,
         "nccl.nranks": event.nranks, "nccl.bytes": event.bytes, "nccl.kind": event.kind,
         "nccl.gpu_duration_ns": event.duration_ns,

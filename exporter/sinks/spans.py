@@ -46,9 +46,9 @@ from exporter.records.events import CallEvent, GpuCall, TcpEvent, format_comm
 log = logging.getLogger("nccl_exporter")
 
 
-def trace_id_for(comm_hash: int, op: str, seq: int) -> int:
+def trace_id_for(comm: int, op: str, seq: int) -> int:
     """The 128-bit trace id of one collective: same on every rank and node."""
-    data = b"nccl-exporter/1" + struct.pack("<QIQ", comm_hash, contract.OP_CODES[op], seq)
+    data = b"nccl-exporter/1" + struct.pack("<QIQ", comm, contract.OP_CODES[op], seq)
     return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "big") or 1
 
 
@@ -239,7 +239,7 @@ class SpanSink:
                 self.built += 1
             except Exception as e:  # noqa: BLE001 - one bad event must not stop the builder
                 log.warning("could not build a span for %s: %s", event.op, e,
-                            extra={"comm": format_comm(event.comm_hash), "rank": event.rank}
+                            extra={"comm": format_comm(event.comm), "rank": event.rank}
                             if isinstance(event, CallEvent) else None)
                 self.dropped += 1
 
@@ -273,8 +273,8 @@ class SpanSink:
         start = e.start_real_ns
         end = start + e.duration_ns
         tracer = self._provider(e.pid).get_tracer("nccl-exporter", __version__)
-        if e.comm_hash:  # seq counts from 0, like NCCL's seqNumber
-            self.ids.local.trace_id = trace_id_for(e.comm_hash, e.op, e.seq)
+        if e.comm:  # seq counts from 0, like NCCL's seqNumber
+            self.ids.local.trace_id = trace_id_for(e.comm, e.op, e.seq)
         attributes = render.span_attributes(e)
         span = tracer.start_span(f"nccl.{e.op}", kind=SpanKind.INTERNAL, start_time=start,
                                  attributes=attributes)
@@ -282,7 +282,7 @@ class SpanSink:
         if e.result != 0:
             span.set_status(Status(StatusCode.ERROR, attributes["nccl.result"]))
         span.end(end_time=end)
-        key = (e.op, format_comm(e.comm_hash), e.rank)  # the duration series' labels
+        key = (e.op, format_comm(e.comm), e.rank)  # the duration series' labels
         trace_hex = f"{span.get_span_context().trace_id:032x}"
         self.exemplars[key] = (trace_hex, e.duration_ns, end / 1e9)
 
@@ -292,7 +292,7 @@ class SpanSink:
         end = start + e.duration_ns
         tracer = self._provider(e.pid).get_tracer("nccl-exporter", __version__)
         # NCCL's commHash is the host spans' comm id too: the GPU span joins their trace.
-        self.ids.local.trace_id = trace_id_for(e.nccl_hash, e.op, e.seq)
+        self.ids.local.trace_id = trace_id_for(e.comm, e.op, e.seq)
         attributes = render.gpu_span_attributes(e)
         span = tracer.start_span(f"nccl.{e.op}", kind=SpanKind.INTERNAL, start_time=start,
                                  attributes=attributes)

@@ -88,10 +88,10 @@ class ProcessTable:
     def mark_collectives(self, communicators, series_keys) -> None:
         """Remember which processes made a collective: a process whose
         (communicator, rank) has a collective series (series_keys: a set of
-        (comm_hash, rank)). Sticky while the process lives, also after its
+        (comm, rank)). Sticky while the process lives, also after its
         communicators are destroyed."""
         for c in communicators:
-            if (c.comm_hash, c.rank) in series_keys:
+            if (c.comm, c.rank) in series_keys:
                 who = self.identity(c.pid)
                 who["collectives"] = True
 

@@ -112,7 +112,7 @@ class SchedSource(SchedTable, Program, Source):
             pid=e.pid or tgid_of(e.tid),  # a thread's first wait comes before its process is learnt
             tid=e.tid,
             thread=KINDS.get(e.kind, f"kind{e.kind}"),
-            comm=bytes(e.comm).split(b"\0", 1)[0].decode("utf-8", "replace"),
+            thread_name=bytes(e.comm).split(b"\0", 1)[0].decode("utf-8", "replace"),
             cpu=e.cpu,
             op=contract.OPS.get(e.op, "") if e.op else "",
         )

@@ -46,11 +46,11 @@ class NcclCollector(SourceCollector):
         last_return: dict[tuple, float] = {}
         for s in reader.series():
             if s.op in contract.COLLECTIVE_OPS.values():
-                scrape.made_collectives.add((s.comm_hash, s.rank))
-                key = (node, s.op, format_comm(s.comm_hash), rank_label(s.rank))
+                scrape.made_collectives.add((s.comm, s.rank))
+                key = (node, s.op, format_comm(s.comm), rank_label(s.rank))
                 durations.add(key, s.buckets, s.sum_ns / 1e9)
                 nbytes[key] += s.bytes
-                if s.calls and s.comm_hash != contract.SERIES_OVERFLOW_COMM:
+                if s.calls and s.comm != contract.SERIES_OVERFLOW_COMM:
                     last_seq[key] = max(last_seq.get(key, -1), s.last_seq)
                     if s.last_ns:
                         t = reader.clock.to_realtime(s.last_ns) / 1e9
@@ -74,19 +74,19 @@ class NcclCollector(SourceCollector):
     def _inflight(self, scrape: Scrape):
         oldest: dict[tuple, float] = {}
         for call in self.source.inflight():
-            key = (scrape.node, call.op, format_comm(call.comm_hash), rank_label(call.rank))
+            key = (scrape.node, call.op, format_comm(call.comm), rank_label(call.rank))
             oldest[key] = max(oldest.get(key, 0), max(0, scrape.now_ns - call.start_ns) / 1e9)
         return family_of(metrics.INFLIGHT_OLDEST, oldest)
 
     def _communicators(self, scrape: Scrape):
         f = empty_family(metrics.COMMUNICATOR_INFO)
-        for c in sorted(scrape.comms, key=lambda c: (c.pid, c.comm_hash)):
+        for c in sorted(scrape.comms, key=lambda c: (c.pid, c.comm)):
             who = scrape.processes.identity(c.pid)
             f.add_metric(
                 [
                     scrape.node,
-                    format_comm(c.comm_hash),
-                    f"{c.nccl_hash:016x}" if c.nccl_hash else "",
+                    format_comm(c.comm),
+                    f"{c.nccl_comm_hash:016x}" if c.nccl_comm_hash else "",
                     rank_label(c.rank),
                     rank_label(c.nranks),
                     str(c.pid),
@@ -107,7 +107,7 @@ class NcclCollector(SourceCollector):
         for a in self.source.async_errors():
             if not scrape.alive(a.pid):
                 continue
-            comm, rank = format_comm(a.comm_hash), rank_label(a.rank)
+            comm, rank = format_comm(a.comm), rank_label(a.rank)
             state[(scrape.node, comm, rank, a.result)] = 1
             polls[(scrape.node, comm, rank)] += a.polls
         yield family_of(metrics.COMMUNICATOR_ASYNC_ERROR, state)

@@ -58,11 +58,11 @@ def with_announced(comms, announced, alive) -> list[Communicator]:
     """The kernel's communicators and those the profiler plugin announced that
     no call has named yet (an agent that attached mid-job: idle or hung ones,
     docs/communicators.md), as Communicator records with handle 0."""
-    named = {(c.pid, c.comm_hash) for c in comms}
-    extra = [Communicator(pid=a.pid, handle=0, comm_hash=a.nccl_hash, nccl_hash=a.nccl_hash, rank=a.rank,
+    named = {(c.pid, c.comm) for c in comms}
+    extra = [Communicator(pid=a.pid, comm_ptr=0, comm=a.comm, nccl_comm_hash=a.comm, rank=a.rank,
                           nranks=a.nranks)
-             for a in announced if (a.pid, a.nccl_hash) not in named and alive(a.pid)]
-    return list(comms) + sorted(extra, key=lambda c: (c.pid, c.comm_hash))
+             for a in announced if (a.pid, a.comm) not in named and alive(a.pid)]
+    return list(comms) + sorted(extra, key=lambda c: (c.pid, c.comm))
 
 
 def plugin_labels(who: dict) -> tuple[str, ...]:
@@ -88,13 +88,13 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, identity=
     with_plugin: set[int] = set()
     if plugin is not None:
         for s in plugin.series():
-            durations.add((node, s.op, format_comm(s.nccl_hash), rank_label(s.rank)),
+            durations.add((node, s.op, format_comm(s.comm), rank_label(s.rank)),
                           s.buckets, s.sum_ns / 1e9)
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC) if now_ns is None else now_ns
         for f in plugin.inflight():
             if not is_alive(f.pid):
                 continue  # the agent's loop forgets it
-            key = (node, f.op, format_comm(f.nccl_hash), rank_label(f.rank), f.state)
+            key = (node, f.op, format_comm(f.comm), rank_label(f.rank), f.state)
             oldest[key] = max(oldest.get(key, 0.0), max(0, now - f.since_ns) / 1e9)
         with_plugin = {p.pid for p in plugin.processes() if is_alive(p.pid)}
 
@@ -129,7 +129,7 @@ def network_families(node: str, plugin, comm_of, is_alive, named_peers: dict | N
         by_owner: dict[tuple, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         for s in series:
             if s.peer >= 0:
-                by_owner[(s.nccl_hash, s.rank)][s.peer] += sum(s.wall_ns)
+                by_owner[(s.comm, s.rank)][s.peer] += sum(s.wall_ns)
         for owner in [o for o in named if o not in by_owner]:
             del named[owner]  # expired with its communicator
         for owner, peers in by_owner.items():
@@ -139,9 +139,9 @@ def network_families(node: str, plugin, comm_of, is_alive, named_peers: dict | N
                     break
                 have.add(peer)
         for s in series:
-            have = named.get((s.nccl_hash, s.rank), ())
+            have = named.get((s.comm, s.rank), ())
             peer = str(s.peer) if s.peer in have else "other"
-            base = (node, comm_of(s.nccl_hash), rank_label(s.rank), peer, s.direction)
+            base = (node, comm_of(s.comm), rank_label(s.rank), peer, s.direction)
             nbytes[base] += s.bytes
             for phase, w, st in zip(contract.NETWORK_PHASES[s.direction], s.wall_ns, s.step_ns):
                 wait[(*base, phase)] += w / 1e9

@@ -75,7 +75,7 @@ class RecordRows:
                 own.setdefault(table, []).append(table.row(event, self.node))
                 continue
             if type(event) is GpuCall:
-                gpu.append((event.pid, rows.comm(event.nccl_hash), event.op, event.seq, event.kind, event.rank,
+                gpu.append((event.pid, rows.comm(event.comm), event.op, event.seq, event.kind, event.rank,
                             event.peer if event.peer >= 0 else None, event.enqueue_real_ns or None,
                             event.start_real_ns, event.duration_ns, self.node))
                 if event.peer_waits:
@@ -83,8 +83,8 @@ class RecordRows:
                 continue
             if type(event) is CallEvent:
                 what, pid = "nccl", event.pid
-                if event.comm_hash and ((pid, event.comm_hash) not in self._seen_comms or (
-                        event.rank >= 0 and (pid, event.comm_hash) in self._unranked_comms)):
+                if event.comm and ((pid, event.comm) not in self._seen_comms or (
+                        event.rank >= 0 and (pid, event.comm) in self._unranked_comms)):
                     self._learn_comm(event)
             else:
                 what = table_of(event)
@@ -140,10 +140,10 @@ class RecordRows:
             self.recorded[table.name] += len(table_rows)
 
     def _learn_comm(self, e) -> None:
-        self._seen_comms.add((e.pid, e.comm_hash))
-        (self._unranked_comms.add if e.rank < 0 else self._unranked_comms.discard)((e.pid, e.comm_hash))
-        self._comm_rows.append((self.node, e.pid, self._rows.comm(e.comm_hash),
-                                self._rows.comm(e.nccl_hash), e.rank, e.nranks, e.start_real_ns))
+        self._seen_comms.add((e.pid, e.comm))
+        (self._unranked_comms.add if e.rank < 0 else self._unranked_comms.discard)((e.pid, e.comm))
+        self._comm_rows.append((self.node, e.pid, self._rows.comm(e.comm),
+                                self._rows.comm(e.nccl_comm_hash), e.rank, e.nranks, e.start_real_ns))
         # A process's rank, for its TCP and scheduler rows: its rank in its largest
         # communicator (ties: the lowest rank), unless the launcher said (processes
         # table); the rule of read.Recording.process_ranks, as known so far.

@@ -21,7 +21,7 @@ def splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
-def comm_id_hash(unique_id: bytes) -> int:
+def agent_comm_hash(unique_id: bytes) -> int:
     """splitmix64 fold over all sixteen little-endian u64 words of the id.
 
     Every word counts, so two ids that share NCCL's 8-byte magic prefix (the
@@ -82,7 +82,7 @@ def split_nccl_comm_hash(parent_nccl_hash: int, split_count: int, color: int) ->
     return nccl_digest(acc)
 
 
-def split_comm_id_hash(parent_hash: int, color: int, split_seq: int) -> int:
+def split_agent_comm_hash(parent_hash: int, color: int, split_seq: int) -> int:
     """Identity of the child made by the split_seq-th ncclCommSplit on a parent.
 
     Every rank of the parent calls ncclCommSplit the same number of times (it
@@ -97,7 +97,7 @@ SHRINK_TAG = 0x5348524E4B434F4D  # "SHRNKCOM" (bpf/nccl.c SHRINK_TAG)
 GROW_TAG = 0x47524F57434F4D4D    # "GROWCOMM" (bpf/nccl.c GROW_TAG)
 
 
-def shrink_comm_id_hash(parent_hash: int, seq: int) -> int:
+def shrink_agent_comm_hash(parent_hash: int, seq: int) -> int:
     """Our id of the child of the seq-th (from 0) ncclCommShrink/ncclCommGrow on
     a parent in this process: equal on every surviving rank, as for a split."""
     return splitmix64(splitmix64(parent_hash ^ SHRINK_TAG) ^ ((seq << 32) & MASK64))
@@ -108,14 +108,14 @@ def shrink_nccl_comm_hash(parent_nccl_hash: int) -> int:
     return split_nccl_comm_hash(parent_nccl_hash, 0, 0)
 
 
-def grow_comm_id_hash(parent_hash: int, seq: int) -> int:
+def grow_agent_comm_hash(parent_hash: int, seq: int) -> int:
     """Our id of a grown communicator on an existing rank (from its parent)."""
     return splitmix64(splitmix64(parent_hash ^ GROW_TAG) ^ ((seq << 32) & MASK64))
 
 
-def grow_new_rank_comm_id_hash(unique_id: bytes) -> int:
+def grow_new_rank_agent_comm_hash(unique_id: bytes) -> int:
     """Our id of a grown communicator on a new rank (from the id it joined with)."""
-    return splitmix64(comm_id_hash(unique_id) ^ GROW_TAG)
+    return splitmix64(agent_comm_hash(unique_id) ^ GROW_TAG)
 
 
 def format_hash(h: int) -> str:

@@ -25,9 +25,9 @@ class AsyncState:
     """A communicator's async error state, as its last ncclCommGetAsyncError saw it."""
 
     pid: int
-    handle: int       # the ncclComm_t pointer in that process
-    comm_hash: int    # 0: unknown to the agent
-    nccl_hash: int
+    comm_ptr: int     # the ncclComm_t pointer in that process
+    comm: int         # 0: unknown to the agent
+    nccl_comm_hash: int
     rank: int
     nranks: int
     result: str       # ncclResult_t name (ncclInProgress is normal for non-blocking comms)
@@ -81,7 +81,7 @@ class NcclReader(Source):
 
     def series(self) -> list[Series]:
         """Every series in the kernel: those of series_index, the lifecycle
-        series (one per op) and the overflow series (comm_hash
+        series (one per op) and the overflow series (comm
         contract.SERIES_OVERFLOW_COMM, one per collective op) that counted calls."""
         out = []
         stats = self.probes["series_stats"]
@@ -92,7 +92,7 @@ class NcclReader(Source):
             out.append(
                 Series(
                     op=contract.op_name(k.op),
-                    comm_hash=k.comm_hash,
+                    comm=k.comm_hash,
                     rank=k.rank,
                     nranks=k.nranks,
                     calls=v.calls,
@@ -112,7 +112,7 @@ class NcclReader(Source):
             v = stats[stats.Key(capacity + op)]
             if v.calls:
                 out.append(Series(op=contract.op_name(op),
-                                  comm_hash=contract.SERIES_OVERFLOW_COMM if op < lifecycle else 0,
+                                  comm=contract.SERIES_OVERFLOW_COMM if op < lifecycle else 0,
                                   rank=-1, nranks=-1, calls=v.calls, bytes=v.bytes, sum_ns=v.sum_ns,
                                   buckets=tuple(v.buckets), slot=capacity + op))
         return out
@@ -130,7 +130,7 @@ class NcclReader(Source):
         used only while the slot's key is still its series (bpf/nccl.c)."""
         now = time.monotonic() if now is None else now
         is_alive = alive_checker(proc)
-        live_comms = {c.comm_hash for c in self.communicators() if is_alive(c.pid)}
+        live_comms = {c.comm for c in self.communicators() if is_alive(c.pid)}
         index = self.probes["series_index"]
         stats = self.probes["series_stats"]
         seen, expired = {}, []
@@ -181,14 +181,15 @@ class NcclReader(Source):
         return out
 
     def communicators(self) -> list[Communicator]:
-        """The kernel's communicators; comm_hash is the `comm` label (NCCL's
-        commHash where known, bpf/traced.h comm_label)."""
+        """The kernel's communicators; comm is the `comm` label (NCCL's
+        commHash where known, bpf/traced.h comm_label). The BPF structs keep
+        their C names: comm (the pointer: comm_ptr here), comm_hash, nccl_hash."""
         return [
             Communicator(
                 pid=k.tgid,
-                handle=k.comm,
-                comm_hash=v.nccl_hash or v.comm_hash,
-                nccl_hash=v.nccl_hash,
+                comm_ptr=k.comm,
+                comm=v.nccl_hash or v.comm_hash,
+                nccl_comm_hash=v.nccl_hash,
                 rank=v.rank,
                 nranks=v.nranks,
             )
@@ -198,7 +199,7 @@ class NcclReader(Source):
     def async_errors(self) -> list[AsyncState]:
         """The last ncclCommGetAsyncError result of every polled communicator."""
         return [
-            AsyncState(pid=k.tgid, handle=k.comm, comm_hash=v.comm_hash, nccl_hash=v.nccl_hash,
+            AsyncState(pid=k.tgid, comm_ptr=k.comm, comm=v.comm_hash, nccl_comm_hash=v.nccl_hash,
                        rank=v.rank, nranks=v.nranks, result=contract.result_name(v.result),
                        polls=v.polls, changes=v.changes, changed_ns=v.changed_ns, last_ns=v.last_ns)
             for k, v in self.probes["async_errors"].items()
@@ -228,7 +229,7 @@ class NcclReader(Source):
             InflightCall(
                 tid=tid,
                 op=contract.op_name(v.op),
-                comm_hash=v.nccl_hash or v.comm_hash,  # the `comm` label (bpf/traced.h comm_label)
+                comm=v.nccl_hash or v.comm_hash,  # the `comm` label (bpf/traced.h comm_label)
                 rank=v.rank,
                 nranks=v.nranks,
                 start_ns=v.start_ns,
@@ -295,7 +296,7 @@ class NcclReader(Source):
         only = self._announced.get(tgid, [])
         if len(only) == 1 and only[0].nranks > 0:
             a = only[0]
-            self._local[(tgid, ptr)] = got = (a.nccl_hash, a.rank, a.nranks)
+            self._local[(tgid, ptr)] = got = (a.comm, a.rank, a.nranks)
             self._pending.add((tgid, ptr))
             return got
         n = self._local_next.get(tgid, 0) + 1
@@ -358,12 +359,12 @@ class NcclReader(Source):
 
     def decode_event(self, data) -> CallEvent:
         e = self.probes["events"].event(data)
-        comm_hash, rank, nranks = e.comm_hash, e.rank, e.nranks
-        if not comm_hash and e.comm and e.kind == contract.EVENT_CALL:
+        comm, rank, nranks = e.comm_hash, e.rank, e.nranks
+        if not comm and e.comm and e.kind == contract.EVENT_CALL:
             # A communicator made before the agent: its local id from this call on.
             named = self._local.get((e.pid, e.comm)) or self._name(e.pid, e.comm)
             if named:
-                comm_hash, rank, nranks = named
+                comm, rank, nranks = named
         return CallEvent(
             kind=e.kind,
             op=contract.op_name(e.op),
@@ -372,9 +373,9 @@ class NcclReader(Source):
             start_ns=e.start_ns,
             end_ns=e.end_ns,
             start_real_ns=self.clock.to_realtime(e.start_ns),
-            comm=e.comm,
-            comm_hash=comm_hash,
-            nccl_hash=e.nccl_hash,
+            comm_ptr=e.comm,
+            comm=comm,
+            nccl_comm_hash=e.nccl_hash,
             seq=e.seq,
             rank=rank,
             nranks=nranks,

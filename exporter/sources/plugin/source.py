@@ -132,7 +132,7 @@ class PluginSource(Program, Source):
 
     def decode_event(self, data) -> GpuCall:
         e = self["gpu_events"].event(data)
-        return GpuCall(op=contract.op_name(e.op), pid=e.pid, tid=e.tid, nccl_hash=e.comm_hash, seq=e.seq,
+        return GpuCall(op=contract.op_name(e.op), pid=e.pid, tid=e.tid, comm=e.comm_hash, seq=e.seq,
                        rank=e.rank, nranks=e.nranks, peer=e.peer, kind=KINDS.get(e.kind, f"kind{e.kind}"),
                        bytes=e.bytes, enqueue_ns=e.enqueue_ns, start_ns=e.start_ns,
                        duration_ns=e.stop_ns - e.start_ns,
@@ -202,7 +202,7 @@ class PluginSource(Program, Source):
 
     def series(self) -> list[GpuSeries]:
         return [
-            GpuSeries(op=contract.op_name(k.op), nccl_hash=k.comm_hash, rank=k.rank, nranks=k.nranks,
+            GpuSeries(op=contract.op_name(k.op), comm=k.comm_hash, rank=k.rank, nranks=k.nranks,
                       calls=v.count, bytes=v.bytes, sum_ns=v.sum_ns, buckets=tuple(v.buckets))
             for k, v in self["gpu_series"].items()
         ]
@@ -214,7 +214,7 @@ class PluginSource(Program, Source):
             if state is None:
                 continue
             out.append(GpuInflight(
-                pid=k.tgid, id=k.id, op=contract.op_name(v.op), nccl_hash=v.comm_hash, rank=v.rank,
+                pid=k.tgid, id=k.id, op=contract.op_name(v.op), comm=v.comm_hash, rank=v.rank,
                 nranks=v.nranks, seq=v.seq, state=state,
                 since_ns=v.start_ns if state == "running" else v.enqueue_ns))
         return out
@@ -229,14 +229,14 @@ class PluginSource(Program, Source):
 
     def comms(self) -> list[PluginComm]:
         """The live communicators the plugins announced (init, and once a period)."""
-        return [PluginComm(pid=k.tgid, nccl_hash=k.comm_hash, rank=v.rank, nranks=v.nranks, nnodes=v.nnodes,
+        return [PluginComm(pid=k.tgid, comm=k.comm_hash, rank=v.rank, nranks=v.nranks, nnodes=v.nnodes,
                            last_ns=v.last_ns)
                 for k, v in self["plugin_comms"].items()]
 
     def network(self) -> list[NetworkSeries]:
         """Per (communicator, rank, peer, direction): what the network waited for."""
         return [
-            NetworkSeries(nccl_hash=k.comm_hash, rank=k.rank, peer=k.peer, direction=DIRECTIONS[k.direction & 1],
+            NetworkSeries(comm=k.comm_hash, rank=k.rank, peer=k.peer, direction=DIRECTIONS[k.direction & 1],
                           ops=v.ops, bytes=v.bytes, wall_ns=tuple(v.wall_ns), step_ns=tuple(v.step_ns))
             for k, v in self["net_series"].items()
         ]
