@@ -59,11 +59,12 @@ def main(args) -> int:
             pipeline.listen(show)
         what = f"for {cfg.duration:g} s" if cfg.duration else "until Ctrl-C"
         where = f" to {cfg.db} ({scope.describe()})" if recorder is not None else ""
-        announce(f"tracing NCCL calls {what}{where}...", sys.stderr)
+        traced_at = time.monotonic()  # --duration counts from here, after the start-up
+        announce(f"tracing NCCL calls {what}{where} (start-up took {traced_at - started:.1f} s)...", sys.stderr)
         stop = stop_on_signals()
         if recorder is not None:
             recorder.on_error = lambda _message: stop.set()  # end now; close() says why, exit 2
-        deadline = started + cfg.duration if cfg.duration else None
+        deadline = traced_at + cfg.duration if cfg.duration else None
         # the progress line is for a person: none in JSON logs
         progress = Progress(recorder, sys.stderr) if recorder is not None and not json_logs() else None
         if progress is not None:
@@ -76,9 +77,10 @@ def main(args) -> int:
         agent.poll(0)  # what is already in the ring buffers is not lost
         lost = agent.reader.counters()["EVENTS_LOST"]
         pipeline.finish()
+    startup = f" after {traced_at - started:.1f} s of start-up"
     if recorder is not None:
-        announce(f"recorded in {time.monotonic() - started:.1f} s: {recorder.summary()}", sys.stderr)
+        announce(f"recorded in {time.monotonic() - traced_at:.1f} s{startup}: {recorder.summary()}", sys.stderr)
     else:
-        announce(f"{counts['shown']} calls traced in {time.monotonic() - started:.1f} s, {lost} lost",
+        announce(f"{counts['shown']} calls traced in {time.monotonic() - traced_at:.1f} s{startup}, {lost} lost",
                  sys.stderr)
     return 0
