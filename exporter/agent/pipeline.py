@@ -236,10 +236,7 @@ def start_spans(cfg: Config, agent: Agent):
     protocol = cfg.otlp_protocol_for("traces")
     from exporter.sinks.spans import SpanSink, make_otlp_exporter
 
-    try:
-        exporter = make_otlp_exporter(protocol, cfg.otlp_endpoint)
-    except ValueError as e:
-        raise SetupError(str(e)) from None
+    exporter = _otlp_exporter(make_otlp_exporter, protocol, cfg.otlp_endpoint)
     # With --db the kernel sends every call: the sink keeps the slow ones itself.
     policy = agent.slow
     sink = SpanSink(cfg.node, exporter, agent.processes,
@@ -250,6 +247,14 @@ def start_spans(cfg: Config, agent: Agent):
     return sink
 
 
+def _otlp_exporter(make, protocol: str, endpoint: str):
+    """An OTLP exporter (spans or metrics); a bad protocol or endpoint is one line."""
+    try:
+        return make(protocol, endpoint)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+
+
 def start_otlp_metrics(cfg: Config, registry):
     """--otlp-metrics-endpoint: the OtlpMetricsPusher, or None."""
     if not cfg.otlp_metrics_endpoint:
@@ -257,10 +262,7 @@ def start_otlp_metrics(cfg: Config, registry):
     from exporter.sinks.otlp_metrics import OtlpMetricsPusher, make_metric_exporter
 
     protocol = cfg.otlp_protocol_for("metrics")
-    try:
-        exporter = make_metric_exporter(protocol, cfg.otlp_metrics_endpoint)
-    except ValueError as e:
-        raise SetupError(str(e)) from None
+    exporter = _otlp_exporter(make_metric_exporter, protocol, cfg.otlp_metrics_endpoint)
     interval = cfg.otlp_metrics_interval
     announce(f"metrics -> {cfg.otlp_metrics_endpoint} (OTLP {protocol}, every {interval:g} s)")
     return OtlpMetricsPusher(registry, exporter, cfg.node, interval)

@@ -102,21 +102,13 @@ class RecordRows:
             else:
                 sched.append(rows.sched(event, self._rank_of(pid)))
         comms, self._comm_rows = self._comm_rows, []
+        batches = {"nccl": nccl, "tcp": tcp, "sched": sched, "gpu": gpu, "peer_waits": waits, "processes": procs}
         c = self.conn
         c.execute("BEGIN")
         try:
-            if nccl:
-                c.executemany(INSERT["nccl"], nccl)
-            if tcp:
-                c.executemany(INSERT["tcp"], tcp)
-            if sched:
-                c.executemany(INSERT["sched"], sched)
-            if gpu:
-                c.executemany(INSERT["gpu"], gpu)
-            if waits:
-                c.executemany(INSERT["peer_waits"], waits)
-            if procs:
-                c.executemany(INSERT["processes"], procs)
+            for kind, kind_rows in batches.items():
+                if kind_rows:
+                    c.executemany(INSERT[kind], kind_rows)
             for table, table_rows in own.items():
                 c.executemany(table.insert, table_rows)
             if comms:
@@ -132,10 +124,8 @@ class RecordRows:
             except sqlite3.Error:
                 pass  # SQLite already rolled back (e.g. disk full): keep the first error
             raise
-        self.recorded["nccl"] += len(nccl)
-        self.recorded["tcp"] += len(tcp)
-        self.recorded["sched"] += len(sched)
-        self.recorded["gpu"] += len(gpu)
+        for kind in ("nccl", "tcp", "sched", "gpu"):
+            self.recorded[kind] += len(batches[kind])
         for table, table_rows in own.items():
             self.recorded[table.name] += len(table_rows)
 
