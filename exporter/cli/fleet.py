@@ -36,9 +36,7 @@ def add_parser(sub) -> None:
                                "      \"SELECT duration_ns/1e6 AS ms FROM nccl_events WHERE op='ALL_REDUCE'\"\n"
                                "  nccl-exporter fleet query --nodes-file nodes.txt --clock\n")
     nodes.add_node_options(q)
-    q.add_argument("--format", choices=["table", "csv", "json"], default="table",
-                   help="table (default, aligned columns), csv (with a header row) "
-                        "or json (an array of one object per row)")
+    output.add_format_option(q)
     q.add_argument("--max-rows", type=positive_int, metavar="N",
                    help="rows per node at most (the node's own cap applies too)")
     q.add_argument("--summary", action="store_true",

@@ -13,9 +13,7 @@ def add_parser(sub) -> None:
                                    "(tables: docs/schema.md; examples: docs/queries.md).")
     q.add_argument("db", metavar="DB", help="the recording (.db)")
     q.add_argument("sql", metavar="SQL", help="one SELECT (or WITH ...) statement")
-    q.add_argument("--format", choices=["table", "csv", "json"], default="table",
-                   help="table (default, aligned columns), csv (with a header row) "
-                        "or json (an array of one object per row)")
+    output.add_format_option(q)
     q.set_defaults(func=main)
 
 

@@ -31,9 +31,7 @@ def add_parser(sub) -> None:
                             "send_gpu_wait against the communicator's median pair, retransmits, and the "
                             "verdict (slow link, GPU straggler); any NET transport (docs/network.md)")
     p.add_argument("--no-align", action="store_true", help="raw node clocks: no skew correction")
-    p.add_argument("--format", choices=["table", "csv", "json"], default="table",
-                   help="table (default, aligned columns), csv (with a header row) "
-                        "or json (an array of one object per row)")
+    output.add_format_option(p)
     p.set_defaults(func=main)
 
 

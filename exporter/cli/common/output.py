@@ -8,6 +8,16 @@ import csv
 import json
 import sys
 
+FORMATS = ["table", "csv", "json"]  # the --format of the commands that print rows
+
+
+def add_format_option(parser) -> None:
+    """--format of every command that prints rows (query, stragglers, fleet query)."""
+    parser.add_argument("--format", choices=FORMATS, default="table",
+                        help="table (default, aligned columns), csv (with a header row) "
+                             "or json (an array of one object per row)")
+
+
 TABLE_SAMPLE_ROWS = 1000   # a streamed table's column widths come from its first rows
 
 
