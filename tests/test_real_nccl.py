@@ -54,14 +54,14 @@ def _perf_event_fds() -> int:
 class Traced:
     """One probe set on the real library, and every call of this module made once."""
 
-    def __init__(self, lib_path: str):
+    def __init__(self, lib_path: str, links: bool):
         from exporter.sources.nccl.maps import NcclReader
         from exporter.sources.nccl.probes import NcclProbes
 
         self.lib_path = lib_path
         self.pid = os.getpid()
         self.tid = threading.get_native_id()
-        self.probes = NcclProbes()
+        self.probes = NcclProbes(links=links)
         try:
             fds_before = _perf_event_fds()
             self.report = self.probes.attach(lib_path)
@@ -131,14 +131,16 @@ class Traced:
         self.probes.close()
 
 
-@pytest.fixture(scope="module")
-def traced(real_nccl, bpf):
+@pytest.fixture(scope="module", params=["links", "perf-events"])
+def traced(request, real_nccl, bpf):
+    """Every test of this module twice: with uprobe_multi links (this kernel),
+    and with one BCC perf event per probe (what kernels before 6.6 get)."""
     lib = real_nccl
     try:
         import bcc  # noqa: F401
     except ImportError:
         pytest.skip("the bcc module is not importable (make deps venv)")
-    t = Traced(lib)
+    t = Traced(lib, links=request.param == "links")
     try:
         t.run_all()
         yield t
@@ -171,14 +173,20 @@ def test_attach_report_one_probe_per_address(traced):
     # What the kernel got: one entry and one return probe per address, nothing more.
     if traced.probes.uses_links:
         # uprobe_multi links (Linux >= 6.6): no perf event; each link's
-        # /proc/PID/fdinfo names its kind and lists its file offsets
-        assert traced.perf_fds_added == 0
-        entry, ret = [], []
+        # /proc/PID/fdinfo names its kind and lists its file offsets, and
+        # each entry probe's cookie names its function's op and layout
+        from exporter.sources.nccl.probes import cookie
+
+        assert traced.perf_fds_added == 0 and len(traced.probes.link_fds) == 2
+        entry, ret = {}, {}
         for fd in traced.probes.link_fds:
-            kind, offsets = link_fdinfo(fd)
+            kind, rows = link_fdinfo(fd)
             assert kind in ("uprobe_multi", "uretprobe_multi"), kind
-            (ret if kind == "uretprobe_multi" else entry).extend(offsets)
-        assert sorted(entry) == sorted(ret) == sorted(vaddrs_to_offsets(traced.lib_path, addresses))
+            (ret if kind == "uretprobe_multi" else entry).update({off: ck for ck, off in rows})
+        offsets = dict(zip(vaddrs_to_offsets(traced.lib_path, addresses), report.attached))
+        assert sorted(entry) == sorted(ret) == sorted(offsets)
+        assert {off: entry[off] for off in offsets} == {
+            off: cookie(*contract.NCCL_FUNCTIONS[fn]) for off, fn in offsets.items()}
     else:
         assert traced.perf_fds_added == 2 * len(report.attached)
         names = [n.decode() for n in traced.probes.bpf.uprobe_fds]
@@ -187,9 +195,10 @@ def test_attach_report_one_probe_per_address(traced):
         assert entry == ret == sorted(addresses)
 
 
-def link_fdinfo(fd: int) -> tuple[str, list[int]]:
-    """A uprobe_multi link's kind (link_type) and file offsets, as the kernel
-    shows them in /proc/self/fdinfo (a table "cookie offset ref_ctr_offset")."""
+def link_fdinfo(fd: int) -> tuple[str, list[tuple[int, int]]]:
+    """A uprobe_multi link's kind (link_type) and (cookie, file offset) rows,
+    as the kernel shows them in /proc/self/fdinfo (a table "cookie offset
+    ref_ctr_offset")."""
     kind, offsets, table = "", [], False
     for line in open(f"/proc/self/fdinfo/{fd}").read().splitlines():
         if line.startswith("link_type:"):
@@ -197,7 +206,7 @@ def link_fdinfo(fd: int) -> tuple[str, list[int]]:
         elif line.split()[:2] == ["cookie", "offset"]:
             table = True
         elif table and line.strip():
-            offsets.append(int(line.split()[1], 16))
+            offsets.append((int(line.split()[0]), int(line.split()[1], 16)))
     return kind, offsets
 
 

@@ -116,13 +116,33 @@ def load(bpf, name: str) -> int:
                             f"{log.value.decode(errors='replace').strip().splitlines()[-1:]}") from None
 
 
-def attach(prog_fd: int, path: str, offsets: list[int], retprobe: bool = False) -> int:
+def supported() -> bool:
+    """Whether this kernel loads programs for uprobe_multi links (6.6+): a
+    program of two instructions (r0 = 0; exit), loaded and closed."""
+    insns = (ctypes.c_uint64 * 2)(0x00000000000000B7, 0x0000000000000095)  # BPF_MOV64_IMM r0, 0; BPF_EXIT
+    license_text = ctypes.create_string_buffer(b"GPL")
+    attr = _ProgLoadAttr(prog_type=BPF_PROG_TYPE_KPROBE, insn_cnt=2, insns=ctypes.addressof(insns),
+                         license=ctypes.addressof(license_text), prog_name=b"nccl_exp_check",
+                         expected_attach_type=BPF_TRACE_UPROBE_MULTI)
+    try:
+        fd = _bpf(BPF_PROG_LOAD, attr)
+    except LinkError:
+        return False
+    os.close(fd)
+    return True
+
+
+def attach(prog_fd: int, path: str, offsets: list[int], retprobe: bool = False,
+           cookies: list[int] | None = None) -> int:
     """A uprobe_multi link of program `prog_fd` at these file offsets of
-    `path`, in every process; returns the link's fd (closing it detaches)."""
+    `path`, in every process, each with its cookie (bpf_get_attach_cookie
+    in the program; None: 0); returns the link's fd (closing it detaches)."""
     cpath = ctypes.create_string_buffer(os.fsencode(path))
     offs = (ctypes.c_uint64 * len(offsets))(*offsets)
+    cks = (ctypes.c_uint64 * len(offsets))(*cookies) if cookies is not None else None
     attr = _UprobeMultiAttr(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI,
                             path=ctypes.addressof(cpath), offsets=ctypes.addressof(offs),
+                            cookies=ctypes.addressof(cks) if cks is not None else 0,
                             cnt=len(offsets), multi_flags=BPF_F_UPROBE_MULTI_RETURN if retprobe else 0)
     try:
         return _bpf(BPF_LINK_CREATE, attr)

@@ -3,10 +3,11 @@
 One `NcclProbes` per agent. `attach(path)` puts a uprobe and a uretprobe on
 every public NCCL function the library exports, once per address: `ncclX` is
 a weak alias of `pncclX`, and two probes on one address would count every
-call twice. The probes of one file are a few uprobe_multi links (one per
-entry program, one for the return program: sources/uprobe_multi.py), made
-in milliseconds and let go in one grace period; where the kernel refuses
-such a link, one BCC perf event per probe as before.
+call twice. The probes of one file are two uprobe_multi links (the entry
+program, each offset's cookie naming its op and argument layout, and the
+return program: sources/uprobe_multi.py), made in milliseconds and let go
+in one grace period; on kernels without them (before 6.6), one BCC perf
+event per probe, with an entry program per op and layout.
 """
 
 from __future__ import annotations
@@ -30,8 +31,31 @@ def entry_stub(op: str, layout: str) -> str:
     return f"enter_{op.lower()}_{layout}"
 
 
+LAYOUTS = sorted({layout for _op, layout in contract.NCCL_FUNCTIONS.values()})
+
+
+def cookie(op: str, layout: str) -> int:
+    """The uprobe_multi link's cookie of a function's entry probe: its op
+    code (low 32 bits) and argument layout (high 32 bits), which
+    `on_entry` (generated_entry) reads with bpf_get_attach_cookie."""
+    return LAYOUTS.index(layout) << 32 | contract.OP_CODES[op]
+
+
+def generated_entry() -> str:
+    """The one entry program of the uprobe_multi links: every public function
+    enters it, and its cookie says which op and argument layout (each
+    layout's code is compiled once: ~40 % of the compile of one program per
+    op and layout, which start-up waited for)."""
+    cases = "".join(f"    case {i}: return enter_{layout}(ctx, op);\n" for i, layout in enumerate(LAYOUTS))
+    return ("int on_entry(struct pt_regs *ctx) {\n"
+            "    u64 cookie = bpf_get_attach_cookie(ctx);\n"
+            "    u32 op = (u32)cookie;\n"
+            "    switch (cookie >> 32) {\n" + cases + "    }\n    return 0;\n}\n")
+
+
 def generated_stubs() -> str:
-    """One uprobe entry function per (op, argument layout) of the contract."""
+    """One uprobe entry function per (op, argument layout) of the contract:
+    BCC's perf events (kernels without uprobe_multi links) carry no cookie."""
     stubs = sorted({(op, layout) for op, layout in contract.NCCL_FUNCTIONS.values()})
     return "".join(
         f"int {entry_stub(op, layout)}(struct pt_regs *ctx) "
@@ -73,16 +97,21 @@ class NcclProbes(Program, Source):
         """Whether the kernel side traces a process now (`traced_processes`)."""
         return next(iter(self["traced_processes"].keys()), None) is not None
 
-    def __init__(self, extra_cflags: tuple[str, ...] = (), series_capacity: int | None = None):
+    def __init__(self, extra_cflags: tuple[str, ...] = (), series_capacity: int | None = None,
+                 links: bool | None = None):
         """series_capacity: how many (op, comm, rank, nranks) series the kernel
         holds at once (default contract.MAX_SERIES); more are counted in one
         overflow series per op. The duration histogram layout is the one
-        selected in exporter.records.histogram when this is made."""
+        selected in exporter.records.histogram when this is made. links:
+        uprobe_multi links (one entry program, cookies) or BCC's perf events
+        (one entry program per op and layout); None: links where the kernel
+        has them (uprobe_multi.supported)."""
         capacity = int(series_capacity or contract.MAX_SERIES)
         if not 1 <= capacity <= 1 << 20:
             raise ValueError(f"series capacity {capacity}: between 1 and {1 << 20}")
         self.series_capacity = capacity
-        super().__init__("nccl", extra_source=generated_stubs(),
+        self._multi_ok = uprobe_multi.supported() if links is None else links
+        super().__init__("nccl", extra_source=generated_entry() if self._multi_ok else generated_stubs(),
                          extra_cflags=(f"-DSERIES_CAPACITY={capacity}", *extra_cflags))
         MAP_CAPACITY["series_index"] = capacity
         self.reports: list[AttachReport] = []
@@ -100,20 +129,15 @@ class NcclProbes(Program, Source):
         self._getpgid_detach: threading.Thread | None = None
         self._multi_progs: dict[str, int] = {}  # program -> fd loaded for uprobe_multi links
         self._links: list[int] = []  # uprobe_multi link fds (closing one detaches it)
-        # Load (verify) every uprobe program now instead of at the first attach:
-        # a library mapped later is attached in the time its links take. As
-        # programs for uprobe_multi links where the kernel loads them, else
-        # for BCC's perf events.
-        programs = sorted({entry_stub(op, layout) for op, layout in contract.NCCL_FUNCTIONS.values()})
-        self._multi_ok = True  # False once the kernel refused: perf events from then on
-        try:
-            for fn in ("on_return", *programs):
+        # Load (verify) the uprobe programs now instead of at the first attach:
+        # a library mapped later is attached in the time its links take.
+        if self._multi_ok:
+            for fn in ("on_return", "on_entry"):
                 self._multi_prog(fn)
-        except OSError:
-            self._multi_ok = False
-        if not self._multi_ok:
+        else:
             from bcc import BPF
 
+            programs = sorted({entry_stub(op, layout) for op, layout in contract.NCCL_FUNCTIONS.values()})
             for fn in ("on_return", *programs):
                 self.bpf.load_func(fn, BPF.KPROBE)
 
@@ -135,7 +159,9 @@ class NcclProbes(Program, Source):
                 report.aliases[function] = by_address[address]
                 continue
             by_address[address] = function
-        if not (self._multi_ok and self._attach_links(path, by_address, report)):
+        if self._multi_ok:
+            self._attach_links(path, by_address, report)
+        else:
             self._attach_perf_events(path, by_address, report)
         self._attached_files.add(file_id)
         self.reports.append(report)
@@ -152,33 +178,29 @@ class NcclProbes(Program, Source):
         """Libraries are attached with uprobe_multi links (no BCC state changes)."""
         return self._multi_ok
 
-    def _attach_links(self, path: str, by_address: dict[int, str], report: AttachReport) -> bool:
-        """All probes of `path` as uprobe_multi links: the return program's
-        first (a call entering once an entry probe is there must find its
-        return probe too), then one per entry program. False (nothing left
-        attached) when the kernel refuses: the caller uses perf events."""
+    def _attach_links(self, path: str, by_address: dict[int, str], report: AttachReport) -> None:
+        """All probes of `path` as two uprobe_multi links: the return
+        program's first (a call entering once an entry probe is there must
+        find its return probe too), then the entry program's, each offset
+        with its function's cookie. Where the kernel refuses, nothing stays
+        attached and every function is in report.failed (/-/ready says so)."""
         if not by_address:
-            return True
-        offsets = dict(zip(by_address, vaddrs_to_offsets(path, list(by_address))))
-        groups: dict[str, list[int]] = {}
-        for address, function in by_address.items():
-            groups.setdefault(entry_stub(*contract.NCCL_FUNCTIONS[function]), []).append(offsets[address])
+            return
+        offsets = vaddrs_to_offsets(path, list(by_address))
+        cookies = [cookie(*contract.NCCL_FUNCTIONS[function]) for function in by_address.values()]
         made = []
         try:
-            made.append(uprobe_multi.attach(self._multi_prog("on_return"), path, list(offsets.values()),
-                                            retprobe=True))
-            for stub, offs in groups.items():
-                made.append(uprobe_multi.attach(self._multi_prog(stub), path, offs))
+            made.append(uprobe_multi.attach(self._multi_prog("on_return"), path, offsets, retprobe=True))
+            made.append(uprobe_multi.attach(self._multi_prog("on_entry"), path, offsets, cookies=cookies))
         except OSError as e:
             for fd in made:
                 os.close(fd)
-            self._multi_ok = False
-            log.warning("uprobe_multi links refused (%s): one perf event per probe from now on", e)
-            return False
+            for function in by_address.values():
+                report.failed[function] = str(e)
+            return
         self._links.extend(made)
         for function in by_address.values():
             report.attached[function] = contract.NCCL_FUNCTIONS[function][0]
-        return True
 
     def _multi_prog(self, name: str) -> int:
         fd = self._multi_progs.get(name)
