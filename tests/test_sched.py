@@ -341,7 +341,7 @@ def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
                      "WHERE pid IN (%s)" % ",".join(map(str, result.pids)))
     by_tid: dict[int, list] = {}
     for tid, op, ts, dur, wait in calls:
-        by_tid.setdefault(tid, []).append((ts, ts + dur, op, wait or 0))
+        by_tid.setdefault(tid, []).append((ts, ts + dur, op, wait))
     summed: dict[tuple, int] = {}
     for ts, dur, _pid, tid, _rank, _thread, _comm, op in waits:
         if op is None:
@@ -350,7 +350,11 @@ def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
         inside = [c for c in by_tid.get(tid, ()) if c[0] <= end <= c[1] and c[2] == op]
         assert len(inside) == 1, (tid, op, end)
         summed[inside[0]] = summed.get(inside[0], 0) + dur
-    mismatched = [(c, summed.get(c, 0)) for cs in by_tid.values() for c in cs if c[3] != summed.get(c, 0)]
+    # Calls begun before bpf/sched.c was set up (the agent counts calls before
+    # it loads the kernel-side sources) have no wait measured: NULL, never a part.
+    measured = [c for cs in by_tid.values() for c in cs if c[3] is not None]
+    assert len(measured) > 0.9 * sum(map(len, by_tid.values()))
+    mismatched = [(c, summed.get(c, 0)) for c in measured if c[3] != summed.get(c, 0)]
     assert not mismatched, mismatched[:5]
     assert sum(summed.values()) > 0
 

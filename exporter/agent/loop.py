@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from exporter.agent import sources as agent_sources
+from exporter.agent.config import SetupError
 from exporter.agent.discovery import AgentError, Discovery
 from exporter.agent.sources import SourceRow
 from exporter.records import contract, histogram
@@ -73,9 +74,16 @@ class Agent(Discovery):
         self._slow = None
         self._init_discovery()
         self.loaded: list[SourceRow] = []  # the rows of SOURCES loaded, in order
+        # Rows the loop loads once NCCL calls are counted (SourceRow.after_counting)
+        self.loading: list[SourceRow] = [row for row in agent_sources.SOURCES if row.after_counting]
+        # callables (row, source), told of each source loaded after the start (the pipeline's sinks)
+        self.on_loaded: list = []
         try:
             for row in agent_sources.SOURCES:
-                self._load(row)
+                if row.after_counting:
+                    setattr(self, row.name, None)
+                else:
+                    self._load(row)
         except BaseException:
             self._close_sources()
             raise
@@ -119,6 +127,24 @@ class Agent(Discovery):
         self.loaded.append(row)
         if row.events is not None and hasattr(source, "on_event"):
             source.on_event(getattr(self, row.events))
+
+    def load_next(self) -> None:
+        """Load the next row of `loading` (the loop does, one a turn, once
+        counting has started: the ring buffers keep what comes meanwhile)."""
+        row = self.loading[0]
+        try:
+            self._load(row)
+        except Exception as e:  # noqa: BLE001 - a required source that cannot load stops the agent, in one line
+            raise SetupError(f"the {row.name} source did not load: {str(e).splitlines()[0]}") from None
+        finally:
+            self.loading.pop(0)
+        source = getattr(self, row.name)
+        if source is None:
+            return
+        if isinstance(source, Program):
+            self.waiter.add(source)
+        for tell in self.on_loaded:
+            tell(row, source)
 
     def _loaded(self) -> list[Source]:
         return [getattr(self, row.name) for row in self.loaded]
@@ -168,6 +194,9 @@ class Agent(Discovery):
         """One turn: deliver events, attach newly found libraries, each
         source's tick, prune when due."""
         self.heartbeat = time.monotonic()
+        if self.loading and self.ready.is_set():
+            self.load_next()
+            timeout_ms = 0
         self.poll(timeout_ms)
         if self._slow is not None:
             with self.lock:

@@ -66,9 +66,21 @@ class Pipeline:
 
     def collectors(self) -> list:
         """The sources' parts of /metrics, in SOURCES order (an optional source
-        that did not load gets its part all the same, with None)."""
-        return [row.collector(getattr(self.agent, row.name, None))
-                for row in agent_sources.SOURCES if row.collector is not None]
+        that did not load gets its part all the same, with None; one the loop
+        loads after counting starts gets its source then: source_loaded)."""
+        self._parts = {row.name: row.collector(getattr(self.agent, row.name, None))
+                       for row in agent_sources.SOURCES if row.collector is not None}
+        return list(self._parts.values())
+
+    def source_loaded(self, row, source) -> None:
+        """A source the agent's loop loaded after the start: its part of
+        /metrics reads it from the next scrape, its tables are recorded."""
+        part = getattr(self, "_parts", {}).get(row.name)
+        if part is not None:
+            with self.agent.lock:  # a scrape reads it
+                part.source = source
+        if self.recorder is not None and row.tables:
+            self.recorder.add_tables(row.tables)
 
     def serve_metrics(self, registry, spans=None, recorder=None) -> None:
         """Register what /metrics shows: every source's part, and the
@@ -90,6 +102,7 @@ class Pipeline:
         and readiness follow the agent from here."""
         cfg, opened = self.cfg, self.opened
         self.agent = agent
+        agent.on_loaded.append(self.source_loaded)
         if self.server is not None:
             self.server.watch(lambda: agent.heartbeat)
         if cfg.command == "run":
@@ -296,7 +309,7 @@ def when_ready(agent, server, node) -> None:
             # the agent serves, /-/ready stays 503, and the unit's status says why.
             notify_systemd("READY=1\nSTATUS=not ready: " + "; ".join(problems))
             return
-        server.set_ready()
+        server.set_ready(loading=lambda: [row.name for row in agent.loading])
         log.info("ready: probes loaded and attached on node %s, counting NCCL calls", node)
         notify_systemd("READY=1\nSTATUS=counting NCCL calls")
 

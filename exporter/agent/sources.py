@@ -1,4 +1,5 @@
-"""SOURCES: every source the agent loads, one row each, in load order.
+"""SOURCES: every source the agent loads, one row each, in load order (rows
+marked after_counting load after all the others), which is /metrics' order.
 
 A row is the one place that wires a source in (docs/architecture.md, "Where
 a new thing goes"): how it loads (its BPF text is its Program's, bpf/<name>.c;
@@ -7,12 +8,15 @@ on /metrics (sinks/prometheus/, one file per source) and its own recording
 tables (sinks/recording/tables.py). What the loaded source does on the
 agent's loop (tick, prune, heat, losses, close) it answers itself: the
 Source hooks of sources/base.py. The NCCL source comes first: it owns the
-maps the others share (bpf/traced.h). Closed in the reverse order.
+maps the others share (bpf/traced.h). Rows marked after_counting load on
+the agent's loop once the NCCL probes count (the start-up order:
+docs/architecture.md). Closed in the reverse order.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +55,10 @@ class SourceRow:
     # Tables of its own in recordings (run --db, trace --db): the recorder
     # creates them and writes each record of their type there.
     tables: tuple[RecordTable, ...] = ()
+    # Loaded by the agent's loop once NCCL calls are counted (the NCCL probes
+    # and the plugin's hooks attached), not before: its compile (BCC, ~0.3-0.5 s
+    # a program) does not delay counting. /-/ready names it while it loads.
+    after_counting: bool = False
 
 
 def _probes(agent: Agent) -> NcclProbes:
@@ -58,6 +66,12 @@ def _probes(agent: Agent) -> NcclProbes:
     if agent.config.record_all:  # a ring-buffer event for every call, not only slow ones
         probes.set_record_all(True)
     return probes
+
+
+def _reader(agent: Agent) -> NcclReader:
+    reader = NcclReader(agent.probes, agent.clock)
+    reader.waits_from_ns = None  # until bpf/sched.c is loaded (_sched, after counting starts): not measured
+    return reader
 
 
 def _tcp(agent: Agent) -> TcpSource:
@@ -70,8 +84,10 @@ def _sched(agent: Agent):
         sched = SchedSource(agent.clock)
         if agent.config.runq_event_min_ns:
             sched.set_runq_event_min(agent.config.runq_event_min_ns)
+        # Measured for the calls that begin from now on: those in flight
+        # meanwhile had waits before its tracepoints were attached.
+        agent.reader.waits_from_ns = time.monotonic_ns()
         return sched
-    agent.reader.sched_waits = False
     schedstat = check_schedstat()
     if not schedstat.ok:
         log.warning("%s", schedstat.detail)
@@ -91,10 +107,13 @@ def _plugin(agent: Agent) -> PluginSource:
 
 SOURCES: list[SourceRow] = [
     SourceRow("probes", _probes),
-    SourceRow("reader", lambda a: NcclReader(a.probes, a.clock), events="_dispatch", collector=NcclCollector),
-    SourceRow("tcp", _tcp, events="_dispatch_kernel", collector=TcpCollector),
-    SourceRow("sched", _sched, events="_dispatch_kernel", collector=SchedCollector),
+    SourceRow("reader", _reader, events="_dispatch", collector=NcclCollector),
+    # The kernel's side: loaded once NCCL calls are counted.
+    SourceRow("tcp", _tcp, events="_dispatch_kernel", collector=TcpCollector, after_counting=True),
+    SourceRow("sched", _sched, events="_dispatch_kernel", collector=SchedCollector, after_counting=True),
     # GPU time from the profiler plugin (bpf/plugin.c): optional, never fatal.
+    # Before counting starts: its hooks are attached before NCCL's functions
+    # (agent/discovery.py).
     SourceRow("plugin", _plugin, events="_dispatch_kernel", collector=PluginCollector,
            optional=lambda a: "GPU time off: the profiler plugin source did not load"),
     # Library discovery as a reaction to mapping (bpf/loader.c); without it

@@ -4,8 +4,9 @@
                     protobuf with native histograms when asked: sinks/protobuf.py), gzipped
                     when the client sends Accept-Encoding: gzip; served from the
                     start (an empty page until the collector is registered)
-    GET /-/ready    503 until the kernel side is loaded and every library found
-                    at start is attached, then 200: counting has started
+    GET /-/ready    503 until the NCCL probes are loaded and every library found
+                    at start is attached, then 200: counting has started (the
+                    body names the sources still loading: "ready; loading tcp, sched")
     GET /-/healthy  200 while the agent's loop turns (liveness); 503 while the
                     agent starts (compiling, attaching: what a startupProbe
                     waits for) and when its loop has not turned for STALL_S
@@ -54,7 +55,8 @@ class _Handler(serving.Handler):
             self._metrics(url.query)
         elif url.path == READY_PATH:
             if self.server.ready.is_set():
-                self._text(200, "ready\n")
+                loading = self.server.loading()
+                self._text(200, f"ready; loading {', '.join(loading)}\n" if loading else "ready\n")
             else:
                 self._text(503, "not ready: loading the probes and attaching to libnccl\n")
         elif url.path == HEALTHY_PATH:
@@ -100,6 +102,7 @@ class _Server(serving.BoundedServer):
         super().__init__(host, port, _Handler, limits, name="nccl-exporter-http")
         self.registry = registry
         self.ready = threading.Event()
+        self.loading = list  # () -> the names of the sources still loading once ready
         # () -> CLOCK_MONOTONIC s of the agent loop's latest turn, None before
         # its first; None: no agent watched (the server alone answers 200)
         self.heartbeat = None
@@ -153,7 +156,10 @@ class HttpServer:
         self._server.stall_s = stall_s
         self._server.heartbeat = heartbeat
 
-    def set_ready(self) -> None:
+    def set_ready(self, loading=None) -> None:
+        """/-/ready answers 200; `loading()`: the sources still loading, named in its body."""
+        if loading is not None:
+            self._server.loading = loading
         self._server.ready.set()
 
     @property

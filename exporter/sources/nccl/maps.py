@@ -1,9 +1,8 @@
 """The reader of bpf/nccl.c: its maps and ring buffer as records
 (exporter/records/events.py).
 
-Everything downstream (Prometheus collector, trace printer, span builder,
-recorder) consumes these records and never touches BCC. Reading never
-writes kernel state; `forget_dead_processes` is for the agent's loop.
+Everything downstream consumes these records and never touches BCC. Reading
+never writes kernel state; `forget_dead_processes` is for the agent's loop.
 """
 
 from __future__ import annotations
@@ -48,9 +47,9 @@ class NcclReader(Source):
         self.clock = clock or ClockOffset()
         # series key -> (calls, monotonic time it was last active): expire_series
         self._activity: dict[tuple, tuple[int, float]] = {}
-        # False without bpf/sched.c (`--sched totals`): calls' waits are not
-        # measured, and events carry None (NULL in recordings), never 0.
-        self.sched_waits = True
+        # Calls begun from this CLOCK_MONOTONIC ns on have their waits measured (bpf/sched.c
+        # set up); None: never (`--sched totals`). Others carry None (NULL), never 0 or a part.
+        self.waits_from_ns: int | None = 0
         self._local_next: dict[int, int] = {}   # pid -> local communicator ids given
         self._local: dict[tuple[int, int], tuple[int, int, int]] = {}  # (pid, ptr) -> hash, rank, nranks
         self._pending: set[tuple[int, int]] = set()  # named, not yet in the kernel's map
@@ -360,6 +359,7 @@ class NcclReader(Source):
     def decode_event(self, data) -> CallEvent:
         e = self.probes["events"].event(data)
         comm, rank, nranks = e.comm_hash, e.rank, e.nranks
+        measured = self.waits_from_ns is not None and e.start_ns >= self.waits_from_ns
         if not comm and e.comm and e.kind == contract.EVENT_CALL:
             # A communicator made before the agent: its local id from this call on.
             named = self._local.get((e.pid, e.comm)) or self._name(e.pid, e.comm)
@@ -388,8 +388,8 @@ class NcclReader(Source):
             stream=e.stream,
             result=e.result,
             color=e.color,
-            runq_wait_ns=e.runq_wait_ns if self.sched_waits else None,
-            proxy_wait_ns=e.proxy_wait_ns if self.sched_waits else None,
+            runq_wait_ns=e.runq_wait_ns if measured else None,
+            proxy_wait_ns=e.proxy_wait_ns if measured else None,
         )
 
     def on_event(self, callback) -> None:
