@@ -10,7 +10,11 @@ attaches its probes to it and records its calls. Then, R times each:
   calls for D s" line (where its clock starts, after compiling and attaching)
   to its exit, minus D (the goal: within 1 s of the duration);
 - `nccl-exporter run --db F --listen 127.0.0.1:P`: once /-/ready answers 200,
-  SIGTERM; the time from the signal to the exit (the goal: 2 s).
+  SIGTERM; the time from the signal to the exit (the goal: 2 s), and, 2 s
+  after the signal, what an uninstrumented call of the library costs
+  (bench/driver.c, ncclAllReduce on a NULL communicator in a tight loop)
+  against the same measured before any agent ran (the goal: within 10 %:
+  the probes are gone).
 
 Each recording is checked: meta's events_recorded equals its rows (nothing
 recorded is lost on the way out). Prints the medians and every sample.
@@ -101,7 +105,19 @@ def trace_once(tmp: str, lib: str, duration: float, i: int) -> tuple[float, str]
     return end - t0 - duration, check_recording(out)
 
 
-def run_once(tmp: str, lib: str, i: int) -> tuple[float, str]:
+DRIVER_CALLS = 2_000_000
+
+
+def call_ns(driver, lib: str) -> float:
+    """ns per call of the library, uninstrumented or not: the median of 3 runs."""
+    from bench.probe_overhead import run_driver
+
+    return statistics.median(run_driver(driver, pathlib.Path(lib), DRIVER_CALLS, "null")["ns"] for _ in range(3))
+
+
+def run_once(tmp: str, lib: str, i: int, driver=None) -> tuple[float, str, float | None]:
+    """Seconds from SIGTERM to exit, the recording's check, and (with a
+    driver) ns per call of the library 2 s after the SIGTERM."""
     out = os.path.join(tmp, f"run-{i}.db")
     port = free_port()
     proc = subprocess.Popen([*CLI, "run", "--db", out, "--listen", f"127.0.0.1:{port}", "--nccl-lib", lib],
@@ -114,7 +130,12 @@ def run_once(tmp: str, lib: str, i: int) -> tuple[float, str]:
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
-        return time.monotonic() - t0, check_recording(out)
+        took = time.monotonic() - t0
+        after = None
+        if driver is not None:
+            time.sleep(max(0.0, t0 + 2.0 - time.monotonic()))
+            after = call_ns(driver, lib)
+        return took, check_recording(out), after
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -130,24 +151,39 @@ def main() -> int:
                     help="seconds between runs (the previous run's detaching child ends meanwhile)")
     args = ap.parse_args()
     lib = args.lib or default_lib()
+    from bench.probe_overhead import build_driver
+
+    with tempfile.TemporaryDirectory(prefix="stop-latency-driver-") as d:
+        driver = build_driver(pathlib.Path(d))
+        return measure(args, lib, driver)
+
+
+def measure(args, lib: str, driver) -> int:
+    before = call_ns(driver, lib)
     holder = subprocess.Popen([sys.executable, "-c", CALLER, lib])
     try:
         time.sleep(1.0)
         with tempfile.TemporaryDirectory(prefix="stop-latency-") as tmp:
             print(f"library: {lib}; {args.reps} reps; trace --duration {args.duration:g}s", flush=True)
-            traces, runs = [], []
+            traces, runs, afters = [], [], []
+            print(f"an uninstrumented call before any agent: {before:.0f} ns", flush=True)
             for i in range(args.reps):
                 time.sleep(args.pause)
                 late, rec = trace_once(tmp, lib, args.duration, i)
                 traces.append(late)
                 print(f"  trace: ended {late:+.2f} s after its duration ({rec})", flush=True)
                 time.sleep(args.pause)
-                took, rec = run_once(tmp, lib, i)
+                took, rec, after = run_once(tmp, lib, i, driver)
                 runs.append(took)
-                print(f"  run:   exited {took:.2f} s after SIGTERM ({rec})", flush=True)
+                afters.append(after)
+                print(f"  run:   exited {took:.2f} s after SIGTERM ({rec}); a call 2 s after SIGTERM "
+                      f"{after:.0f} ns ({after / before:.2f}x before)", flush=True)
             print(f"trace --duration: median {statistics.median(traces):+.2f} s past the duration "
                   f"(goal: within 1 s)")
             print(f"run, SIGTERM -> exit: median {statistics.median(runs):.2f} s (goal: 2 s)")
+            worst = max(afters) / before
+            print(f"a call 2 s after SIGTERM: median {statistics.median(afters):.0f} ns, worst {worst:.2f}x "
+                  f"the {before:.0f} ns before any agent (goal: within 10 %)")
     finally:
         holder.kill()
         holder.wait()
