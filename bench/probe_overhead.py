@@ -10,7 +10,11 @@ CLOCK_MONOTONIC), R repetitions interleaved in a rotating order, median kept:
 
   bare     no probe on the library
   empty    one uprobe + uretprobe on ncclAllReduce whose BPF programs
-           `return 0` (the floor: the cost of the breakpoint trap itself)
+           `return 0` (the floor: the cost of the breakpoint trap itself),
+           attached as BCC's perf events
+  empty-link  the same pair attached as uprobe_multi links, as the
+           product's are (like with like: the kernel's dispatch to a link's
+           program differs from a perf event's)
   product  NcclProbes().attach(lib): the exporter's probe set (all functions)
 
 Then the agent itself (`nccl-exporter run --nccl-lib LIB`) in a subprocess,
@@ -253,7 +257,7 @@ class Agent:
 
 def measure_probes(args, driver, libs, mode, product, empty_bpf, results, checks):
     """R interleaved repetitions of bare / empty / product."""
-    order = ["bare", "empty", "product"]
+    order = ["bare", "empty", "empty-link", "product"]
     for rep in range(args.reps):
         k = rep % len(order)
         for config in order[k:] + order[:k]:
@@ -325,7 +329,7 @@ def report(args, lib, mode, results, checks, agent):
     print()
     print(f"  {'configuration':<30} {'ns/call':>9} {'over bare':>10}   range")
     rows = [("(a) bare call", "bare"), ("(b) empty uprobe+uretprobe", "empty"),
-            ("(c) product probes", "product")]
+            ("(b') the same, uprobe_multi links", "empty-link"), ("(c) product probes", "product")]
     for title, key in rows:
         print(f"  {title:<30} {med[key]:9.1f} {med[key] - a:10.1f}   [{lo[key]:.1f}..{hi[key]:.1f}]")
     ratio = c / b
@@ -333,6 +337,7 @@ def report(args, lib, mode, results, checks, agent):
     print()
     print(f"  per-call time   (c)/(b)          = {ratio:.3f}   target <= {TARGET_RATIO:.2f}: "
           f"{'MET' if ratio <= TARGET_RATIO else 'MISSED'}")
+    print(f"  per-call time   (c)/(b')         = {c / med['empty-link']:.3f}   (the empty pair as links)")
     print(f"  probe-added     (c-a)/(b-a)      = {added:.3f}")
     print(f"  BPF programs' own cost (c-b)     = {c - b:.1f} ns/call")
     total = sum(made for _r, made, _s, _e, _res in checks)
@@ -356,9 +361,10 @@ def report(args, lib, mode, results, checks, agent):
               f"{extra:.3f} above the idle rate")
     print()
     print("summary")
-    print(f"  {'bare ns/call':>14} {'empty ns/call':>14} {'product ns/call':>16} {'c/b':>7} "
-          f"{'(c-a)/(b-a)':>12} {'agent CPU s/1M':>15}")
-    print(f"  {a:14.1f} {b:14.1f} {c:16.1f} {ratio:7.3f} {added:12.3f} "
+    print(f"  {'bare ns/call':>14} {'empty ns/call':>14} {'empty-link ns':>14} {'product ns/call':>16} {'c/b':>7} "
+          f"{'c/b_link':>9} {'(c-a)/(b-a)':>12} {'agent CPU s/1M':>15}")
+    print(f"  {a:14.1f} {b:14.1f} {med['empty-link']:14.1f} {c:16.1f} {ratio:7.3f} {c / med['empty-link']:9.3f} "
+          f"{added:12.3f} "
           f"{(agent['cpu'] / agent['calls'] * 1e6 if agent else float('nan')):15.3f}")
     return ratio
 
@@ -393,13 +399,14 @@ def main(argv=None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="nccl-probe-bench."))
     product = empty_bpf = None
+    empty_fds: list[int] = []  # the empty pair's uprobe_multi programs and links
     agent_box: list[Agent] = []
     rc = 1
     try:
         lib, mode = pick_library(args.lib)
         log(f"library {lib} (driver mode: {mode}); work dir {workdir}")
         driver = build_driver(workdir)
-        libs = {name: private_copy(lib, workdir, name) for name in ("bare", "empty", "product", "agent")}
+        libs = {name: private_copy(lib, workdir, name) for name in ("bare", "empty", "empty-link", "product", "agent")}
         first = run_driver(driver, libs["bare"], 1000, mode)
         log(f"driver check: {TARGET} -> result {first['result']}, {first['ns']:.1f} ns/call")
 
@@ -411,13 +418,21 @@ def main(argv=None) -> int:
         addr = function_address(libs["empty"], TARGET)
         empty_bpf.attach_uprobe(name=str(libs["empty"]), addr=addr, fn_name="empty_entry")
         empty_bpf.attach_uretprobe(name=str(libs["empty"]), addr=addr, fn_name="empty_return")
+        from exporter.sources import uprobe_multi
+        from exporter.sources.nccl.elf import vaddrs_to_offsets
+
+        offset = vaddrs_to_offsets(str(libs["empty-link"]), [function_address(libs["empty-link"], TARGET)])
+        for fn, ret in (("empty_return", True), ("empty_entry", False)):
+            prog = uprobe_multi.load(empty_bpf, fn)
+            empty_fds.append(prog)
+            empty_fds.append(uprobe_multi.attach(prog, str(libs["empty-link"]), offset, retprobe=ret))
         product = NcclProbes()
         rep = product.attach(str(libs["product"]))
         if TARGET not in rep.attached:
             raise BenchError(f"the product did not attach {TARGET}: failed={rep.failed} missing={rep.missing}")
         log(f"product: {len(rep.attached)} functions probed ({len(rep.aliases)} aliases)")
 
-        results = {"bare": [], "empty": [], "product": []}
+        results = {"bare": [], "empty": [], "empty-link": [], "product": []}
         checks: list = []
         measure_probes(args, driver, libs, mode, product, empty_bpf, results, checks)
         agent = None if args.no_agent else measure_agent(args, driver, libs["agent"], mode, workdir, agent_box)
@@ -438,6 +453,8 @@ def main(argv=None) -> int:
             agent.signal_stop()
         if product is not None or empty_bpf is not None:
             log("cleaning up: detaching the probes (~0.3 s per probe in the kernel)")
+        for fd in reversed(empty_fds):
+            os.close(fd)
         for bpf_owner in (empty_bpf, product):
             if bpf_owner is None:
                 continue
