@@ -159,10 +159,10 @@ def main() -> int:
 
 
 def measure(args, lib: str, driver) -> int:
-    before = call_ns(driver, lib)
     holder = subprocess.Popen([sys.executable, "-c", CALLER, lib])
     try:
         time.sleep(1.0)
+        before = call_ns(driver, lib)  # as after: the caller running beside it
         with tempfile.TemporaryDirectory(prefix="stop-latency-") as tmp:
             print(f"library: {lib}; {args.reps} reps; trace --duration {args.duration:g}s", flush=True)
             traces, runs, afters = [], [], []

@@ -53,7 +53,7 @@ def record_scenario(tmp: pathlib.Path, scenario: str, node: str = "simnode") -> 
     hog = None
     try:
         deadline = time.monotonic() + 120
-        while "tracing NCCL calls" not in pathlib.Path(log.name).read_text():
+        while "also loaded:" not in pathlib.Path(log.name).read_text():
             assert rec.poll() is None, pathlib.Path(log.name).read_text()
             assert time.monotonic() < deadline, "recorder did not start"
             time.sleep(0.2)

@@ -274,7 +274,7 @@ def test_recording_holds_the_gpu_interval_and_the_gpu_time_query_finds_it(lib, p
                            stdin=subprocess.DEVNULL, cwd=REPO)
     try:
         deadline = time.monotonic() + 120
-        while "tracing NCCL calls" not in log.read_text():
+        while "also loaded:" not in log.read_text():
             assert rec.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
         with Cluster(2) as cluster:

@@ -81,7 +81,7 @@ def start_recorder(out, lib, *extra, env=None):
 def wait_started(procs, timeout=120):
     deadline = time.monotonic() + timeout
     for p in procs:
-        while "tracing NCCL calls" not in pathlib.Path(p.log.name).read_text():
+        while "also loaded:" not in pathlib.Path(p.log.name).read_text():
             assert p.poll() is None, pathlib.Path(p.log.name).read_text()
             assert time.monotonic() < deadline, "recorder did not start"
             time.sleep(0.2)

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 
 from exporter.sources.bpf import RingWaiter
 from exporter.sources.nccl import libfind
@@ -70,6 +71,7 @@ class Discovery:
             self._attacher = threading.Thread(target=self._attach_loop, name="nccl-exporter-attach",
                                               daemon=True)
             self._attacher.start()
+        self.counting_since = time.monotonic()
         self.ready.set()
 
     def _attach_loop(self) -> None:

@@ -14,12 +14,14 @@ pruning dead processes' entries, relative slow thresholds.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 from exporter.agent import sources as agent_sources
 from exporter.agent.config import SetupError
+from exporter.agent.logs import announce
 from exporter.agent.discovery import AgentError, Discovery
 from exporter.agent.sources import SourceRow
 from exporter.records import contract, histogram
@@ -97,6 +99,7 @@ class Agent(Discovery):
         # Set once the kernel side is loaded and every library found at start
         # is attached: counting has started (`run` answers /-/ready with 200).
         self.ready = threading.Event()
+        self.counting_since: float | None = None  # CLOCK_MONOTONIC s `ready` was set (discovery)
         self._next_prune = 0.0
         self._last_traced = time.monotonic()
         self._next_clock = time.monotonic() + config.clock_interval
@@ -139,12 +142,15 @@ class Agent(Discovery):
         finally:
             self.loading.pop(0)
         source = getattr(self, row.name)
-        if source is None:
-            return
-        if isinstance(source, Program):
-            self.waiter.add(source)
-        for tell in self.on_loaded:
-            tell(row, source)
+        if source is not None:
+            if isinstance(source, Program):
+                self.waiter.add(source)
+            for tell in self.on_loaded:
+                tell(row, source)
+        if not self.loading:  # on stderr: trace's stdout is its calls
+            names = ", ".join(r.name for r in agent_sources.SOURCES if r.after_counting and getattr(self, r.name))
+            announce(f"also loaded: {names} ({time.monotonic() - self.counting_since:.1f} s after NCCL "
+                     "calls were first counted)", stream=sys.stderr)
 
     def _loaded(self) -> list[Source]:
         return [getattr(self, row.name) for row in self.loaded]
