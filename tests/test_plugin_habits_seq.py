@@ -23,8 +23,6 @@ import pytest
 from conftest import REPO
 from exporter.simulator.truth import gpu_kernels, load_truth
 
-pytestmark = pytest.mark.usefixtures("bpf")  # markers, root and the heavy lock: conftest
-
 VERSIONS = (4, 5, 6, 7)
 CE, SYMK = 48, 80  # counts the simulator runs as a copy-engine collective, a symmetric kernel
 KERNEL_US = 3000   # kernels this far apart: an interval is told from its neighbours by its start
@@ -67,7 +65,7 @@ ITERS = 3
 
 
 @pytest.fixture(scope="module")
-def recording(lib, plugin, tmp_path_factory):
+def recording(bpf, lib, plugin, tmp_path_factory):
     """One `trace --db` recording of the job, once per interface version (a process
     each): (database, {version: truth records})."""
     tmp = tmp_path_factory.mktemp("seq")
@@ -103,6 +101,7 @@ def recording(lib, plugin, tmp_path_factory):
     return db, truths
 
 
+@pytest.mark.usefixtures("bpf")  # markers, root and the heavy lock: conftest
 @pytest.mark.parametrize("version", VERSIONS)
 def test_calls_nccl_does_not_number_keep_every_call_on_its_own_gpu_interval(recording, version):
     """Every AllReduce/AllGather call of the job, alone or in a group: a call NCCL
@@ -141,3 +140,41 @@ def test_calls_nccl_does_not_number_keep_every_call_on_its_own_gpu_interval(reco
                 wrong.append((rank, op, count, "seq", seq, "nccl", t["seq"],
                               "start off by", None if duration is None else ts + offset - k["start_real_ns"]))
     assert not wrong, "\n".join(map(str, wrong))
+
+
+# ------------------------------------------------ the pairing itself (pure logic) --
+def _row(rowid, tid, ts, op, count=16, nbytes=64, comm="c1", root=None, rank=0, dur=10):
+    return (rowid, tid, ts, dur, op, comm, count, nbytes, root, rank)
+
+
+def test_launches_are_calls_alone_and_outermost_groups():
+    """A call alone is its own launch; a group's calls launch at the ncclGroupEnd that
+    brings the thread's depth to 0 (nested groups inside); a stray ncclGroupEnd, and
+    a group with no collective, launch nothing; threads are apart."""
+    from exporter.sinks.recording.gpu_join import launches
+
+    rows = [_row(1, 7, 100, "ALL_REDUCE"),
+            _row(2, 7, 200, "GROUP_START"), _row(3, 7, 210, "ALL_REDUCE"), _row(4, 7, 220, "GROUP_START"),
+            _row(5, 7, 230, "BROADCAST", root=1), _row(6, 7, 240, "GROUP_END"), _row(7, 7, 250, "ALL_GATHER"),
+            _row(8, 7, 300, "GROUP_END", dur=50),
+            _row(9, 7, 400, "GROUP_END"), _row(10, 7, 500, "GROUP_START"), _row(11, 7, 510, "GROUP_END"),
+            _row(12, 8, 205, "GROUP_START"), _row(13, 8, 215, "REDUCE", root=0)]  # thread 8: never launched
+    got = [(s, e, [c[0] for c in calls]) for s, e, calls in launches(rows)]
+    assert got == [(100, 110, [1]), (300, 350, [3, 5, 7])]
+
+
+def test_pairing_skips_what_nccl_does_not_number():
+    """Within a launch: a count-0 call is never paired; a call with no record of its
+    key (a copy-engine or symmetric-kernel collective) is left without one; equal keys
+    pair in call order against seqNumber order; rank and root are part of the key."""
+    from exporter.sinks.recording.gpu_join import pair
+
+    calls = [_row(1, 7, 0, "ALL_REDUCE", nbytes=256), _row(2, 7, 0, "ALL_REDUCE", count=0, nbytes=0),
+             _row(3, 7, 0, "ALL_REDUCE", nbytes=192),                     # copy engine: no record
+             _row(4, 7, 0, "ALL_REDUCE", nbytes=512), _row(5, 7, 0, "ALL_REDUCE", nbytes=256),
+             _row(6, 7, 0, "BROADCAST", nbytes=64, root=1), _row(7, 7, 0, "ALL_REDUCE", nbytes=256, rank=1)]
+    # (rowid, comm, op, seq, bytes, peer/root, enqueue_ns, rank): NCCL's order is by size
+    records = [(20, "c1", "ALL_REDUCE", 12, 256, None, 5, 0), (21, "c1", "ALL_REDUCE", 11, 512, None, 5, 0),
+               (22, "c1", "ALL_REDUCE", 10, 256, None, 5, 0), (23, "c1", "BROADCAST", 3, 64, 0, 5, 0),
+               (24, "c1", "BROADCAST", 4, 64, 1, 5, 0), (25, "c1", "ALL_REDUCE", 10, 256, None, 5, 1)]
+    assert pair(calls, records) == [(1, 22, 10), (4, 21, 11), (5, 20, 12), (6, 24, 4), (7, 25, 10)]
