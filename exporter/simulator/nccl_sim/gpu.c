@@ -112,7 +112,7 @@ static int is_p2p(int kind) { return kind == K_SEND || kind == K_RECV; }
 /* Collective calls NCCL runs with no Coll event and no seqNumber: their
  * tasks never enter the plan's collTaskQueue, the only queue
  * ncclProfilerStartTaskEvents walks to start Coll events and bump
- * comm->seqNumber[func] (v2.28.9-1 src/plugin/profiler.cc:395-427).
+ * comm->seqNumber[func] (v2.28.9-1 src/plugin/profiler.cc:393-427).
  *   count 0     taskAppend discards an empty collective before any task
  *               exists (v2.28.9-1 src/enqueue.cc:2554-2555; v2.27.7-1 :2331,
  *               v2.29.7-1 :2893, v2.30.7-1 :3023): always, unless
