@@ -56,12 +56,11 @@ def _key(comm, rank, op, nbytes, root):
     return (comm, rank, op, nbytes, root if op in _ROOTED else None)
 
 
-def launches(rows) -> list[tuple[int, int, list]]:
-    """(start, end, calls) of every launch: an ungrouped collective call, or the
+def launches(rows):
+    """Yields (start, end, calls) of every launch: an ungrouped collective call, or the
     ncclGroupEnd closing a thread's outermost group with the calls made inside it.
     `rows`: (rowid, tid, timestamp_ns, duration_ns, op, nccl_comm_hash, count, bytes,
-    root, rank) of one process, ordered by tid and time."""
-    out = []
+    root, rank) of one process, ordered by tid and time (an iterable: a cursor)."""
     tid, depth, members = None, 0, []
     for row in rows:
         if row[1] != tid:
@@ -71,15 +70,14 @@ def launches(rows) -> list[tuple[int, int, list]]:
             depth += 1
         elif op == "GROUP_END":
             if depth == 1 and members:
-                out.append((row[2], row[2] + row[3], members))
+                yield row[2], row[2] + row[3], members
             if depth <= 1:
                 members = []
             depth = max(0, depth - 1)
         elif depth:
             members.append(row)
         else:
-            out.append((row[2], row[2] + row[3], [row]))
-    return out
+            yield row[2], row[2] + row[3], [row]
 
 
 def pair(calls, records) -> list[tuple[int, int, int]]:
@@ -99,9 +97,32 @@ def pair(calls, records) -> list[tuple[int, int, int]]:
     return out
 
 
+def _write(conn: sqlite3.Connection, pairs: list) -> None:
+    conn.executemany("INSERT INTO temp.gpu_joined VALUES (?, ?)", [(c, r) for c, r, _s in pairs])
+    conn.executemany(
+        "UPDATE nccl_events SET seq = ?, gpu_start_offset_ns = g.gpu_start_ns - nccl_events.timestamp_ns, "
+        "gpu_duration_ns = g.gpu_duration_ns FROM gpu_intervals AS g WHERE nccl_events.rowid = ? AND g.rowid = ?",
+        [(s, c, r) for c, r, s in pairs])
+
+
 def fold_gpu_intervals(conn: sqlite3.Connection) -> int:
-    """Fill nccl_events' GPU columns (and NCCL's seq) from gpu_intervals; returns the
-    calls joined by launch."""
+    """Fill nccl_events' GPU columns (and NCCL's seq) from gpu_intervals, in one
+    transaction; returns the calls joined by launch."""
+    own = not conn.in_transaction
+    if own:
+        conn.execute("BEGIN")
+    try:
+        joined = _fold(conn)
+    except BaseException:
+        if own:
+            conn.execute("ROLLBACK")
+        raise
+    if own:
+        conn.execute("COMMIT")
+    return joined
+
+
+def _fold(conn: sqlite3.Connection) -> int:
     conn.execute("CREATE TEMP TABLE IF NOT EXISTS gpu_joined (call INTEGER PRIMARY KEY, interval INTEGER)")
     conn.execute("DELETE FROM temp.gpu_joined")
     ops = ", ".join(f"'{op}'" for op in (*_COLL_OPS, "GROUP_START", "GROUP_END"))
@@ -113,6 +134,7 @@ def fold_gpu_intervals(conn: sqlite3.Connection) -> int:
             "WHERE kind = 'coll' AND pid = ? AND node IS ? AND enqueue_ns IS NOT NULL ORDER BY enqueue_ns",
             (pid, node)).fetchall()
         times = [r[6] for r in recs]
+        # the rows are read whole first (the updates below change the table a cursor would walk)
         rows = conn.execute(
             "SELECT rowid, tid, timestamp_ns, duration_ns, op, nccl_comm_hash, count, bytes, root, rank "
             "FROM nccl_events "
@@ -125,11 +147,8 @@ def fold_gpu_intervals(conn: sqlite3.Connection) -> int:
             for call, rec_id, seq in pair(calls, inside):
                 used.add(rec_id)
                 pairs.append((call, rec_id, seq))
-        conn.executemany("INSERT INTO temp.gpu_joined VALUES (?, ?)", [(c, r) for c, r, _s in pairs])
-        conn.executemany(
-            "UPDATE nccl_events SET seq = ?, gpu_start_offset_ns = g.gpu_start_ns - nccl_events.timestamp_ns, "
-            "gpu_duration_ns = g.gpu_duration_ns FROM gpu_intervals AS g WHERE nccl_events.rowid = ? AND g.rowid = ?",
-            [(s, c, r) for c, r, s in pairs])
+        del rows
+        _write(conn, pairs)
         joined += len(pairs)
     conn.execute(_SEQ_FALLBACK)
     conn.execute("DROP TABLE temp.gpu_joined")
