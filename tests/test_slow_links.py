@@ -63,8 +63,10 @@ def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA
             conn.execute(f"INSERT INTO nccl_events ({', '.join(nccl_fields)}) VALUES "
                          f"({', '.join('?' * len(nccl_fields))})", row[:len(nccl_fields)])
             if version >= 5:
-                conn.execute(schema.INSERT["gpu"], (100 + r, NCCL_HASH, "ALL_REDUCE", i, "coll", r, None,
-                                                    row[0], row[0] + MS, 50 * MS, f"n{r}"))
+                gpu_fields = schema.GPU_FIELDS[:11]  # bytes: from version 9
+                conn.execute(f"INSERT INTO gpu_intervals ({', '.join(gpu_fields)}) VALUES ({', '.join('?' * 11)})",
+                             (100 + r, NCCL_HASH, "ALL_REDUCE", i, "coll", r, None, row[0], row[0] + MS, 50 * MS,
+                              f"n{r}"))
             if version < 7:
                 continue
             src, dst = (r - 1) % NRANKS, (r + 1) % NRANKS

@@ -131,9 +131,14 @@ def main() -> int:
 
     # the stream's kernel intervals stand in for the CUDA events
     truth = {}
+    unnumbered = defaultdict(int)  # (rank, op) -> kernels NCCL gave no seqNumber (a desynced Broadcast), in run order
     for k in gpu_kernels(load_truth(os.environ["NCCL_SIM_TRUTH"])):
         peer = k["peer"] if k["coll_op"] in ("SEND", "RECV") else -1
-        truth[(k["rank"], k["coll_op"], k["seq"], peer)] = k
+        seq = k["seq"]
+        if k.get("unnumbered"):
+            seq = unnumbered[(k["rank"], k["coll_op"])]
+            unnumbered[(k["rank"], k["coll_op"])] += 1
+        truth[(k["rank"], k["coll_op"], seq, peer)] = k
     for r in range(world):
         with open(d / f"calls.{r}.jsonl", "w") as out:
             for c, keys in calls[r]:

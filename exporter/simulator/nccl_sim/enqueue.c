@@ -89,7 +89,10 @@ static ncclResult_t submit(collargs_t a) {
     int needs_recv = a.kind != K_SEND && !((a.kind == K_REDUCE || a.kind == K_GATHER) && a.comm->rank != a.root);
     if ((needs_send && !a.sb) || (needs_recv && !a.rb)) return ncclInvalidArgument;
   }
-  if (gpu_on()) gpu_assign(&a);
+  if (gpu_on()) {
+    if (gpu_discards(&a)) return ncclSuccess;  /* NCCL discards an empty collective (gpu.c) */
+    gpu_assign(&a);
+  }
   if (tl_group_depth > 0) {
     if (tl_qn == tl_qcap) {
       int nc = tl_qcap ? tl_qcap * 2 : 16;

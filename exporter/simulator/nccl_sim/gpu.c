@@ -109,14 +109,52 @@ static const char *dt_name(int dt) {
 }
 static int is_p2p(int kind) { return kind == K_SEND || kind == K_RECV; }
 
+/* Collective calls NCCL runs with no Coll event and no seqNumber: their
+ * tasks never enter the plan's collTaskQueue, the only queue
+ * ncclProfilerStartTaskEvents walks to start Coll events and bump
+ * comm->seqNumber[func] (v2.28.9-1 src/plugin/profiler.cc:393-427).
+ *   count 0     taskAppend discards an empty collective before any task
+ *               exists (v2.28.9-1 src/enqueue.cc:2554-2555; v2.27.7-1 :2331,
+ *               v2.29.7-1 :2893, v2.30.7-1 :3023): always, unless
+ *               NCCL_SIM_GPU_DISCARD_EMPTY=0 (the simulator's old numbering)
+ *   copy engine NCCL_SIM_GPU_CE_COUNT=N: collectives of N elements are
+ *               copy-engine collectives (buffers in symmetric windows,
+ *               CTAPolicy zero: v2.28.9-1 src/enqueue.cc:2580-2581
+ *               ceCollTaskAppend); their plan carries ceCollArgs and no task
+ *               (:1438-1452). NCCL >= 2.29 may give them a CeColl event with
+ *               its own ceSeqNum (v2.29.7-1 src/plugin/profiler.cc:764-790),
+ *               which the plugin's mask never asks for
+ *   symmetric   NCCL_SIM_GPU_SYMK_COUNT=N: collectives of N elements run as
+ *               symmetric kernels: ncclSymmetricTaskScheduler takes them off
+ *               collSymTaskQueue into kernel args and frees them
+ *               (v2.28.9-1 src/scheduler/symmetric_sched.cc:109-212;
+ *               v2.27.7-1 src/enqueue.cc:1409-1429)
+ *   Broadcast   NCCL_SIM_GPU_BCAST_DESYNC (NCCL >= 2.29, ALLGATHERV_ENABLE):
+ *               the Broadcast goes to a peer's bcastQueue as an AllGatherV
+ *               task (v2.29.7-1 src/enqueue.cc:2581-2600), never collTaskQueue
+ * They still run on the stream (a kernel or a copy), with no KernelCh. */
+int gpu_discards(const collargs_t *a) {
+  return !is_p2p(a->kind) && a->count == 0 && env_int("NCCL_SIM_GPU_DISCARD_EMPTY", 1);
+}
+static int gpu_unnumbered(const collargs_t *a) {
+  if (is_p2p(a->kind)) return 0;
+  int ce = env_int("NCCL_SIM_GPU_CE_COUNT", -1), symk = env_int("NCCL_SIM_GPU_SYMK_COUNT", -1);
+  if (ce >= 0 && a->count == (size_t)ce) return 1;
+  if (symk >= 0 && a->count == (size_t)symk) return 2;
+  if (bcast_desync() && a->kind == K_BROADCAST) return 3;
+  return 0;
+}
+
 /* seq (coll: per comm and kind; p2p: per comm, peer and direction) and enqueue time, at the call */
 void gpu_assign(collargs_t *a) {
   ncclComm_t c = a->comm;
+  a->unnumbered = gpu_unnumbered(a);
   if (is_p2p(a->kind)) a->seq = c->p2p_seq ? c->p2p_seq[2 * a->peer + (a->kind == K_RECV)]++ : 0;
+  else if (a->unnumbered) a->seq = 0;
   else a->seq = c->coll_seq[a->kind & 15]++;
   a->enq_mono = now_ns(CLOCK_MONOTONIC);
   tl_gpu_seq = a->seq;
-  tl_gpu_seq_valid = 1;
+  tl_gpu_seq_valid = !a->unnumbered;   /* the call's truth line: NCCL's number, where it has one */
 }
 
 static void gpu_truth(ncclComm_t c, const gpu_op_t *o, uint64_t ts, uint64_t te, int late, const char *state, int nstarted) {
@@ -125,11 +163,11 @@ static void gpu_truth(ncclComm_t c, const gpu_op_t *o, uint64_t ts, uint64_t te,
            ",\"coll_fn\":\"%s\",\"coll_op\":\"%s\",\"seq\":%llu,\"comm_hash\":\"%016llx\",\"enqueue_mono_ns\":%llu,"
            "\"gpu_start_mono_ns\":%llu,\"gpu_stop_mono_ns\":%llu,\"gpu_start_timer\":%llu,\"gpu_stop_timer\":%llu,"
            "\"nchannels\":%d,\"kernelch_started\":%d,\"late\":%d,\"profiled\":%d,\"state\":\"%s\",\"desync\":%llu,"
-           "\"stale_kch\":%d",
+           "\"stale_kch\":%d,\"unnumbered\":%d",
            func_name(o->a.kind), op_name_of(o->a.kind), (unsigned long long)o->a.seq, (unsigned long long)c->nccl_hash,
            (unsigned long long)o->a.enq_mono, (unsigned long long)ts, (unsigned long long)te,
            (unsigned long long)(ts ? gpu_timer(ts) : 0), (unsigned long long)(te ? gpu_timer(te) : 0), o->nch, nstarted,
-           late, o->h != NULL, state, (unsigned long long)c->desync, o->stale);
+           late, o->h != NULL, state, (unsigned long long)c->desync, o->stale, o->a.unnumbered);
   int64_t off = (int64_t)now_ns(CLOCK_REALTIME) - (int64_t)now_ns(CLOCK_MONOTONIC); /* wall time of the GPU interval */
   rec_t rec = {"gpuKernel", "GPU_KERNEL", (uint64_t)(uintptr_t)c, c->rank, c->nranks, o->a.count, o->a.dt, o->a.op,
                o->a.root, o->a.peer, 0, ts, te, ts ? (uint64_t)((int64_t)ts + off) : 0, te ? (uint64_t)((int64_t)te + off) : 0,
@@ -444,7 +482,7 @@ static void prof_enqueue(ncclComm_t c, gpu_op_t *ops, int n) {
       if (g_prof_ver >= 5) d.coll.parentGroup = grp;
       if (v7) { d.coll.kernelVariant = "default"; d.coll.isSymColl = false; d.coll.userTag = 0; }
     }
-    if (bcast_desync() && a->kind == K_BROADCAST) { ops[i].h = NULL; continue; } /* no activation mask: no Coll */
+    if (a->unnumbered) { ops[i].h = NULL; continue; } /* no Coll event (gpu_unnumbered) */
     if (alltoall_p2p() && a->kind == K_ALLTOALL) {   /* 2 x nranks P2p events, no Coll (see alltoall_p2p) */
       ops[i].h = NULL;
       ops[i].nph = 2 * c->nranks;
@@ -515,7 +553,7 @@ ncclResult_t gpu_enqueue(collargs_t *q, int qn) {
     sim_stream_t *s = stream_of(c);
     if (!s) { free(w); return ncclSystemError; }
     int replays = env_int("NCCL_SIM_GPU_GRAPH_REPLAYS", 0);
-    if (replays > 0 && n == 1 && !is_p2p(w->ops[0].a.kind)) {
+    if (replays > 0 && n == 1 && !is_p2p(w->ops[0].a.kind) && !w->ops[0].a.unnumbered) {
       c->coll_seq[w->ops[0].a.kind & 15]--; /* the capture: no seqNumber (profiler.cc:419-427 runs at replays) */
       for (int r = 0; r < replays; r++) {
         gpu_work_t *wr = malloc(sizeof(gpu_work_t) + sizeof(gpu_op_t));

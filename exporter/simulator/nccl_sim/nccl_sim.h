@@ -154,6 +154,7 @@ typedef struct {
   /* GPU-like mode only (zero otherwise) */
   uint64_t seq;             /* coll: NCCL seqNumber; p2p: order per (peer, op) */
   uint64_t enq_mono;        /* host enqueue time (CLOCK_MONOTONIC) */
+  int unnumbered;           /* NCCL makes no Coll event and no seqNumber for it (gpu.c gpu_unnumbered) */
 } collargs_t;
 
 
@@ -224,6 +225,7 @@ void gpu_comm_teardown(ncclComm_t c, int abort);
 uint64_t nccl_root_hash(const ncclUniqueId *id);
 ncclResult_t gpu_enqueue(collargs_t *q, int qn);
 void gpu_assign(collargs_t *a);
+int gpu_discards(const collargs_t *a);
 /* profiler.c */
 int gpu_on(void);
 void gpu_comm_ready(ncclComm_t c);

@@ -77,7 +77,7 @@ class RecordRows:
             if type(event) is GpuCall:
                 gpu.append((event.pid, rows.comm(event.comm), event.op, event.seq, event.kind, event.rank,
                             event.peer if event.peer >= 0 else None, event.enqueue_real_ns or None,
-                            event.start_real_ns, event.duration_ns, self.node))
+                            event.start_real_ns, event.duration_ns, self.node, event.bytes))
                 if event.peer_waits:
                     waits += peer_wait_rows(event, gpu[-1][1], self.node)
                 continue

@@ -196,6 +196,11 @@ MIGRATIONS: list[list[str]] = [
         f"""UPDATE nccl_events SET comm_id_hash = nccl_comm_hash WHERE {_KNOWN_NCCL_HASH}""",
         f"""UPDATE OR IGNORE communicators SET comm_id_hash = nccl_comm_hash WHERE {_KNOWN_NCCL_HASH}""",
     ],
+    # 8 -> 9: a GPU operation's bytes, so a call is joined to its own interval where NCCL's
+    # seqNumber is not the call count (exporter/sinks/recording/gpu_join.py)
+    [
+        "ALTER TABLE gpu_intervals ADD COLUMN bytes INTEGER",  # NULL: recorded before this version
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -204,19 +209,10 @@ PROCESS_FIELDS = ("pid", "node", "launcher", "launcher_rank", "world_size", "com
                   "first_seen_ns", "namespace", "pod", "container", "pod_uid", "container_id",
                   "libnccl_version")
 
-# When a recording ends: the GPU interval of each collective call, from
-# gpu_intervals into its nccl_events row (same process, communicator, op and
-# seq). Not done per row while recording: that would need an index on
-# nccl_events kept up at every insert.
-FOLD_GPU_INTERVALS = [
-    "CREATE INDEX IF NOT EXISTS gpu_intervals_key ON gpu_intervals (pid, op, seq)",
-    """UPDATE nccl_events SET gpu_start_offset_ns = g.gpu_start_ns - nccl_events.timestamp_ns,
-                              gpu_duration_ns = g.gpu_duration_ns
-       FROM gpu_intervals AS g
-       WHERE g.kind = 'coll' AND g.pid = nccl_events.pid AND g.op = nccl_events.op
-         AND g.seq = nccl_events.seq AND g.nccl_comm_hash = nccl_events.nccl_comm_hash
-         AND nccl_events.kind = 'call' AND nccl_events.gpu_duration_ns IS NULL""",
-]
+# When a recording ends, gpu_join.fold_gpu_intervals fills each collective call's GPU
+# interval from gpu_intervals (not per row while recording: that would need an index on
+# nccl_events kept up at every insert). Its lookups' index:
+GPU_INTERVALS_INDEX = "CREATE INDEX IF NOT EXISTS gpu_intervals_key ON gpu_intervals (pid, op, seq)"
 
 # Indexes built when a recording ends, not kept up while recording: their
 # keys arrive in random order, and keeping them up costs most of the
@@ -232,7 +228,7 @@ def _insert(table: str, fields: tuple[str, ...]) -> str:
 
 
 GPU_FIELDS = ("pid", "nccl_comm_hash", "op", "seq", "kind", "rank", "peer", "enqueue_ns", "gpu_start_ns",
-              "gpu_duration_ns", "node")
+              "gpu_duration_ns", "node", "bytes")
 
 PEER_WAIT_FIELDS = ("pid", "nccl_comm_hash", "op", "seq", "kind", "rank", "peer", "direction", "phase",
                     "wall_ns", "step_ns", "bytes", "node")

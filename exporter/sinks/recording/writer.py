@@ -24,7 +24,8 @@ import time
 
 from exporter import __version__
 from exporter.sinks.recording.rows import RecordRows
-from exporter.sinks.recording.schema import (DEFERRED_INDEXES, FOLD_GPU_INTERVALS, SCHEMA_VERSION,
+from exporter.sinks.recording.gpu_join import fold_gpu_intervals
+from exporter.sinks.recording.schema import (DEFERRED_INDEXES, GPU_INTERVALS_INDEX, SCHEMA_VERSION,
                                              RecordingError, open_db)
 from exporter.sinks.recording.scope import Scope
 from exporter.sinks.recording.tables import RecordTable
@@ -304,7 +305,9 @@ class Recorder(RecordRows):
         try:
             if self._error is None:
                 self._write_meta(final=True)
-            for sql in FOLD_GPU_INTERVALS + DEFERRED_INDEXES:
+            self.conn.execute(GPU_INTERVALS_INDEX)
+            fold_gpu_intervals(self.conn)
+            for sql in DEFERRED_INDEXES:
                 self.conn.execute(sql)
             # Fold the WAL into the main file so the recording is one portable file.
             self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
