@@ -25,7 +25,7 @@ NET_ENTRIES = 10  # NCCL_EXPORTER_NET_ENTRIES: 2 x top-K named peers + "other" p
 NET_F_TABLE_FULL, NET_F_STEP_REUSED = 0x1, 0x2
 
 # Each habit's switch in the simulator (docs/simulator.md); the sanitizer run
-# below goes through all of them.
+# (tests/test_plugin_habits_sanitized.py) goes through all of them.
 HABITS = {
     "pxn_foreign_context": {"NCCL_SIM_GPU_PXN": "1"},
     "pxn_same_process": {"NCCL_SIM_GPU_PXN": "2"},
@@ -103,25 +103,6 @@ def test_pxn_in_one_process_network_table_has_no_data_race(lib, tmp_path, versio
     reports = proc.stderr.split("WARNING: ThreadSanitizer")[1:]
     net = [r for r in reports if any(f in r for f in ("net_entry", "net_fill", "ph_enter", "ph_leave", "proxy_"))]
     assert not net, net[0][:3000]
-
-
-@pytest.fixture(scope="module")
-def sanitized(tmp_path_factory):
-    return build_plugin_sanitized(tmp_path_factory.mktemp("asan"))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("habit", sorted(HABITS))
-def test_sanitizers_report_nothing(lib, sanitized, tmp_path, habit):
-    """The plugin built with -fsanitize=address,undefined (every report fatal)
-    runs each habit's scenario through every interface version: no report."""
-    for version in VERSIONS:
-        d = tmp_path / f"v{version}"
-        d.mkdir()
-        env = dict(sanitizer_env(), **SWEEP, **HABITS[habit])
-        _, log, proc = run(lib, sanitized, d, version, env)
-        assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr[-4000:]
-        assert [r for r in log if r["event"] == "done"], (habit, version)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
