@@ -279,7 +279,7 @@ nxp_result_t common_finalize(void *context) {
     struct slot *s = &G.slots[i];
     if (atomic_load_explicit(&s->state, memory_order_acquire) == SLOT_LIVE && s->ctx == c) {
       pending++;
-      release(s, NCCL_EXPORTER_F_FINALIZED, now);
+      release_at_finalize(s, now);
     }
   }
   if (G.pops) pops_reclaim(); /* its ProxyOps NCCL will not stop now */

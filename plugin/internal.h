@@ -241,6 +241,7 @@ uint64_t env_u64(const char *name, uint64_t dflt, uint64_t lo, uint64_t hi);
 /* pool.c: the record pool and its ages */
 struct slot *slot_alloc(uint64_t now, uint32_t *idx_out);
 void release(struct slot *s, uint32_t abandon_flags, uint64_t now);
+void release_at_finalize(struct slot *s, uint64_t now);
 void sweep(uint64_t now, int pressure);
 
 /* The live slot a handle refers to, or NULL (stale/foreign). */

@@ -205,3 +205,35 @@ def test_sweep_beside_running_operations_reclaims_nothing_live(plugin, tmp_path)
     assert kv["after"]["late"] == kv["after"]["orphan"] == kv["after"]["dropped"] == "0", kv["after"]
     stats = dict(x.split("=", 1) for x in next(l for l in p.stdout.splitlines() if l.startswith("stats ")).split()[1:])
     assert stats["completed"] == "20000" and stats["abandoned"] == "0"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("habit", ["stale_kernelch_handle", "proxyops_never_stopped"])
+def test_records_waiting_for_a_stop_never_cost_a_drop(lib, plugin, tmp_path, version, habit):
+    """A record that waits for a stop NCCL may never send (a lost channel,
+    ProxyOps never stopped) is held SETTLE_MS (1 s by default). At a job's
+    pace more of them than the pool holds pile up in that second: when the
+    pool is full, the sweep ends them at once (with the same flags it gives
+    them after SETTLE_MS) rather than drop the new operation. A pool of 16
+    records, a job of 48 operations made in well under a second, then a
+    pause for the sweep (its default SETTLE_MS)."""
+    _, log, _ = run(lib, plugin, tmp_path, version,
+                    dict(HABITS[habit], NCCL_EXPORTER_PROFILER_POOL="16", NCCL_EXPORTER_PROFILER_POOL_MAX="16",
+                         NCCL_EXPORTER_PROFILER_ANNOUNCE_MS="100", INPROC_PAUSE_S="1.5"), iters=12)
+    fin = finals(log)
+    assert max(int(r["dropped"]) for r in fin) == 0, fin
+    done = [r for r in log if r["event"] == "done"]
+    assert len(done) == 48 and not [r for r in log if r["event"] == "abandoned"]
+    want = F_NET_UNFINISHED if habit == "proxyops_never_stopped" else F_REJECT_LOST_CHANNEL
+    assert any(flags(r) & want for r in done)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_finalize_ends_a_record_held_by_open_proxyops_as_done(lib, plugin, tmp_path, version):
+    """A communicator destroyed within SETTLE_MS of its last kernels: the
+    records only its never-stopped ProxyOps held are done (F_NET_UNFINISHED,
+    their GPU interval whole), not abandoned."""
+    _, log, _ = run(lib, plugin, tmp_path, version, {"NCCL_SIM_GPU_PROXY_NO_STOP": "1"})
+    done = [r for r in log if r["event"] == "done"]
+    assert len(done) == 24 and not [r for r in log if r["event"] == "abandoned"]
+    assert all(flags(r) & F_NET_UNFINISHED and int(r["gpu_ns"]) > 0 for r in done)
