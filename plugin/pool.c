@@ -42,6 +42,11 @@ void release(struct slot *s, uint32_t abandon_flags, uint64_t now) {
  *    the SHM/P2P copy-engine modes never do): once the last KernelCh stopped,
  *    open ProxyOps hold the done record back for SETTLE_MS at most, then it
  *    goes out with F_NET_UNFINISHED and the slot is reclaimed;
+ *  - while records are in flight (sweep_live, or operations started since
+ *    its last sweep: announce.c), the announcer sweeps every
+ *    SETTLE_MS / 4 (at least 100 ms), not only once a period: an idle job's
+ *    records that waited for a stop end within SETTLE_MS and a quarter of it
+ *    after the event that made them wait;
  *  - with the pool full (pressure), the last two end at once: at a job's pace
  *    more records wait for SETTLE_MS than the pool holds, and a new operation
  *    dropped would lose more than these records' missing stops;
@@ -90,16 +95,17 @@ void release_at_finalize(struct slot *s, uint64_t now) {
  * in flight is not scanned at every start). */
 static atomic_int pressure_ended = 1;
 
-void sweep(uint64_t now, int pressure) {
+int sweep(uint64_t now, int pressure) { /* 1 if it ran (not rate-limited) */
   uint64_t last = atomic_load(&G.last_sweep);
   int again = pressure && (now - last >= 10000000ull || atomic_load_explicit(&pressure_ended, memory_order_relaxed));
-  if (last >= now || (now - last < 100000000ull && !again)) return;
-  if (!atomic_compare_exchange_strong(&G.last_sweep, &last, now)) return;
-  int ended = 0;
+  if (last >= now || (now - last < 100000000ull && !again)) return 0;
+  if (!atomic_compare_exchange_strong(&G.last_sweep, &last, now)) return 0;
+  int ended = 0, live = 0;
   for (uint32_t i = 0; ctx_arena && i < ctx_used; i++) ctx_arena[i].sweep_min_run = UINT64_MAX;
   for (uint32_t i = 0; i < G.nslots; i++) { /* the oldest running operation per communicator */
     struct slot *s = &G.slots[i];
     if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
+    live++;
     if (atomic_load_explicit(&s->started, memory_order_relaxed) > atomic_load_explicit(&s->stopped, memory_order_relaxed) &&
         s->ord < s->ctx->sweep_min_run)
       s->ctx->sweep_min_run = s->ord;
@@ -137,17 +143,21 @@ void sweep(uint64_t now, int pressure) {
       s->lost_since = 0;
       continue;
     }
-    if (!s->lost_since) s->lost_since = now;
-    if (pressure || older_than(now, s->lost_since, G.settle_ns)) {
-      if (sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_REJECT_LOST_CHANNEL, now)) {
-        atomic_fetch_add_explicit(&G.lost_channel, 1, memory_order_relaxed);
-        atomic_fetch_add_explicit(&G.rejected, 1, memory_order_relaxed);
-        ended++;
-      }
+    if (!s->lost_since) { /* since a newer operation ended, if that is what made it lost; else since now */
+      uint64_t at = atomic_load_explicit(&c->kch_done_at, memory_order_relaxed);
+      s->lost_since = stopped == 0 && at && at < now ? at : now;
+    }
+    if ((pressure || older_than(now, s->lost_since, G.settle_ns)) &&
+        sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_REJECT_LOST_CHANNEL, now)) {
+      atomic_fetch_add_explicit(&G.lost_channel, 1, memory_order_relaxed);
+      atomic_fetch_add_explicit(&G.rejected, 1, memory_order_relaxed);
+      ended++;
     }
   }
   if (pressure) atomic_store_explicit(&pressure_ended, ended > 0, memory_order_relaxed);
+  atomic_store_explicit(&G.sweep_live, live > 0, memory_order_relaxed);
   if (G.pops) pops_reclaim();
+  return 1;
 }
 
 struct slot *slot_alloc(uint64_t now, uint32_t *idx_out) {

@@ -237,3 +237,19 @@ def test_finalize_ends_a_record_held_by_open_proxyops_as_done(lib, plugin, tmp_p
     done = [r for r in log if r["event"] == "done"]
     assert len(done) == 24 and not [r for r in log if r["event"] == "abandoned"]
     assert all(flags(r) & F_NET_UNFINISHED and int(r["gpu_ns"]) > 0 for r in done)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("habit", ["stale_kernelch_handle", "proxyops_never_stopped"])
+def test_an_idle_job_ends_what_waits_for_a_stop_within_settle_ms(lib, plugin, tmp_path, version, habit):
+    """The job stops calling NCCL; what waits for a stop NCCL never sends ends
+    within SETTLE_MS (default 1 s) and a quarter of it, whatever the announce
+    period (here 10 s: the sweep has its own cadence while records are in
+    flight). The job is destroyed 1.8 s after its last kernel: every record
+    went out before the first finalize."""
+    _, log, _ = run(lib, plugin, tmp_path, version,
+                    dict(HABITS[habit], NCCL_EXPORTER_PROFILER_ANNOUNCE_MS="10000", INPROC_PAUSE_S="1.8"))
+    first_fin = next(i for i, r in enumerate(log) if r["event"] == "finalize")
+    before = [r for r in log[:first_fin] if r["event"] == "done"]
+    assert len(before) == 24 and not [r for r in log if r["event"] == "abandoned"], \
+        (len(before), [r for r in log if r["event"] == "abandoned"][:2])
