@@ -150,3 +150,48 @@ def test_every_simulator_habit_switch_is_sanitized():
     switched = {k for s in SCENARIOS.values() for k, v in s[3].items() if k.startswith("NCCL_SIM_GPU_") and v != "0"}
     missing = read - SETTINGS - switched
     assert not missing, f"habit switches no sanitizer scenario turns on: {sorted(missing)}"
+
+
+def table_tests(markdown: str) -> list[str]:
+    """The test ids the test column of docs/plugin.md's "NCCL habits" table
+    names: `file::name[id]`, then `[id]` alone for more ids of the same test;
+    `[4-7]` is [4] .. [7], `[x-4-7]` is [x-4] .. [x-7]."""
+    section = markdown.split("## NCCL habits", 1)[1].split("\n## ", 1)[0]
+    table = next(b for b in section.split("\n\n") if b.startswith("| habit"))
+    out = []
+    for row in table.splitlines()[2:]:
+        cell = re.split(r"(?<!\\) \| ", row.strip().strip("|"))[-1]
+        test = None
+        for tok in re.findall(r"`([^`]+)`", cell):
+            m = re.fullmatch(r"(tests/[\w/]+\.py::\w+)(\[[^\]]*\])?", tok)
+            if m:
+                test, tok = m.group(1), m.group(2)
+                if tok is None:
+                    out.append(test)
+                    continue
+            if test is None or not re.fullmatch(r"\[[^\]]*\]", tok):
+                continue
+            ids = tok[1:-1]
+            r = re.fullmatch(r"(.*?-?)4-7", ids)
+            out += [f"{test}[{r.group(1)}{v}]" for v in range(4, 8)] if r else [f"{test}[{ids}]"]
+    return out
+
+
+def test_the_habits_table_names_tests_that_exist():
+    """Every test the habits table names, with every id, is one pytest collects."""
+    named = table_tests((REPO / "docs" / "plugin.md").read_text())
+    files = sorted({t.split("::")[0] for t in named})
+    assert len(named) > 60 and "tests/test_plugin_habits_proxy.py" in files, named
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    collected = {line.strip() for line in p.stdout.splitlines()}
+    missing = [t for t in named if t not in collected and t not in {c.split("[")[0] for c in collected}]
+    assert not missing, missing
+
+
+def test_the_table_parser_sees_a_wrong_id():
+    """The check can fail: a table naming an id or a test that does not exist."""
+    md = ("## NCCL habits\n\nintro\n\n| habit | test |\n|---|---|\n| a | x | "
+          "`tests/t.py::test_a[4-7]`, `[b-4-7]`, `tests/t.py::test_b` |\n\nafter\n")
+    assert table_tests(md) == [f"tests/t.py::test_a[{v}]" for v in range(4, 8)] + \
+        [f"tests/t.py::test_a[b-{v}]" for v in range(4, 8)] + ["tests/t.py::test_b"]
