@@ -207,6 +207,8 @@ def test_sweep_beside_running_operations_reclaims_nothing_live(plugin, tmp_path)
     assert stats["completed"] == "20000" and stats["abandoned"] == "0"
 
 
+# slow: seconds of waiting for the defaults' SETTLE_MS, and a margin a loaded machine eats
+@pytest.mark.slow
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("habit", ["stale_kernelch_handle", "proxyops_never_stopped"])
 def test_records_waiting_for_a_stop_never_cost_a_drop(lib, plugin, tmp_path, version, habit):
@@ -239,6 +241,8 @@ def test_finalize_ends_a_record_held_by_open_proxyops_as_done(lib, plugin, tmp_p
     assert all(flags(r) & F_NET_UNFINISHED and int(r["gpu_ns"]) > 0 for r in done)
 
 
+# slow: seconds of waiting for the defaults' SETTLE_MS, and a margin a loaded machine eats
+@pytest.mark.slow
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("habit", ["stale_kernelch_handle", "proxyops_never_stopped"])
 def test_an_idle_job_ends_what_waits_for_a_stop_within_settle_ms(lib, plugin, tmp_path, version, habit):
