@@ -92,14 +92,21 @@ void release_at_finalize(struct slot *s, uint64_t now) {
 
 /* Under pressure a sweep runs at once, unless the last one under pressure
  * ended nothing: then 10 ms after the last sweep (a pool full of operations
- * in flight is not scanned at every start). */
+ * in flight is not scanned at every start). One sweep at a time: two at once
+ * would both write each communicator's sweep_min_run, and one could then
+ * take an operation as lost while an older one runs. */
 static atomic_int pressure_ended = 1;
+static atomic_flag sweeping = ATOMIC_FLAG_INIT;
 
 int sweep(uint64_t now, int pressure) { /* 1 if it ran (not rate-limited) */
   uint64_t last = atomic_load(&G.last_sweep);
   int again = pressure && (now - last >= 10000000ull || atomic_load_explicit(&pressure_ended, memory_order_relaxed));
   if (last >= now || (now - last < 100000000ull && !again)) return 0;
-  if (!atomic_compare_exchange_strong(&G.last_sweep, &last, now)) return 0;
+  if (atomic_flag_test_and_set_explicit(&sweeping, memory_order_acquire)) return 0;
+  if (!atomic_compare_exchange_strong(&G.last_sweep, &last, now)) {
+    atomic_flag_clear_explicit(&sweeping, memory_order_release);
+    return 0;
+  }
   int ended = 0, live = 0;
   for (uint32_t i = 0; ctx_arena && i < ctx_used; i++) ctx_arena[i].sweep_min_run = UINT64_MAX;
   for (uint32_t i = 0; i < G.nslots; i++) { /* the oldest running operation per communicator */
@@ -157,6 +164,7 @@ int sweep(uint64_t now, int pressure) { /* 1 if it ran (not rate-limited) */
   if (pressure) atomic_store_explicit(&pressure_ended, ended > 0, memory_order_relaxed);
   atomic_store_explicit(&G.sweep_live, live > 0, memory_order_relaxed);
   if (G.pops) pops_reclaim();
+  atomic_flag_clear_explicit(&sweeping, memory_order_release);
   return 1;
 }
 

@@ -257,3 +257,21 @@ def test_an_idle_job_ends_what_waits_for_a_stop_within_settle_ms(lib, plugin, tm
     before = [r for r in log[:first_fin] if r["event"] == "done"]
     assert len(before) == 24 and not [r for r in log if r["event"] == "abandoned"], \
         (len(before), [r for r in log if r["event"] == "abandoned"][:2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sweeps_from_several_threads_have_no_data_race(lib, tmp_path, version):
+    """The sweep runs from the announcer thread, at an operation's start and
+    when the pool is full (here all three, with 16 records and both habits
+    that make records wait for a stop): the plugin built with -fsanitize=thread
+    reports no data race in its own code. Two sweeps at once wrote each
+    communicator's oldest running operation, so one could take an operation as
+    lost while an older one ran."""
+    tsan = build_plugin_sanitized(tmp_path / "tsan", "thread")
+    env = dict(sanitizer_env("thread"), **SWEEP, **HABITS["stale_handle_and_proxyops_never_stopped"],
+               NCCL_EXPORTER_PROFILER_POOL="16", NCCL_EXPORTER_PROFILER_POOL_MAX="16")
+    _, _, proc = run(lib, tsan, tmp_path, version, env, iters=12)
+    reports = proc.stderr.split("WARNING: ThreadSanitizer")[1:]
+    ours = [r for r in reports if "/plugin/" in r.split("\n\n")[0]]
+    assert not ours, ours[0][:3000]
