@@ -9,10 +9,11 @@
 /* comm_init: a small thread of ours calls nccl_exporter_comm_live for each */
 /* live communicator once a period (NCCL_EXPORTER_PROFILER_ANNOUNCE_MS,     */
 /* default 1000; 0: never), so the agent knows them within a period, idle   */
-/* or hung ones included. Off NCCL's threads; costs one wake-up a period    */
-/* and, with an agent attached, one uprobe hit per communicator. The thread */
-/* starts with the first communicator and is joined when the last is        */
-/* finalized (NCCL dlcloses us after that).                                 */
+/* or hung ones included. Off NCCL's threads; costs a wake-up every         */
+/* quarter of SETTLE_MS (it sweeps too: below) and, with an agent           */
+/* attached, one uprobe hit per communicator a period. The thread starts    */
+/* with the first communicator and is joined when the last is finalized     */
+/* (NCCL dlcloses us after that).                                           */
 
 #define ANNOUNCE_MAX 256 /* communicators announced per process (more: the first 256) */
 
