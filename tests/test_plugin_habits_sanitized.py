@@ -60,6 +60,9 @@ SCENARIOS = {
     "alltoall_as_p2p": (A2A, ["4"], "a2a ok", {"NCCL_SIM_GPU_ALLTOALL_P2P": "1"}, ALL),
     "broadcast_desync_early": (BCAST, ["8"], "bcast ok", {"NCCL_SIM_GPU_BCAST_DESYNC": "1"}, GE_2_29),
     "broadcast_desync_long": (BCAST, ["8"], "bcast ok", {"NCCL_SIM_GPU_BCAST_DESYNC": "2"}, GE_2_29),
+    # collectives NCCL gives no Coll event (docs/simulator.md): the job's AllReduces have 256 elements
+    "copy_engine_collectives": (*INPROC_JOB, {"NCCL_SIM_GPU_CE_COUNT": "256"}, (5, 6, 7)),
+    "symmetric_kernels": (*INPROC_JOB, {"NCCL_SIM_GPU_SYMK_COUNT": "256"}, ALL),
 }
 
 # NCCL's side played in Python (tests/plugin/fake_nccl.py) by the habit tests
@@ -79,10 +82,13 @@ PLAYED = {
 }
 
 # Simulator settings that are not habits of NCCL's (sizes, clocks, the mode
-# itself), and the fault a test injects (a stalled stream: scenario above).
+# itself), the fault a test injects (a stalled stream: scenario above), and a
+# habit on by default in every scenario (a count-0 collective discarded; =0
+# is the simulator's old numbering).
 SETTINGS = {"NCCL_SIM_GPU", "NCCL_SIM_GPU_PROFILER_VERSION", "NCCL_SIM_GPU_CHANNELS", "NCCL_SIM_GPU_KERNEL_US",
             "NCCL_SIM_GPU_TIMER_OFFSET_NS", "NCCL_SIM_GPU_DRIFT_PPM", "NCCL_SIM_GPU_QUEUE", "NCCL_SIM_GPU_NNODES",
-            "NCCL_SIM_GPU_NET_STEPS", "NCCL_SIM_GPU_CHUNK", "NCCL_SIM_GPU_STEP_TRUTH", "NCCL_SIM_GPU_STALL_AFTER"}
+            "NCCL_SIM_GPU_NET_STEPS", "NCCL_SIM_GPU_CHUNK", "NCCL_SIM_GPU_STEP_TRUTH", "NCCL_SIM_GPU_STALL_AFTER",
+            "NCCL_SIM_GPU_DISCARD_EMPTY"}
 
 
 @pytest.fixture(scope="module")
