@@ -26,6 +26,9 @@ within 2 s, and every operation must have given exactly one done or
 abandoned record; then VmRSS is sampled. Prints one line
 per round and a summary; exits 1 if anything stayed in flight or RSS grew by
 more than --rss-slack-kib between the second round and the last.
+
+bench/plugin_soak_sim.py soaks the plugin through the simulator instead, one
+job per habit switch of its GPU-like mode (the proxy thread's habits too).
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@
 /* comm_init: a small thread of ours calls nccl_exporter_comm_live for each */
 /* live communicator once a period (NCCL_EXPORTER_PROFILER_ANNOUNCE_MS,     */
 /* default 1000; 0: never), so the agent knows them within a period, idle   */
-/* or hung ones included. Off NCCL's threads; costs one wake-up a period    */
-/* and, with an agent attached, one uprobe hit per communicator. The thread */
-/* starts with the first communicator and is joined when the last is        */
-/* finalized (NCCL dlcloses us after that).                                 */
+/* or hung ones included. Off NCCL's threads; costs a wake-up every         */
+/* quarter of SETTLE_MS (it sweeps too: below) and, with an agent           */
+/* attached, one uprobe hit per communicator a period. The thread starts    */
+/* with the first communicator and is joined when the last is finalized     */
+/* (NCCL dlcloses us after that).                                           */
 
 #define ANNOUNCE_MAX 256 /* communicators announced per process (more: the first 256) */
 
@@ -37,22 +38,37 @@ struct nccl_exporter_comm comm_record(const struct ctx *c) {
   return ci;
 }
 
+/* Once a period it announces. Every SETTLE_MS / 4 (at least 100 ms; at most
+ * the period) it sweeps (records NCCL will never complete, also while the job
+ * is idle: pool.c) if the last sweep found records in flight or operations
+ * started since; else it only looks at two counters. */
 static void *announcer(void *arg) {
-  uint64_t mine = (uint64_t)(uintptr_t)arg;
+  uint64_t mine = (uint64_t)(uintptr_t)arg, period_ns = A.period_ms * 1000000ull;
+  uint64_t quarter = G.settle_ns / 4 < 100000000ull ? 100000000ull : G.settle_ns / 4;
+  uint64_t next = mono_ns() + period_ns;
+  uint32_t seen = 0; /* the pool's allocation cursor at the last sweep: moved, operations started since */
   pthread_mutex_lock(&A.lock);
   while (A.gen == mine) {
+    uint64_t wait = quarter, now = mono_ns();
+    if (next > now && next - now < wait) wait = next - now;
     struct timespec t;
     clock_gettime(CLOCK_REALTIME, &t);
-    uint64_t ns = (uint64_t)t.tv_nsec + A.period_ms * 1000000ull;
+    uint64_t ns = (uint64_t)t.tv_nsec + wait;
     t.tv_sec += (time_t)(ns / 1000000000ull);
     t.tv_nsec = (long)(ns % 1000000000ull);
     pthread_cond_timedwait(&A.wake, &A.lock, &t);
     if (A.gen != mine) break;
-    for (int i = 0; i < A.n; i++) {
-      struct nccl_exporter_comm ci = comm_record(A.live[i]);
-      hook_comm_live(&ci);
+    now = mono_ns();
+    if (now + 1000000ull >= next) { /* a period since the last announcement (1 ms of timer slack) */
+      next = now + period_ns;
+      for (int i = 0; i < A.n; i++) {
+        struct nccl_exporter_comm ci = comm_record(A.live[i]);
+        hook_comm_live(&ci);
+      }
     }
-    if (G.slots) sweep(mono_ns(), 0); /* records NCCL will never complete, also while the job is idle */
+    uint32_t cur = atomic_load_explicit(&G.cursor, memory_order_relaxed);
+    if (G.slots && (cur != seen || atomic_load_explicit(&G.sweep_live, memory_order_relaxed)) && sweep(now, 0))
+      seen = cur;
   }
   pthread_mutex_unlock(&A.lock);
   return NULL;

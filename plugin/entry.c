@@ -249,10 +249,11 @@ nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mask, cons
   G.ncomms++;
   int first = G.ncomms == 1;
   pthread_mutex_unlock(&G.lock);
+  int now_mask = __atomic_load_n(mask, __ATOMIC_RELAXED); /* another communicator's init may OR into it */
 
   if (first)
     logmsg(NXP_LOG_INFO, "nccl-exporter profiler: v%d, mask 0x%x, pool %u, proxy %s (pool %u), log %s, chain %s", ver,
-           *mask, G.nslots, G.proxy_on ? "on" : "off", G.npops, G.log_fd >= 0 ? "on" : "off", G.chain ? "on" : "off");
+           now_mask, G.nslots, G.proxy_on ? "on" : "off", G.npops, G.log_fd >= 0 ? "on" : "off", G.chain ? "on" : "off");
   if (first && ver >= 7 && (G.our_mask & NXP_EV_KERNEL_CH))
     logmsg(NXP_LOG_INFO, "nccl-exporter profiler: NCCL >= 2.31 (interface v7) also makes its kernels write "
            "per-phase timestamps and a fence when KernelCh is asked for (NVIDIA/nccl#2355: 4-13 %% GPU time on 2.31.2); "
@@ -262,7 +263,7 @@ nxp_result_t common_init(int ver, void **context, uint64_t hash, int *mask, cons
   if (G.log_fd >= 0) {
     char line[256];
     int n = snprintf(line, sizeof line, "nccl-exporter-profiler event=init comm=0x%016" PRIx64 " rank=%d nranks=%d nnodes=%d iface=v%d mask=0x%x chain=v%d pid=%d\n",
-                     hash, rank, nranks, nnodes, ver, *mask, G.chain_ver, (int)getpid());
+                     hash, rank, nranks, nnodes, ver, now_mask, G.chain_ver, (int)getpid());
     if (n > 0 && write(G.log_fd, line, (size_t)n) < 0) { /* best effort */ }
   }
   *context = c;
@@ -279,7 +280,7 @@ nxp_result_t common_finalize(void *context) {
     struct slot *s = &G.slots[i];
     if (atomic_load_explicit(&s->state, memory_order_acquire) == SLOT_LIVE && s->ctx == c) {
       pending++;
-      release(s, NCCL_EXPORTER_F_FINALIZED, now);
+      release_at_finalize(s, now);
     }
   }
   if (G.pops) pops_reclaim(); /* its ProxyOps NCCL will not stop now */

@@ -225,6 +225,7 @@ void ours_kch_stop_state(void *h, uint64_t ptimer) {
     uint64_t mine = s->ord + 1, seen = atomic_load_explicit(&s->ctx->kch_done_ord, memory_order_relaxed);
     while (seen < mine && !atomic_compare_exchange_weak(&s->ctx->kch_done_ord, &seen, mine)) {
     }
+    atomic_store_explicit(&s->ctx->kch_done_at, now, memory_order_relaxed);
     atomic_store(&s->kch_done, 1);
     if (atomic_load(&s->proxy_open) == 0) finish(s, NCCL_EXPORTER_STATE_DONE, reject, now);
     /* CHANNELS_UNKNOWN: channels starting after this are not waited for (a stale handle, counted) */

@@ -101,6 +101,7 @@ struct ctx {
   /* operations in start order (slot.ord), for sweep(): */
   _Atomic uint64_t ord_next;
   _Atomic uint64_t kch_done_ord; /* 1 + the newest ord whose every KernelCh stopped (0: none) */
+  _Atomic uint64_t kch_done_at;  /* when the last of them stopped (sweep(): since when one is lost) */
   uint64_t sweep_min_run;        /* sweep(): the oldest ord with a KernelCh running (UINT64_MAX: none) */
 };
 
@@ -176,6 +177,7 @@ struct plugin_state {
   _Atomic uint64_t proxy_ops, proxy_foreign, proxy_orphan, proxy_late, proxy_dropped;
   _Atomic uint64_t lost_channel, net_unfinished, proxy_reclaimed, dup_stops;
   uint64_t settle_ns;       /* how long a stop NCCL may never send is waited for (sweep) */
+  atomic_int sweep_live;    /* the last sweep found records in flight: the announcer sweeps again (announce.c) */
   /* chain */
   void *chain_dl;
   int chain_ver;            /* 4..7, 0 = none */
@@ -241,7 +243,8 @@ uint64_t env_u64(const char *name, uint64_t dflt, uint64_t lo, uint64_t hi);
 /* pool.c: the record pool and its ages */
 struct slot *slot_alloc(uint64_t now, uint32_t *idx_out);
 void release(struct slot *s, uint32_t abandon_flags, uint64_t now);
-void sweep(uint64_t now, int pressure);
+void release_at_finalize(struct slot *s, uint64_t now);
+int sweep(uint64_t now, int pressure);
 
 /* The live slot a handle refers to, or NULL (stale/foreign). */
 static inline struct slot *h_slot(void *h, uint32_t *sub) {

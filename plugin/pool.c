@@ -42,6 +42,14 @@ void release(struct slot *s, uint32_t abandon_flags, uint64_t now) {
  *    the SHM/P2P copy-engine modes never do): once the last KernelCh stopped,
  *    open ProxyOps hold the done record back for SETTLE_MS at most, then it
  *    goes out with F_NET_UNFINISHED and the slot is reclaimed;
+ *  - while records are in flight (sweep_live, or operations started since
+ *    its last sweep: announce.c), the announcer sweeps every
+ *    SETTLE_MS / 4 (at least 100 ms), not only once a period: an idle job's
+ *    records that waited for a stop end within SETTLE_MS and a quarter of it
+ *    after the event that made them wait;
+ *  - with the pool full (pressure), the last two end at once: at a job's pace
+ *    more records wait for SETTLE_MS than the pool holds, and a new operation
+ *    dropped would lose more than these records' missing stops;
  *  - ProxyOp entries whose operation was reclaimed (finalize, age-out, the
  *    cases above) go back to their pool. */
 
@@ -49,26 +57,62 @@ void release(struct slot *s, uint32_t abandon_flags, uint64_t now) {
  * LIVE -> CLOSING CAS, unless the operation ended and the slot went to another
  * one meanwhile (then it is put back at once, untouched). Emits the record
  * (state DONE or ABANDONED, with flags) unless it went out already. */
-static void sweep_end(struct slot *s, uint32_t gen0, uint8_t state, uint32_t flags, uint64_t now) {
+static int sweep_end(struct slot *s, uint32_t gen0, uint8_t state, uint32_t flags, uint64_t now) {
   uint32_t live = SLOT_LIVE;
-  if (!atomic_compare_exchange_strong(&s->state, &live, SLOT_CLOSING)) return;
+  if (!atomic_compare_exchange_strong(&s->state, &live, SLOT_CLOSING)) return 0;
   if (atomic_load(&s->gen) != gen0) {
     atomic_store_explicit(&s->state, SLOT_LIVE, memory_order_release);
-    return;
+    return 0;
   }
   if (!atomic_load(&s->finished)) finish(s, state, flags, now);
   atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
   atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
+  return 1;
 }
 
-void sweep(uint64_t now, int pressure) {
+/* A record whose kernel is done and that waits only for ProxyOps NCCL never
+ * stops: done, F_NET_UNFINISHED (the sweep after SETTLE_MS, under pressure at
+ * once, a communicator's finalize: its GPU interval is whole, it is no
+ * abandoned operation). 1 if this call ended it. */
+static int end_net_unfinished(struct slot *s, uint32_t gen0, uint64_t now) {
+  if (!sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, s->done_reject | NCCL_EXPORTER_F_NET_UNFINISHED, now)) return 0;
+  atomic_fetch_add_explicit(&G.net_unfinished, 1, memory_order_relaxed);
+  return 1;
+}
+
+/* A communicator's finalize: its live records end, abandoned (F_FINALIZED)
+ * unless only open ProxyOps held them (end_net_unfinished). */
+void release_at_finalize(struct slot *s, uint64_t now) {
+  uint32_t gen0 = atomic_load_explicit(&s->gen, memory_order_acquire);
+  if (atomic_load(&s->kch_done) && !atomic_load(&s->finished) && atomic_load(&s->proxy_open) > 0 &&
+      end_net_unfinished(s, gen0, now))
+    return;
+  release(s, NCCL_EXPORTER_F_FINALIZED, now);
+}
+
+/* Under pressure a sweep runs at once, unless the last one under pressure
+ * ended nothing: then 10 ms after the last sweep (a pool full of operations
+ * in flight is not scanned at every start). One sweep at a time: two at once
+ * would both write each communicator's sweep_min_run, and one could then
+ * take an operation as lost while an older one runs. */
+static atomic_int pressure_ended = 1;
+static atomic_flag sweeping = ATOMIC_FLAG_INIT;
+
+int sweep(uint64_t now, int pressure) { /* 1 if it ran (not rate-limited) */
   uint64_t last = atomic_load(&G.last_sweep);
-  if (last >= now || (now - last < 100000000ull && !(pressure && now - last >= 10000000ull))) return;
-  if (!atomic_compare_exchange_strong(&G.last_sweep, &last, now)) return;
+  int again = pressure && (now - last >= 10000000ull || atomic_load_explicit(&pressure_ended, memory_order_relaxed));
+  if (last >= now || (now - last < 100000000ull && !again)) return 0;
+  if (atomic_flag_test_and_set_explicit(&sweeping, memory_order_acquire)) return 0;
+  if (!atomic_compare_exchange_strong(&G.last_sweep, &last, now)) {
+    atomic_flag_clear_explicit(&sweeping, memory_order_release);
+    return 0;
+  }
+  int ended = 0, live = 0;
   for (uint32_t i = 0; ctx_arena && i < ctx_used; i++) ctx_arena[i].sweep_min_run = UINT64_MAX;
   for (uint32_t i = 0; i < G.nslots; i++) { /* the oldest running operation per communicator */
     struct slot *s = &G.slots[i];
     if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
+    live++;
     if (atomic_load_explicit(&s->started, memory_order_relaxed) > atomic_load_explicit(&s->stopped, memory_order_relaxed) &&
         s->ord < s->ctx->sweep_min_run)
       s->ctx->sweep_min_run = s->ord;
@@ -90,10 +134,8 @@ void sweep(uint64_t now, int pressure) {
     }
     if (atomic_load(&s->finished)) continue;
     if (atomic_load(&s->kch_done)) {
-      if (atomic_load(&s->proxy_open) > 0 && older_than(now, s->done_now, G.settle_ns)) {
-        atomic_fetch_add_explicit(&G.net_unfinished, 1, memory_order_relaxed);
-        sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, s->done_reject | NCCL_EXPORTER_F_NET_UNFINISHED, now);
-      }
+      if (atomic_load(&s->proxy_open) > 0 && (pressure || older_than(now, s->done_now, G.settle_ns)))
+        ended += end_net_unfinished(s, gen0, now);
       continue;
     }
     struct ctx *c = s->ctx;
@@ -106,15 +148,24 @@ void sweep(uint64_t now, int pressure) {
                (stopped > 0 || atomic_load_explicit(&c->kch_done_ord, memory_order_relaxed) > s->ord + 1);
     if (!lost) {
       s->lost_since = 0;
-    } else if (!s->lost_since) {
-      s->lost_since = now;
-    } else if (older_than(now, s->lost_since, G.settle_ns)) {
+      continue;
+    }
+    if (!s->lost_since) { /* since a newer operation ended, if that is what made it lost; else since now */
+      uint64_t at = atomic_load_explicit(&c->kch_done_at, memory_order_relaxed);
+      s->lost_since = stopped == 0 && at && at < now ? at : now;
+    }
+    if ((pressure || older_than(now, s->lost_since, G.settle_ns)) &&
+        sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_REJECT_LOST_CHANNEL, now)) {
       atomic_fetch_add_explicit(&G.lost_channel, 1, memory_order_relaxed);
       atomic_fetch_add_explicit(&G.rejected, 1, memory_order_relaxed);
-      sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_REJECT_LOST_CHANNEL, now);
+      ended++;
     }
   }
+  if (pressure) atomic_store_explicit(&pressure_ended, ended > 0, memory_order_relaxed);
+  atomic_store_explicit(&G.sweep_live, live > 0, memory_order_relaxed);
   if (G.pops) pops_reclaim();
+  atomic_flag_clear_explicit(&sweeping, memory_order_release);
+  return 1;
 }
 
 struct slot *slot_alloc(uint64_t now, uint32_t *idx_out) {

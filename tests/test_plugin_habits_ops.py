@@ -76,6 +76,24 @@ def test_sim_failed_init_unload_leaves_the_job_running(lib, plugin, tmp_path, ve
     assert p.returncode == 0
 
 
+@pytest.mark.parametrize("version", (6, 7))   # 2.30.x (v6; 2.29 does not), and later until shown otherwise
+def test_sim_init_error_unload_never_comes(lib, plugin, tmp_path, version):
+    """The simulator's NCCL_SIM_GPU_INIT_ERROR_UNLOADS=1 plays 2.30's unload at
+    an init that returns an error, and again in commFree (v2.30.7-1
+    src/plugin/profiler.cc:253, :268), with NCCL's load count on
+    (NCCL_SIM_GPU_UNLOAD=1). The plugin's init succeeds, also with settings it
+    cannot use: NCCL never logs an init failure, keeps the plugin, and every
+    operation of both communicators is recorded."""
+    recs, log, p = inproc(lib, tmp_path, nranks=2, iters=6, plugin=plugin,
+                          env={"NCCL_SIM_GPU_UNLOAD": "1", "NCCL_SIM_GPU_INIT_ERROR_UNLOADS": "1",
+                               "NCCL_SIM_GPU_PROFILER_VERSION": str(version),
+                               "NCCL_EXPORTER_PROFILER_POOL": "nonsense",
+                               "NCCL_EXPORTER_PROFILER_CHAIN": "/nonexistent.so", "NCCL_DEBUG": "INFO"})
+    assert "init failed" not in p.stderr and p.stderr.count("Closing profiler plugin") == 1   # at the last commFree
+    done = [r for r in log if r["event"] == "done"]
+    assert len([r for r in log if r["event"] == "init"]) == 2 and len(done) == 24, log
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_init_never_returns_an_error(plugin, version):
     """NCCL 2.30.x unloads the plugin at once when init returns an error and

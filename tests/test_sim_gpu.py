@@ -150,10 +150,14 @@ def test_interface_versions_and_unzeroed_descriptors(lib, plugin, tmp_path, vers
         assert int(r["gpu_start_timer"]) == t["gpu_start_timer"] and int(r["gpu_stop_timer"]) == t["gpu_stop_timer"]
 
 
-def test_late_kernelch_start_is_still_exact(lib, plugin, tmp_path):
+@pytest.mark.parametrize("version", [4, 5, 6, 7])
+def test_late_kernelch_start_is_still_exact(lib, plugin, tmp_path, version):
     """NCCL_SIM_GPU_LATE_EVERY=2: every second kernel's KernelCh starts are delivered
-    only after it ended (start and stop back to back)."""
-    recs, log, _ = inproc(lib, tmp_path, plugin=plugin, env={"NCCL_SIM_GPU_LATE_EVERY": "2"})
+    only after it ended (start and stop back to back), through every interface
+    version (the proxy thread polls the start and stop timers in one pass on
+    2.27 - 2.30 as later)."""
+    recs, log, _ = inproc(lib, tmp_path, plugin=plugin, env={"NCCL_SIM_GPU_LATE_EVERY": "2",
+                                                             "NCCL_SIM_GPU_PROFILER_VERSION": str(version)})
     truth = {(r["comm_hash"], r["rank"], r["seq"]): r for r in gpu_kernels(recs, "ALL_REDUCE")}
     colls = [r for r in log if r["event"] == "done" and r["kind"] == "coll"]
     late = 0
@@ -185,12 +189,14 @@ def test_null_handle_suppresses_later_calls(lib, chained, tmp_path):
     assert sum(r["profiled"] for r in gpu_kernels(recs, "ALL_REDUCE")) == 0
 
 
-def test_abort_purges_pending_kernelch_without_stop(lib, plugin, tmp_path):
+@pytest.mark.parametrize("version", [4, 5, 6, 7])
+def test_abort_purges_pending_kernelch_without_stop(lib, plugin, tmp_path, version):
     """Comm rank 1's stream stalls after 2 kernels: rank 0's third AllReduce has
     started its KernelCh and waits for its peer; the rest is queued. Abort purges
     both kinds with no stopEvent; the plugin reclaims them at finalize."""
     recs, log, _ = inproc(lib, tmp_path, plugin=plugin, iters=6, end="abort",
-                          env={"NCCL_SIM_GPU_STALL_RANK": "1", "NCCL_SIM_GPU_STALL_AFTER": "2", "RANK": ""})
+                          env={"NCCL_SIM_GPU_STALL_RANK": "1", "NCCL_SIM_GPU_STALL_AFTER": "2", "RANK": "",
+                               "NCCL_SIM_GPU_PROFILER_VERSION": str(version)})
     assert len(gpu_events(recs, "GPU_STALL")) == 1
     purged = gpu_kernels(recs, state="purged")
     assert any(r["kernelch_started"] > 0 for r in purged) and any(r["kernelch_started"] == 0 for r in purged)
@@ -255,8 +261,9 @@ print("bcast ok")
 # (seen in the clean room; 1-2 of 6 loaded runs on the old tree too). `make
 # test` runs it alone.
 @pytest.mark.slow
+@pytest.mark.parametrize("version", [6, 7])   # NCCL >= 2.29 (v6: 2.29/2.30, v7: later)
 @pytest.mark.parametrize("mode,reason", [("1", 0x100), ("2", 0x80)])
-def test_broadcast_desync_intervals_are_rejected(lib, plugin, tmp_path, mode, reason):
+def test_broadcast_desync_intervals_are_rejected(lib, plugin, tmp_path, mode, reason, version):
     """NCCL >= 2.29's Broadcast on the AllGatherV path (NCCL_SIM_GPU_BCAST_DESYNC):
     no Coll event for it, and every later kernel of the communicator delivers an
     older kernel's timers: both (mode 1: an interval before its own enqueue) or
@@ -267,8 +274,8 @@ def test_broadcast_desync_intervals_are_rejected(lib, plugin, tmp_path, mode, re
     script.write_text(BCAST)
     truth, plog = tmp_path / "truth.jsonl", tmp_path / "plugin.log"
     e = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_TRUTH=str(truth), NCCL_SIM_GPU_KERNEL_US="5000",
-             NCCL_SIM_GPU_BCAST_DESYNC=mode, NCCL_PROFILER_PLUGIN=str(plugin),
-             NCCL_EXPORTER_PROFILER_LOG=str(plog), PYTHONPATH=str(REPO))
+             NCCL_SIM_GPU_BCAST_DESYNC=mode, NCCL_PROFILER_PLUGIN=str(plugin), NCCL_EXPORTER_PROFILER_LOG=str(plog),
+             NCCL_SIM_GPU_PROFILER_VERSION=str(version), PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable, str(script), str(lib), "12"], env=e, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0 and "bcast ok" in p.stdout, p.stdout + p.stderr
