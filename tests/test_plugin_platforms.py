@@ -161,3 +161,45 @@ def test_aarch64_plugin_in_the_simulator(arm, tmp_path):
         assert [int(r["seq"]) for r in mine] == list(range(8)), mine
         assert {(r["op"], r["bytes"], r["count"]) for r in mine} == {("AllReduce", "4096", "1024")}
         assert all(int(r["gpu_ns"]) > 0 for r in mine)
+
+
+# --- the agent and another architecture's plugin ---------------------------------
+
+def test_the_agent_never_probes_another_architectures_build(plugins, bpf, tmp_path):
+    """qemu-user maps its guest's libraries, so an x86-64 process can map the
+    aarch64 plugin: the agent's discovery finds it, and a uprobe there would
+    write an x86 int3 over an aarch64 instruction (the aarch64 runs under
+    qemu died of SIGILL while an agent ran). It is never probed, and
+    --nccl-lib refuses another architecture's library in one line."""
+    import sys
+
+    from exporter.sources.bpf import ProbeError
+    from exporter.sources.nccl import elf, libfind
+    from exporter.sources.plugin.source import PluginSource, has_hooks, mapped_plugins
+
+    arm = tmp_path / "libnccl-profiler-exporter.so"
+    shutil.copy(plugins["aarch64"], arm)
+    assert elf.runs_here(plugins["x86_64"]) and not elf.runs_here(arm)
+    assert has_hooks(str(plugins["x86_64"])) and not has_hooks(str(arm))
+    holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys; f = open(sys.argv[1], 'rb'); "
+                               "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); print('mapped', flush=True); "
+                               "sys.stdin.read()", str(arm)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    from exporter.sources.nccl.probes import NcclProbes
+
+    owner = NcclProbes()  # owns the maps plugin.c shares
+    source = PluginSource()
+    try:
+        assert holder.stdout.readline() == "mapped\n"
+        assert [os.path.realpath(p) for p in mapped_plugins([holder.pid])] == [str(arm)]
+        assert source.discover([holder.pid]) == [] and source.paths == []
+        with pytest.raises(ProbeError, match="not code for this machine's CPU"):
+            source.attach(str(arm))
+        assert source.paths == []
+    finally:
+        source.close()
+        owner.close()
+        holder.kill()
+        holder.wait()
+    with pytest.raises(libfind.LibraryError, match=r"is built for another CPU than this machine's \(x86_64\)"):
+        libfind.find_libraries([str(arm)])

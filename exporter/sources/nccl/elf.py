@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import struct
 
-__all__ = ["ElfError", "is_elf", "exported_functions", "vaddr_to_offset"]
+__all__ = ["ElfError", "is_elf", "exported_functions", "vaddr_to_offset", "runs_here"]
 
 ELF_MAGIC = b"\x7fELF"
 ELFCLASS64 = 2
@@ -76,7 +76,7 @@ class _Elf:
             raise ElfError(f"{self.path}: not an ELF file")
         if len(head) < _EHDR.size:
             raise ElfError(f"{self.path}: truncated ELF file: header is {len(head)} bytes")
-        (ident, _type, _machine, _version, _entry, phoff, shoff, _flags, _ehsize,
+        (ident, _type, self.machine, _version, _entry, phoff, shoff, _flags, _ehsize,
          phentsize, phnum, shentsize, shnum, _shstrndx) = _EHDR.unpack(head)
         if ident[4] != ELFCLASS64 or ident[5] != ELFDATA2LSB:
             raise ElfError(
@@ -114,6 +114,22 @@ def is_elf(path: str | os.PathLike) -> bool:
         with open(path, "rb") as f:
             return f.read(4) == ELF_MAGIC
     except OSError:
+        return False
+
+
+# e_machine of the code this host runs (elf.h: EM_X86_64, EM_AARCH64)
+_HOST_MACHINE = {"x86_64": 62, "aarch64": 183}.get(os.uname().machine)
+
+
+def runs_here(path: str | os.PathLike) -> bool:
+    """Whether the ELF file is code for this host's CPU. A process may map
+    another architecture's library (qemu-user maps its guest's): a uprobe
+    writes an x86 int3 into the file's page cache, which corrupts the other
+    architecture's instruction there for every process that maps the file."""
+    try:
+        with _Elf(path) as e:
+            return _HOST_MACHINE is None or e.machine == _HOST_MACHINE
+    except ElfError:
         return False
 
 

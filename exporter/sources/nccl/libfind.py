@@ -57,7 +57,10 @@ def _name_matches(path: str) -> bool:
 
 
 def is_nccl_library(path: str) -> bool:
-    """True when the ELF file at `path` exports ncclAllReduce or pncclAllReduce."""
+    """True when the ELF file at `path` is code for this host's CPU and
+    exports ncclAllReduce or pncclAllReduce (elf.runs_here)."""
+    if not elf.runs_here(path):
+        return False
     try:
         funcs = elf.exported_functions(path)
     except (elf.ElfError, OSError):
@@ -215,6 +218,8 @@ def find_libraries(explicit_paths: Iterable[str]) -> list[Library]:
             raise LibraryError(f"--nccl-lib {p}: not a regular file")
         if not elf.is_elf(path):
             raise LibraryError(f"--nccl-lib {p} is not an NCCL library: not an ELF file")
+        if not elf.runs_here(path):
+            raise LibraryError(f"--nccl-lib {p} is built for another CPU than this machine's ({os.uname().machine})")
         try:
             funcs = elf.exported_functions(path)
         except elf.ElfError as e:

@@ -94,9 +94,10 @@ def mapped_plugins(pids=None, proc: str = "/proc") -> dict[str, set[int]]:
 
 
 def has_hooks(path: str) -> bool:
-    """Does the file export the plugin's hooks (ours, possibly renamed)?"""
+    """Does the file export the plugin's hooks (ours, possibly renamed), in
+    code for this machine's CPU (elf.runs_here)?"""
     try:
-        return "nccl_exporter_gpu_done" in elf.exported_functions(path)
+        return elf.runs_here(path) and "nccl_exporter_gpu_done" in elf.exported_functions(path)
     except Exception:  # noqa: BLE001 - unreadable or not an ELF: not ours
         return False
 
@@ -157,6 +158,8 @@ class PluginSource(Program, Source):
         ident = (st.st_dev, st.st_ino)
         if ident in self.attached.values():
             return False
+        if not elf.runs_here(real):  # another architecture's build (qemu-user maps it): never probed
+            raise ProbeError(f"cannot attach to the profiler plugin {path}: not code for this machine's CPU")
         done = []
         exported = set()
         try:
