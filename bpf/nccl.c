@@ -11,6 +11,8 @@
 // while recording), are sent as events on the `events` ring buffer.
 
 #include <uapi/linux/ptrace.h>
+#include <linux/sched.h>
+#include <linux/sched/signal.h>
 
 #define TRACED_OWNER  // this program owns the maps shared in traced.h
 #include "traced.h"
@@ -125,6 +127,15 @@ BPF_ARRAY(call_errors_fast, u64, OP_COUNT * ERROR_RESULTS);
 BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
 // (process, communicator pointer) -> its async error state (ncclCommGetAsyncError).
 BPF_HASH(async_errors, struct comm_key, struct async_state, MAX_COMMS);
+// Traced processes that exited, until the agent's loop reads them
+// (exporter/sources/nccl/exits.py): when, and the group's exit code (a
+// signal number in the low 7 bits where a signal ended it, else status << 8).
+struct process_exit {
+    u64 ktime_ns;
+    u32 code;
+    u32 pad;
+};
+BPF_HASH(process_exits, u32, struct process_exit, MAX_PROCESSES);
 // Per-op slow-call threshold in ns (0: off); index OP_COUNT: 1 = every call.
 BPF_ARRAY(event_config, u64, OP_COUNT + 1);
 // All zeros, never written: a new thread's slot (too big for the stack).
@@ -1014,6 +1025,16 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     }
     if ((u32)id == (u32)(id >> 32)) {
         u32 tgid = id >> 32;
+        if (traced_processes.lookup(&tgid)) {
+            // signal->group_exit_code: set by exit_group() and by a fatal
+            // signal before any thread runs do_exit.
+            struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+            struct process_exit e = {.ktime_ns = bpf_ktime_get_ns()};
+            e.code = task->signal->group_exit_code;
+            if (!e.code)
+                e.code = task->exit_code;
+            process_exits.update(&tgid, &e);
+        }
         traced_processes.delete(&tgid);
         proxy_wait.delete(&tgid);
     }

@@ -160,7 +160,7 @@ class Killed(Fault):
     """8. A rank that dies: SIGKILL."""
 
     def __init__(self, wait_s=150):
-        super().__init__("killed", "not_joined", wait_s)
+        super().__init__("killed", "died", wait_s)
 
     def inject(self, ctx, rank):
         _signal(ctx.pids[rank], signal.SIGKILL)

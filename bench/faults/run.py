@@ -228,6 +228,9 @@ class Detectors:
         if p.returncode != 1:
             return
         for h in json.loads(p.stdout).get("hangs", []):
+            for m in h.get("stopped", []):
+                if (r := self.ranks_of.get((h["comm"], str(m["rank"])))) is not None:
+                    self._emit("hang", {"rank": r}, "stopped_inside", "stopped inside")
             for m in h.get("missing", []):
                 if m.get("elsewhere"):
                     continue  # in a collective of another communicator: waiting there, a victim
