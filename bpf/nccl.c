@@ -11,8 +11,6 @@
 // while recording), are sent as events on the `events` ring buffer.
 
 #include <uapi/linux/ptrace.h>
-#include <linux/sched.h>
-#include <linux/sched/signal.h>
 
 #define TRACED_OWNER  // this program owns the maps shared in traced.h
 #include "traced.h"
@@ -128,14 +126,17 @@ BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
 // (process, communicator pointer) -> its async error state (ncclCommGetAsyncError).
 BPF_HASH(async_errors, struct comm_key, struct async_state, MAX_COMMS);
 // Traced processes that exited, until the agent's loop reads them
-// (exporter/sources/nccl/exits.py): when, and the group's exit code (a
-// signal number in the low 7 bits where a signal ended it, else status << 8).
+// (exporter/sources/nccl/exits.py): when, and the signal that ended it (0:
+// none, an exit). The signal is the first fatal one delivered to the
+// process (`fatal_signals`), read from the signal_deliver tracepoint, whose
+// fields the kernel describes at load: no kernel struct layout is assumed.
 struct process_exit {
     u64 ktime_ns;
     u32 code;
     u32 pad;
 };
 BPF_HASH(process_exits, u32, struct process_exit, MAX_PROCESSES);
+BPF_HASH(fatal_signals, u32, u32, MAX_PROCESSES);
 // Per-op slow-call threshold in ns (0: off); index OP_COUNT: 1 = every call.
 BPF_ARRAY(event_config, u64, OP_COUNT + 1);
 // All zeros, never written: a new thread's slot (too big for the stack).
@@ -1009,6 +1010,22 @@ TRACEPOINT_PROBE(sched, sched_process_fork) {
     return 0;
 }
 
+// A signal delivered to a thread of a traced process with its default
+// action (no handler: sa_handler SIG_DFL, 0; the kernel's SIGKILL path passes
+// none) that terminates: the first one is the signal that ends the process
+// (the other threads then take SIGKILL). Stop, continue and ignore-by-default
+// signals are not fatal.
+TRACEPOINT_PROBE(signal, signal_deliver) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!traced_processes.lookup(&tgid) || args->sa_handler != 0)
+        return 0;
+    u32 sig = args->sig;
+    if (sig == 17 || sig == 18 || sig == 19 || sig == 20 || sig == 21 || sig == 22 || sig == 23 || sig == 28)
+        return 0;  // SIGCHLD SIGCONT SIGSTOP SIGTSTP SIGTTIN SIGTTOU SIGURG SIGWINCH
+    fatal_signals.insert(&tgid, &sig);  // the first only
+    return 0;
+}
+
 // A thread that exits inside a call (killed, crashed, longjmp'd) never
 // returns: drop its entry so it shows no phantom hang and leaks nothing.
 TRACEPOINT_PROBE(sched, sched_process_exit) {
@@ -1026,15 +1043,13 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     if ((u32)id == (u32)(id >> 32)) {
         u32 tgid = id >> 32;
         if (traced_processes.lookup(&tgid)) {
-            // signal->group_exit_code: set by exit_group() and by a fatal
-            // signal before any thread runs do_exit.
-            struct task_struct *task = (struct task_struct *)bpf_get_current_task();
             struct process_exit e = {.ktime_ns = bpf_ktime_get_ns()};
-            e.code = task->signal->group_exit_code;
-            if (!e.code)
-                e.code = task->exit_code;
+            u32 *sig = fatal_signals.lookup(&tgid);
+            if (sig)
+                e.code = *sig;
             process_exits.update(&tgid, &e);
         }
+        fatal_signals.delete(&tgid);
         traced_processes.delete(&tgid);
         proxy_wait.delete(&tgid);
     }

@@ -109,8 +109,7 @@ class FakeNcclReader:
         return [Communicator(pid=PID, comm_ptr=0x5000, comm=COMM, nccl_comm_hash=NCCL_HASH, rank=0, nranks=2)]
 
     def exits(self):  # rank 1 of the job, killed (its process held the communicator)
-        return [RankExit(pid=PID + 1, comm=COMM, rank=1, nranks=2, time_s=1_700_000_100.5, signal="SIGKILL",
-                         status=0)]
+        return [RankExit(pid=PID + 1, comm=COMM, rank=1, nranks=2, time_s=1_700_000_100.5, signal="SIGKILL")]
 
     def async_errors(self):
         return [AsyncState(pid=PID, comm_ptr=0x5000, comm=COMM, nccl_comm_hash=NCCL_HASH, rank=0, nranks=2,

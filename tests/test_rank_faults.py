@@ -28,7 +28,7 @@ import pytest
 
 from conftest import ExporterProcess, run_cli
 from exporter.records import metrics
-from exporter.sources.nccl.exits import ExitLog, decode
+from exporter.sources.nccl.exits import ExitLog, signal_name
 from exporter.sources.processes import thread_stopped
 from tests.test_hang import C, info, inflight, page_read
 
@@ -54,11 +54,9 @@ def test_thread_stopped_reads_a_real_stopped_process():
     assert not thread_stopped(p.pid)  # gone
 
 
-def test_exit_codes_decode_as_wait_does():
-    assert decode(signal.SIGKILL) == ("SIGKILL", 0)
-    assert decode(signal.SIGSEGV | 0x80) == ("SIGSEGV", 0)  # core dumped
-    assert decode(1 << 8) == ("", 1)
-    assert decode(0) == ("", 0)
+def test_signal_names():
+    assert (signal_name(9), signal_name(11), signal_name(0), signal_name(34)) == ("SIGKILL", "SIGSEGV", "",
+                                                                                   "SIGRTMIN")
 
 
 class _Table(dict):
@@ -69,7 +67,7 @@ def test_exit_log_matches_communicators_and_expires():
     from collections import namedtuple
 
     key = namedtuple("Key", "value")
-    table = _Table({key(77): SimpleNamespace(ktime_ns=5_000_000_000, code=signal.SIGKILL)})
+    table = _Table({key(77): SimpleNamespace(ktime_ns=5_000_000_000, code=9)})
     comms = [SimpleNamespace(pid=77, comm=0xAB, rank=2, nranks=4), SimpleNamespace(pid=78, comm=0xAB, rank=3,
                                                                                     nranks=4)]
     log = ExitLog()
@@ -128,38 +126,42 @@ def test_a_stopped_and_a_killed_rank_are_named_on_metrics():
                                   if i.labels["nranks"] == "4" and i.labels["comm"] in counted), None)
                     time.sleep(0.5)
                 assert world, agent.output()[-3000:]
+                # (comm, rank) -> pid: a split communicator's ranks are not the job's
+                pid_of = {(i.labels["comm"], i.labels["rank"]): int(i.labels["pid"])
+                          for i in agent.samples(agent.scrape(), metrics.COMMUNICATOR_INFO)}
 
-                # rank 1 stopped inside a collective: only it is stopped
+                # rank 1 stopped inside a collective: only it is named stopped
                 fault.inject(SimpleNamespace(pids=job.pids), 1)
                 deadline = time.monotonic() + 30
                 named = []
                 while time.monotonic() < deadline:
-                    named = [s for s in agent.samples(agent.scrape(), metrics.INFLIGHT_STOPPED)
-                             if s.value > 3]
+                    named = [s for s in agent.samples(agent.scrape(), metrics.INFLIGHT_STOPPED) if s.value > 3]
                     if named:
                         break
                     time.sleep(0.5)
-                assert {s.labels["rank"] for s in named if s.labels["comm"] == world} == {"1"}, named
+                assert named and {pid_of.get((s.labels["comm"], s.labels["rank"])) for s in named} == {job.pids[1]}, \
+                    (named, pid_of, job.pids)
                 r = run_cli("hang", "--threshold", "3s", "--metrics", agent.url, "--format", "json")
                 assert r.returncode == 1, r.stdout + r.stderr
-                hangs = {h["comm"]: h for h in json.loads(r.stdout)["hangs"]}
-                assert [m["rank"] for m in hangs[world]["stopped"]] == [1], hangs[world]
+                hangs = json.loads(r.stdout)["hangs"]
+                culprits = {pid_of.get((h["comm"], str(m["rank"]))) for h in hangs for m in h["stopped"]}
+                assert culprits == {job.pids[1]}, hangs
 
-                # rank 2 killed: its exit, by SIGKILL, is the first of the communicator's
+                # rank 2 killed: its exits, by SIGKILL, are the first of its communicators'
                 os.kill(job.pids[2], signal.SIGKILL)
+                mine = {cr for cr, pid in pid_of.items() if pid == job.pids[2]}
                 deadline = time.monotonic() + 20
                 exits = []
                 while time.monotonic() < deadline:
-                    exits = [s for s in agent.samples(agent.scrape(), metrics.RANK_EXIT)
-                             if s.labels["comm"] == world]
-                    if any(s.labels["rank"] == "2" for s in exits):
+                    exits = agent.samples(agent.scrape(), metrics.RANK_EXIT)
+                    if {(s.labels["comm"], s.labels["rank"]) for s in exits} >= mine:
                         break
                     time.sleep(0.5)
-                killed = [s for s in exits if s.labels["rank"] == "2"]
-                assert [s.labels["signal"] for s in killed] == ["SIGKILL"], exits
+                killed = [s for s in exits if (s.labels["comm"], s.labels["rank"]) in mine]
+                assert len(killed) == len(mine) and {s.labels["signal"] for s in killed} == {"SIGKILL"}, exits
                 assert abs(killed[0].value - time.time()) < 30
-                assert all(s.value >= killed[0].value for s in exits), exits
-                assert "SIGKILL" not in {s.labels["signal"] for s in exits if s.labels["rank"] != "2"}, exits
+                others = [s for s in exits if (s.labels["comm"], s.labels["rank"]) not in mine]
+                assert all(s.value >= killed[0].value and s.labels["signal"] != "SIGKILL" for s in others), exits
             finally:
                 fault.clear(SimpleNamespace(pids=job.pids))
                 job.kill()

@@ -1,8 +1,9 @@
 """Ranks whose process ended while holding a communicator: a killed or crashed
 rank, or a job that exited without ncclCommDestroy.
 
-bpf/nccl.c writes `process_exits` (tgid -> ktime, exit code) when the main
-thread of a traced process exits; the agent's loop (NcclReader.prune) reads
+bpf/nccl.c writes `process_exits` (tgid -> ktime, the signal that ended it)
+when the main thread of a traced process exits (the signal: the first fatal
+one delivered to it, from the signal_deliver tracepoint); the agent's loop (NcclReader.prune) reads
 and empties it before it forgets the process's communicators, so each exit
 is matched to the (communicator, rank) pairs the process still held. An
 entry stays for the series TTL (`run --series-ttl`), as the communicator's
@@ -27,19 +28,17 @@ class RankExit:
     rank: int
     nranks: int
     time_s: float     # wall-clock time of the exit (Unix seconds)
-    signal: str       # the signal that ended the process ("SIGKILL"), "" for exit()
-    status: int       # exit status where no signal ended it
+    signal: str       # the signal that ended the process ("SIGKILL"), "" for an exit
 
 
-def decode(code: int) -> tuple[str, int]:
-    """(signal name, exit status) of a kernel exit code (wait(2)'s layout)."""
-    sig = code & 0x7F
-    if sig:
-        try:
-            return signal.Signals(sig).name, 0
-        except ValueError:
-            return f"SIG{sig}", 0
-    return "", (code >> 8) & 0xFF
+def signal_name(sig: int) -> str:
+    """"SIGKILL" for 9; "" for 0 (no signal: the process exited)."""
+    if not sig:
+        return ""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"SIG{sig}"
 
 
 class ExitLog:
@@ -55,11 +54,11 @@ class ExitLog:
         n = 0
         for key, value in list(table.items()):
             pid = key.value
-            sig, status = decode(value.code)
+            sig = signal_name(value.code)
             when = clock.to_realtime(value.ktime_ns) / 1e9
             for c in communicators:
                 if c.pid == pid and c.rank >= 0:
-                    self._exits[(c.comm, c.rank)] = (RankExit(pid, c.comm, c.rank, c.nranks, when, sig, status), now)
+                    self._exits[(c.comm, c.rank)] = (RankExit(pid, c.comm, c.rank, c.nranks, when, sig), now)
                     n += 1
             try:
                 del table[key]
