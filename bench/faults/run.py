@@ -201,8 +201,11 @@ class Detectors:
                     self._emit("hang", {"rank": r}, "not_joined", "missing rank")
 
     def _explain(self):
+        age = int(time.time() - self.started)  # the window starts after this job's start: not the last job's
+        if age < 5:
+            return
         p = self._cli("explain", "--nodes", self.agent.query, "--token-file", str(self.agent.token),
-                      "--since", f"{max(5, min(30, int(time.time() - self.started)))}s", "--format", "json")
+                      "--since", f"{min(30, age)}s", "--format", "json")
         if p.returncode != 0:
             return
         verdict = json.loads(p.stdout).get("verdict", "")
