@@ -72,6 +72,9 @@ class FakeReader:
     def async_errors(self):
         return []
 
+    def exits(self):
+        return []
+
     def communicators(self):
         return []
 

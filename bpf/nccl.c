@@ -125,6 +125,18 @@ BPF_ARRAY(call_errors_fast, u64, OP_COUNT * ERROR_RESULTS);
 BPF_HASH(call_errors, struct error_key, u64, MAX_ERRORS);
 // (process, communicator pointer) -> its async error state (ncclCommGetAsyncError).
 BPF_HASH(async_errors, struct comm_key, struct async_state, MAX_COMMS);
+// Traced processes that exited, until the agent's loop reads them
+// (exporter/sources/nccl/exits.py): when, and the signal that ended it (0:
+// none, an exit). The signal is the first fatal one delivered to the
+// process (`fatal_signals`), read from the signal_deliver tracepoint, whose
+// fields the kernel describes at load: no kernel struct layout is assumed.
+struct process_exit {
+    u64 ktime_ns;
+    u32 code;
+    u32 pad;
+};
+BPF_HASH(process_exits, u32, struct process_exit, MAX_PROCESSES);
+BPF_HASH(fatal_signals, u32, u32, MAX_PROCESSES);
 // Per-op slow-call threshold in ns (0: off); index OP_COUNT: 1 = every call.
 BPF_ARRAY(event_config, u64, OP_COUNT + 1);
 // All zeros, never written: a new thread's slot (too big for the stack).
@@ -998,6 +1010,22 @@ TRACEPOINT_PROBE(sched, sched_process_fork) {
     return 0;
 }
 
+// A signal delivered to a thread of a traced process with its default
+// action (no handler: sa_handler SIG_DFL, 0; the kernel's SIGKILL path passes
+// none) that terminates: the first one is the signal that ends the process
+// (the other threads then take SIGKILL). Stop, continue and ignore-by-default
+// signals are not fatal.
+TRACEPOINT_PROBE(signal, signal_deliver) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!traced_processes.lookup(&tgid) || args->sa_handler != 0)
+        return 0;
+    u32 sig = args->sig;
+    if (sig == 17 || sig == 18 || sig == 19 || sig == 20 || sig == 21 || sig == 22 || sig == 23 || sig == 28)
+        return 0;  // SIGCHLD SIGCONT SIGSTOP SIGTSTP SIGTTIN SIGTTOU SIGURG SIGWINCH
+    fatal_signals.insert(&tgid, &sig);  // the first only
+    return 0;
+}
+
 // A thread that exits inside a call (killed, crashed, longjmp'd) never
 // returns: drop its entry so it shows no phantom hang and leaks nothing.
 TRACEPOINT_PROBE(sched, sched_process_exit) {
@@ -1014,6 +1042,14 @@ TRACEPOINT_PROBE(sched, sched_process_exit) {
     }
     if ((u32)id == (u32)(id >> 32)) {
         u32 tgid = id >> 32;
+        if (traced_processes.lookup(&tgid)) {
+            struct process_exit e = {.ktime_ns = bpf_ktime_get_ns()};
+            u32 *sig = fatal_signals.lookup(&tgid);
+            if (sig)
+                e.code = *sig;
+            process_exits.update(&tgid, &e);
+        }
+        fatal_signals.delete(&tgid);
         traced_processes.delete(&tgid);
         proxy_wait.delete(&tgid);
     }

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from exporter.records import contract, histogram
 from exporter.records.events import (Communicator, GpuInflight, GpuSeries, InflightCall, NetworkSeries,
                                      PluginComm, PluginProcess, SchedStats, Series, TcpLink, TcpSrtt)
+from exporter.sources.nccl.exits import RankExit
 from exporter.sources.nccl.maps import AsyncState
 from exporter.sources.nccl.probes import MAP_CAPACITY as NCCL_MAPS
 from exporter.sources.plugin.source import DROPS, MAP_CAPACITY as PLUGIN_MAPS
@@ -99,10 +100,16 @@ class FakeNcclReader:
 
     def inflight(self):
         return [InflightCall(tid=PID, op="ALL_REDUCE", comm=COMM, rank=0, nranks=2,
-                             start_ns=NOW_NS - 250_000_000)]
+                             start_ns=NOW_NS - 250_000_000)] + [
+            # a thread of the process stopped inside an ALL_REDUCE of the second communicator for 12 s
+            InflightCall(tid=PID + 7, op="ALL_REDUCE", comm=IDLE_HASH, rank=1, nranks=4,
+                         start_ns=NOW_NS - 12_000_000_000, stopped=True)]
 
     def communicators(self):
         return [Communicator(pid=PID, comm_ptr=0x5000, comm=COMM, nccl_comm_hash=NCCL_HASH, rank=0, nranks=2)]
+
+    def exits(self):  # rank 1 of the job, killed (its process held the communicator)
+        return [RankExit(pid=PID + 1, comm=COMM, rank=1, nranks=2, time_s=1_700_000_100.5, signal="SIGKILL")]
 
     def async_errors(self):
         return [AsyncState(pid=PID, comm_ptr=0x5000, comm=COMM, nccl_comm_hash=NCCL_HASH, rank=0, nranks=2,

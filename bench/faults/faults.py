@@ -16,6 +16,10 @@ import time
 from dataclasses import dataclass
 
 SLEEP_SYSCALLS = {35, 230}  # x86_64 nanosleep, clock_nanosleep: Python's time.sleep, the ranks' compute
+# x86_64 poll, ppoll, sendto, recvfrom, sendmsg, recvmsg: the simulated socket transport's waits inside a
+# collective (exporter/simulator/nccl_sim/bootstrap.c, netsteps.c). A rank stopped elsewhere than in its
+# sleep may be in Python between two calls, not inside one.
+TRANSPORT_SYSCALLS = {7, 271, 44, 45, 46, 47}
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -25,16 +29,17 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def in_sleep(pid: int) -> bool | None:
+def in_sleep(pid: int, inside: bool = False) -> bool | None:
     """Whether a (stopped) rank's main thread was in its compute sleep, i.e.
-    between collectives: its /proc/PID/syscall is nanosleep; anything else
-    (a socket read, poll, running) is inside the NCCL call. None if gone."""
+    between collectives: its /proc/PID/syscall is nanosleep. inside: whether
+    it was in the transport's wait inside an NCCL call instead (poll, ppoll,
+    a socket send or receive). None if gone."""
     try:
         with open(f"/proc/{pid}/syscall") as f:
             nr = f.read().split()[0]
     except (OSError, IndexError):
         return None
-    return nr.lstrip("-").isdigit() and int(nr) in SLEEP_SYSCALLS
+    return nr.lstrip("-").isdigit() and int(nr) in (TRANSPORT_SYSCALLS if inside else SLEEP_SYSCALLS)
 
 
 class DutyCycle:
@@ -141,10 +146,13 @@ class Stopped(Fault):
     def inject(self, ctx, rank):
         self.pid = pid = ctx.pids[rank]
         for attempt in range(1, 500):
+            deadline = time.monotonic() + 0.5
+            while self.inside and in_sleep(pid, True) is False and time.monotonic() < deadline:
+                time.sleep(0.0005)  # inside: stop it once it waits in the transport (cheaper than blind tries)
             _signal(pid, signal.SIGSTOP)
             time.sleep(0.02)
-            where = in_sleep(pid)
-            if where is None or where != self.inside:
+            where = in_sleep(pid, self.inside)
+            if where is None or where:
                 return {"mechanism": "SIGSTOP " + ("inside a collective" if self.inside else "between collectives"),
                         "attempts": attempt}
             _signal(pid, signal.SIGCONT)
@@ -160,7 +168,7 @@ class Killed(Fault):
     """8. A rank that dies: SIGKILL."""
 
     def __init__(self, wait_s=150):
-        super().__init__("killed", "not_joined", wait_s)
+        super().__init__("killed", "died", wait_s)
 
     def inject(self, ctx, rank):
         _signal(ctx.pids[rank], signal.SIGKILL)

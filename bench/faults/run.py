@@ -38,7 +38,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.faults import score as scoring  # noqa: E402
 from bench.faults.faults import FAULTS  # noqa: E402
+from bench.faults.procs import _unix, free_port, get, log, stop_proc, wait_for  # noqa: E402
 
 PROMETHEUS = "/usr/bin/prometheus"
 NRANKS = 4
@@ -62,47 +62,6 @@ SETS = {
 }
 WARMUP_S = (40, 70)            # random onset after the job's start (rates need 30 s of calls)
 SUITE_TIMING = {"warmup": (5, 10), "wait": 30}
-
-
-def log(msg: str) -> None:
-    print(time.strftime("%H:%M:%S ") + msg, flush=True)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str, timeout: float = 5) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read()
-
-
-def wait_for(what: str, check, proc: subprocess.Popen, logfile: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited {proc.returncode}: {logfile.read_text()[-2000:]}")
-        try:
-            if check():
-                return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{what} not ready in {timeout:.0f} s: {logfile.read_text()[-2000:]}")
-
-
-def stop_proc(p: subprocess.Popen | None, sig=signal.SIGINT, timeout: float = 30) -> None:
-    if p is None or p.poll() is not None:
-        return
-    p.send_signal(sig)
-    try:
-        p.wait(timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
 
 
 class Agent:
@@ -154,9 +113,11 @@ class Prometheus:
         wait_for("prometheus", lambda: get(f"http://127.0.0.1:{self.port}/-/ready") is not None,
                  self.proc, logfile, 60)
 
-    def firing(self) -> list[dict]:
+    def firing(self, since: float = 0.0) -> list[dict]:
+        """Alerts firing that became active at or after `since` (Unix s): not a previous job's, whose
+        alert resolves only some evaluations after it ended (a link's addresses repeat between runs)."""
         data = json.loads(get(f"{self.api}/alerts"))["data"]["alerts"]
-        return [a["labels"] for a in data if a.get("state") == "firing"]
+        return [a["labels"] for a in data if a.get("state") == "firing" and _unix(a["activeAt"]) >= since]
 
     def close(self) -> None:
         stop_proc(self.proc, signal.SIGTERM)
@@ -166,8 +127,9 @@ class Detectors:
     """Polls the three detectors in threads while a run lasts; every answer
     naming a culprit of this job becomes a detection line."""
 
-    def __init__(self, out, agent: Agent, prom: Prometheus, ranks_of: dict, addr_rank: dict, run_id: str):
-        self.out, self.agent, self.prom = out, agent, prom
+    def __init__(self, out, agent: Agent, prom: Prometheus, ranks_of: dict, addr_rank: dict, run_id: str,
+                 started: float = 0.0):
+        self.out, self.agent, self.prom, self.started = out, agent, prom, started  # started: the job's (Unix s)
         self.ranks_of = ranks_of     # (comm, rank label) -> the job's global rank
         self.addr_rank = addr_rank   # host address -> global rank
         self.run_id = run_id
@@ -209,7 +171,7 @@ class Detectors:
         log(f"  {detector}: {culprit} ({what})")
 
     def _prometheus(self):
-        for a in self.prom.firing():
+        for a in self.prom.firing(self.started):
             if "saddr" in a and "daddr" in a:
                 if a["saddr"] in self.addr_rank or a["daddr"] in self.addr_rank:
                     self._emit("prometheus", {"link": [a["saddr"], a["daddr"]]}, a.get("cause", "lossy_link"),
@@ -228,6 +190,9 @@ class Detectors:
         if p.returncode != 1:
             return
         for h in json.loads(p.stdout).get("hangs", []):
+            for m in h.get("stopped", []):
+                if (r := self.ranks_of.get((h["comm"], str(m["rank"])))) is not None:
+                    self._emit("hang", {"rank": r}, "stopped_inside", "stopped inside")
             for m in h.get("missing", []):
                 if m.get("elsewhere"):
                     continue  # in a collective of another communicator: waiting there, a victim
@@ -236,8 +201,11 @@ class Detectors:
                     self._emit("hang", {"rank": r}, "not_joined", "missing rank")
 
     def _explain(self):
+        age = int(time.time() - self.started)  # the window starts after this job's start: not the last job's
+        if age < 5:
+            return
         p = self._cli("explain", "--nodes", self.agent.query, "--token-file", str(self.agent.token),
-                      "--since", "30s", "--format", "json")
+                      "--since", f"{min(30, age)}s", "--format", "json")
         if p.returncode != 0:
             return
         verdict = json.loads(p.stdout).get("verdict", "")
@@ -301,7 +269,7 @@ def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmu
                 time.sleep(1)
                 ranks_of = job_map(agent, job.pids)
             addr_rank = {h.addr: h.index for h in cluster.hosts}
-            det = Detectors(det_out, agent, prom, ranks_of, addr_rank, run_id).start()
+            det = Detectors(det_out, agent, prom, ranks_of, addr_rank, run_id, started=start).start()
             try:
                 time.sleep(rng.uniform(*warmup))
                 culprit_rank = rng.randrange(NRANKS)

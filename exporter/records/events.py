@@ -74,6 +74,7 @@ class InflightCall:
     rank: int
     nranks: int
     start_ns: int  # CLOCK_MONOTONIC
+    stopped: bool = False  # its thread is stopped (/proc state T or t), read once in flight over 1 s
 
 
 @dataclass(frozen=True)

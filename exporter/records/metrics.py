@@ -60,6 +60,11 @@ INFLIGHT_OLDEST = _m(
     "nccl_inflight_oldest_seconds", "gauge", ("node", "op", "comm", "rank"),
     "Age of the oldest NCCL call still inside the library, per op, communicator and rank. "
     "A value that keeps growing is a hang.")
+INFLIGHT_STOPPED = _m(
+    "nccl_inflight_stopped_seconds", "gauge", ("node", "op", "comm", "rank"),
+    "Age of the oldest NCCL call in flight whose calling thread is stopped (SIGSTOP, a job-control "
+    "stop, a debugger: state T or t in /proc), per op, communicator and rank; read at each scrape "
+    "for calls in flight over 1 s. No sample while no such caller is stopped.")
 COLLECTIVE_LAST_SEQ = _m(
     "nccl_collective_last_seq", "gauge", ("node", "op", "comm", "rank"),
     "Sequence number of this rank's latest returned call of this op on this communicator, from 0 "
@@ -89,6 +94,13 @@ COMMUNICATOR_ASYNC_POLLS = _m(
     "nccl_communicator_async_error_polls_total", "counter", ("node", "comm", "rank"),
     "Successful ncclCommGetAsyncError calls per communicator (PyTorch's watchdog polls it), "
     "counted in the kernel.")
+
+RANK_EXIT = _m(
+    "nccl_rank_exit_timestamp_seconds", "gauge", ("node", "comm", "rank", "signal"),
+    "Unix time at which the process holding this rank of this communicator ended without "
+    "destroying it (killed, crashed, or exited without ncclCommDestroy). signal: the signal that "
+    "ended it (SIGKILL, SIGSEGV, ...), empty for an exit(). Kept for the series TTL "
+    "(run --series-ttl) after the exit, at most one per communicator and rank.")
 
 # --- GPU time from the profiler plugin (bpf/plugin.c, docs/plugin.md) -------------------
 

@@ -31,6 +31,17 @@ def alive_checker(proc: str = "/proc"):
     return is_alive
 
 
+def thread_stopped(tid: int, proc: str = "/proc") -> bool:
+    """Whether a thread is stopped: state T (a stop signal: SIGSTOP, SIGTSTP)
+    or t (a debugger's tracing stop) in /proc/TID/stat. False when gone."""
+    try:
+        with open(f"{proc}/{tid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")  # the state follows "(comm) "
+
+
 class ProcessTable:
     def __init__(self, probes=None, proc: str = "/proc", pods: PodResolver | None = None):
         self.probes = probes

@@ -33,8 +33,9 @@ class NcclCollector(SourceCollector):
     def families(self, scrape: Scrape):
         yield from self._collectives(scrape)
         yield self._errors(scrape)
-        yield self._inflight(scrape)
+        yield from self._inflight(scrape)
         yield self._communicators(scrape)
+        yield self._exits(scrape)
         yield from self._async_errors(scrape)
 
     def _collectives(self, scrape: Scrape):
@@ -72,11 +73,23 @@ class NcclCollector(SourceCollector):
                                                for (op, result), n in self.source.errors().items()})
 
     def _inflight(self, scrape: Scrape):
+        """The oldest call in flight per series, and the oldest of those whose
+        caller is stopped (a rank stopped inside a collective: its peers wait
+        in flight too, but running)."""
         oldest: dict[tuple, float] = {}
+        stopped: dict[tuple, float] = {}
         for call in self.source.inflight():
             key = (scrape.node, call.op, format_comm(call.comm), rank_label(call.rank))
-            oldest[key] = max(oldest.get(key, 0), max(0, scrape.now_ns - call.start_ns) / 1e9)
-        return family_of(metrics.INFLIGHT_OLDEST, oldest)
+            age = max(0, scrape.now_ns - call.start_ns) / 1e9
+            oldest[key] = max(oldest.get(key, 0), age)
+            if call.stopped:
+                stopped[key] = max(stopped.get(key, 0), age)
+        yield family_of(metrics.INFLIGHT_OLDEST, oldest)
+        yield family_of(metrics.INFLIGHT_STOPPED, stopped)
+
+    def _exits(self, scrape: Scrape):
+        return family_of(metrics.RANK_EXIT, {(scrape.node, format_comm(e.comm), rank_label(e.rank), e.signal): e.time_s
+                                             for e in self.source.exits()})
 
     def _communicators(self, scrape: Scrape):
         f = empty_family(metrics.COMMUNICATOR_INFO)

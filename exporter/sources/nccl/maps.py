@@ -1,9 +1,6 @@
-"""The reader of bpf/nccl.c: its maps and ring buffer as records
-(exporter/records/events.py).
-
-Everything downstream consumes these records and never touches BCC. Reading
-never writes kernel state; `forget_dead_processes` is for the agent's loop.
-"""
+"""The reader of bpf/nccl.c: its maps and ring buffer as records (exporter/records/events.py).
+Everything downstream consumes these records and never touches BCC. Reading never writes
+kernel state; `forget_dead_processes` is for the agent's loop."""
 
 from __future__ import annotations
 
@@ -13,10 +10,12 @@ from dataclasses import dataclass
 from exporter.records import contract
 from exporter.records.events import CallEvent, Communicator, InflightCall, Series, local_comm_hash
 from exporter.sources.base import Source
-from exporter.sources.processes import alive_checker
+from exporter.sources.processes import alive_checker, thread_stopped
 from exporter.sources.bpf import ClockOffset, forget_dead
+from exporter.sources.nccl.exits import ExitLog
 
 NAMING_INTERVAL_S = 1.0  # tick: communicators of a job that began before the agent are named this often
+STOPPED_AFTER_NS = 1_000_000_000  # a caller's thread state is read once its call is in flight this long
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,7 @@ class NcclReader(Source):
         self._tgids: dict[int, int] = {}        # thread id -> process id
         self.on_series_freed = None
         self._next_naming = 0.0
+        self.exit_log = ExitLog()  # ranks whose process ended holding a communicator
 
     # --- the agent's loop (sources/base.py) ----------------------------------
 
@@ -69,6 +69,9 @@ class NcclReader(Source):
                 self.name_unknown_comms()
 
     def prune(self, ttl: float, rank_label) -> None:
+        # exits first: the communicators of a process that just ended are still in the map
+        self.exit_log.collect(self.probes["process_exits"], self.communicators(), self.clock)
+        self.exit_log.expire(ttl)
         self.forget_dead_processes()
         self.forget_local_names(alive_checker())
         freed = self.expire_series(ttl)
@@ -183,17 +186,13 @@ class NcclReader(Source):
         """The kernel's communicators; comm is the `comm` label (NCCL's
         commHash where known, bpf/traced.h comm_label). The BPF structs keep
         their C names: comm (the pointer: comm_ptr here), comm_hash, nccl_hash."""
-        return [
-            Communicator(
-                pid=k.tgid,
-                comm_ptr=k.comm,
-                comm=v.nccl_hash or v.comm_hash,
-                nccl_comm_hash=v.nccl_hash,
-                rank=v.rank,
-                nranks=v.nranks,
-            )
-            for k, v in self.probes["communicators"].items()
-        ]
+        return [Communicator(pid=k.tgid, comm_ptr=k.comm, comm=v.nccl_hash or v.comm_hash,
+                             nccl_comm_hash=v.nccl_hash, rank=v.rank, nranks=v.nranks)
+                for k, v in self.probes["communicators"].items()]
+
+    def exits(self) -> list:
+        """Ranks whose process ended holding a communicator (exits.py), for the series TTL."""
+        return self.exit_log.exits()
 
     def async_errors(self) -> list[AsyncState]:
         """The last ncclCommGetAsyncError result of every polled communicator."""
@@ -223,19 +222,13 @@ class NcclReader(Source):
         return slots + [(k.value, v) for k, v in self.probes["inflight"].items()]
 
     def inflight(self) -> list[InflightCall]:
-        """The calls in progress, from the threads' call slots."""
-        return [
-            InflightCall(
-                tid=tid,
-                op=contract.op_name(v.op),
-                comm=v.nccl_hash or v.comm_hash,  # the `comm` label (bpf/traced.h comm_label)
-                rank=v.rank,
-                nranks=v.nranks,
-                start_ns=v.start_ns,
-            )
-            for tid, v in self._call_slots()
-            if v.op and v.start_ns  # op 0: the thread's slot is idle; start 0: being filled
-        ]
+        """The calls in progress, from the threads' call slots; `comm` is the label (bpf/traced.h
+        comm_label). op 0: the thread's slot is idle; start 0: being filled."""
+        now = time.monotonic_ns()
+        return [InflightCall(tid=tid, op=contract.op_name(v.op), comm=v.nccl_hash or v.comm_hash, rank=v.rank,
+                             nranks=v.nranks, start_ns=v.start_ns,
+                             stopped=now - v.start_ns > STOPPED_AFTER_NS and thread_stopped(tid))
+                for tid, v in self._call_slots() if v.op and v.start_ns]
 
     def name_unknown_comms(self, proc: str = "/proc") -> int:
         """Give every communicator the agent did not see created (it attached

@@ -41,7 +41,7 @@ def check_threshold(value) -> float:
 
 
 
-WANTED = {metrics.COMMUNICATOR_INFO, metrics.INFLIGHT_OLDEST, metrics.COLLECTIVE_LAST_SEQ,
+WANTED = {metrics.COMMUNICATOR_INFO, metrics.INFLIGHT_OLDEST, metrics.INFLIGHT_STOPPED, metrics.COLLECTIVE_LAST_SEQ,
           metrics.COLLECTIVE_LAST_RETURN, metrics.OFFCPU, metrics.RUNQUEUE_DELAY + "_sum"}
 
 

@@ -25,6 +25,7 @@ class Call:
     node: str
     age_s: float
     seq: int | None      # None: this rank's earlier calls of this op are unknown
+    stopped: bool = False  # its calling thread is stopped (nccl_inflight_stopped_seconds)
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Hang:
     unknown_members: bool                         # the communicator's size is not known
     unseen: list[int] = field(default_factory=list)  # members no agent read knows anything of
     previous: tuple[int, float] | None = None     # (seq, seconds ago) of the op's latest return on it
+    stopped: list[Call] = field(default_factory=list)  # in it with their threads stopped, while
+                                                       # others wait in it running: the culprits
 
     @property
     def age_s(self) -> float:
@@ -70,6 +73,7 @@ class Model:
         self.last_seq: dict[tuple[str, str, int], int] = {}
         self.last_ret: dict[tuple[str, str, int], float] = {}
         self.series_node: dict[tuple[str, int], str] = {}   # (comm, rank) -> node of its call series
+        self.stopped: set[tuple[str, str, int]] = set()     # (comm, op, rank) whose caller is stopped
         for name, lab, v in last.samples:
             rank = _int(lab.get("rank"))
             comm = lab.get("comm", "")
@@ -84,6 +88,8 @@ class Model:
                     self.nranks[comm] = max(self.nranks.get(comm, 0), n)
             elif name == metrics.INFLIGHT_OLDEST and rank is not None:
                 self.inflight.append((comm, lab.get("op", ""), rank, lab.get("node", ""), v))
+            elif name == metrics.INFLIGHT_STOPPED and rank is not None:
+                self.stopped.add((comm, lab.get("op", ""), rank))
             elif name == metrics.COLLECTIVE_LAST_SEQ and rank is not None:
                 k = (comm, lab.get("op", ""), rank)
                 self.last_seq[k] = max(self.last_seq.get(k, -1), int(v))
@@ -105,7 +111,8 @@ class Model:
         return None if last is None else last + 1
 
     def call(self, comm, op, rank, node, age) -> Call:
-        return Call(comm, op, rank, node, age, self.seq_in_flight(comm, op, rank))
+        return Call(comm, op, rank, node, age, self.seq_in_flight(comm, op, rank),
+                    stopped=(comm, op, rank) in self.stopped)
 
     def process_rank(self, w: Where) -> str | None:
         """The `rank` label of the scheduler series of a process: its launcher
@@ -171,9 +178,12 @@ class Model:
             if done:
                 sq, t = max(done, key=lambda x: x[1])
                 previous = (sq, max(0.0, self.now - t))
+            # stopped ranks are the culprits only while a peer in the call runs (a pause of
+            # every rank at once stops them all)
+            stopped = [c for c in waiting if c.stopped] if any(not c.stopped for c in waiting) else []
             out.append(Hang(comm, n, op, seq, sorted(waiting, key=lambda c: c.rank),
                             sorted(desync, key=lambda c: c.rank), missing, unknown_members=not n,
-                            unseen=unseen, previous=previous))
+                            unseen=unseen, previous=previous, stopped=sorted(stopped, key=lambda c: c.rank)))
         out.sort(key=lambda h: -h.age_s)
         return out
 

@@ -78,6 +78,10 @@ def verdict(h: Hang) -> str:
         for (op, seq), cs in sorted(by.items(), key=lambda kv: kv[1][0].rank):
             parts.append(f"desync: {ranks_text([c.rank for c in cs])} in {call_name(op, seq)} instead "
                          f"(for {max(c.age_s for c in cs):.1f} s)")
+    if h.stopped:
+        parts.append(f"{ranks_text([c.rank for c in h.stopped])} "
+                     f"({', '.join(c.node for c in h.stopped[:3])}) stopped inside it: its calling thread is "
+                     f"stopped (SIGSTOP, a debugger), the others wait for it")
     for i, m in enumerate(h.missing):
         parts.append(missing_text(h, m, i == 0))
     if h.unseen:
@@ -87,7 +91,7 @@ def verdict(h: Hang) -> str:
         parts.append("which rank did not join cannot be told: the communicator was made before the agent "
                      "started, so each of its ranks has its own local id (start the agent before the job; "
                      "docs/communicators.md)")
-    elif not h.desync and not h.missing and not h.unseen:
+    elif not h.desync and not h.missing and not h.unseen and not h.stopped:
         if h.unknown_members:
             parts.append("which ranks did not join is unknown: the communicator's size is not known "
                          "(its init was not seen; read every node's agent with --metrics)")
@@ -152,6 +156,7 @@ class Answer:
                        "desync": [{"rank": c.rank, "op": c.op, "seq": c.seq, "age_s": c.age_s}
                                   for c in h.desync],
                        "unseen_ranks": h.unseen,
+                       "stopped": [{"rank": c.rank, "node": c.node, "age_s": c.age_s} for c in h.stopped],
                        "missing": [{"rank": m.rank, "node": m.node or m.gone_from, "pid": m.pid,
                                     "alive": bool(m.pid), 
                                     "last": ({"op": m.last[0], "seq": m.last[1], "ago_s": m.last[2]}
