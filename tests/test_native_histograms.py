@@ -36,6 +36,12 @@ from tests.test_e2e_prometheus import PROMETHEUS, http_json, short_rules, stop, 
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW_PEER_MS = 4     # rank 1 computes this long before each collective: rank 0 waits for it
+# The kernel times a call from its entry probe to its return probe, the
+# simulator's truth inside the function: the return trap is in the kernel's
+# duration only (~1-2 us quiet, a few us on a loaded 2-core host). A p99 just
+# under a bucket bound can so fall in the next bucket: one bucket of error
+# plus this much of the truth's duration is allowed, no more.
+PROBE_NS = 5_000
 CALLS = 6000         # ~26 s of calls: shorter than the 1 m window
 needs_prometheus = pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK),
                                       reason="prometheus not installed (make deps)")
@@ -163,7 +169,8 @@ def test_p99_within_one_bucket_of_the_truth(run, record_property):
                      if str(c["rank"]) in ranks and c["end_real_ns"] / 1e9 > since[c["rank"]]]
         truth = _p99(durations)
         errors[title] = (estimate - truth) / truth
-        assert abs(errors[title]) <= histogram.MAX_RELATIVE_ERROR, (title, estimate, truth, len(durations))
+        allowed = histogram.MAX_RELATIVE_ERROR + PROBE_NS / 1e9 / truth
+        assert -histogram.MAX_RELATIVE_ERROR <= errors[title] <= allowed, (title, estimate, truth, len(durations))
     record_property("p99_relative_errors", json.dumps(errors))
     print("p99 relative error (Prometheus 2.42, native):", {k: f"{v:+.2%}" for k, v in errors.items()})
 
