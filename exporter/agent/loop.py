@@ -96,8 +96,9 @@ class Agent(Discovery):
         if self.plugin is not None:  # ... or NCCL's identity, where the plugin announced only one
             self.reader.announced = self.plugin.comms
         self._communicators = self.reader.communicators
-        # Set once the kernel side is loaded and every library found at start
-        # is attached: counting has started (`run` answers /-/ready with 200).
+        # Set once the NCCL probes and the plugin's hooks are loaded and every
+        # library found at start is attached: counting has started (`run`
+        # answers /-/ready with 200; the `loading` rows come after).
         self.ready = threading.Event()
         self.counting_since: float | None = None  # CLOCK_MONOTONIC s `ready` was set (discovery)
         self._next_prune = 0.0

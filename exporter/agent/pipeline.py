@@ -63,6 +63,7 @@ class Pipeline:
         self.spans = None     # SpanSink (--otlp-endpoint)
         self.pusher = None    # OtlpMetricsPusher (--otlp-metrics-endpoint)
         self.scope = None     # trace: the processes it records or prints (--pid, --netns)
+        self._parts: dict = {}  # row name -> its part of /metrics (collectors), for source_loaded
 
     def collectors(self) -> list:
         """The sources' parts of /metrics, in SOURCES order (an optional source
@@ -75,7 +76,7 @@ class Pipeline:
     def source_loaded(self, row, source) -> None:
         """A source the agent's loop loaded after the start: its part of
         /metrics reads it from the next scrape, its tables are recorded."""
-        part = getattr(self, "_parts", {}).get(row.name)
+        part = self._parts.get(row.name)
         if part is not None:
             with self.agent.lock:  # a scrape reads it
                 part.source = source
