@@ -111,7 +111,7 @@ struct slot {
   struct ctx *ctx;
   void *theirs;             /* chained plugin's handle for this Coll/P2p */
   _Atomic int32_t refs;     /* 1 (the event) + expected KernelCh children */
-  _Atomic uint32_t started, stopped;
+  _Atomic uint32_t claimed;  /* CLAIM_*: the first KernelCh start's and the last stop's work, done once */
   _Atomic uint32_t finished; /* done or abandoned already emitted */
   _Atomic uint32_t flags;
   _Atomic uint64_t min_start, max_stop;
@@ -126,13 +126,32 @@ struct slot {
   uint32_t done_reject;         /* judge()'s verdict at the last KernelCh stop */
   uint64_t done_now;            /* and when */
   /* NCCL <= 2.30 can stop a KernelCh through the handle of an older operation
-   * (see sweep()): each channel's start, stop state and stopEvent count once */
+   * (see sweep()): each channel's start, stop state and stopEvent count once.
+   * The bits are also the counts (ch_count): one atomic per channel event. */
   _Atomic uint64_t ch_started[4], ch_stopped[4], ch_released[4];
   uint64_t ord;                 /* this operation's place in its communicator's start order */
   uint64_t lost_since;          /* sweep(): first seen with a channel that will never come (0: not) */
   struct nccl_exporter_record rec; /* the static part, filled at start */
 };
 enum { SLOT_FREE = 0, SLOT_LIVE = 1, SLOT_CLOSING = 2 };
+enum { CLAIM_RUNNING = 1, CLAIM_LAST_STOP = 2 };
+
+/* Bits set in x (no popcnt instruction: the plugin runs on any x86-64). */
+static inline uint32_t bits64(uint64_t x) {
+  x -= (x >> 1) & 0x5555555555555555ull;
+  x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+  x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
+  return (uint32_t)((x * 0x0101010101010101ull) >> 56);
+}
+/* Channels whose bit is set in a channel bitset (ch_started, ch_stopped). */
+static inline uint32_t ch_count(_Atomic uint64_t *m) {
+  uint32_t n = 0;
+  for (int k = 0; k < 4; k++) {
+    uint64_t w = atomic_load(&m[k]);
+    if (w) n += bits64(w);
+  }
+  return n;
+}
 
 struct wrap {               /* chain mode: a KernelCh handle of both plugins */
   _Atomic uint32_t used;
@@ -314,7 +333,7 @@ struct net_tab {
   _Atomic uint32_t shared;  /* ProxyOps of it came from more than one thread: atomic figures */
   _Atomic uintptr_t writer; /* the thread of its first ProxyOp */
   struct net_ent e[NET_TAB];
-  struct net_ent over[2];   /* per direction: pairs beyond NET_TAB */
+  struct net_ent over[2];   /* per direction: pairs beyond NET_TAB (their peer and dir fields unused) */
 };
 struct pstep {
   int32_t step;       /* NCCL's step number, -1: free */
