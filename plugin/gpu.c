@@ -5,9 +5,20 @@
  */
 #include "internal.h" /* first: it includes glibc_floor.h before any system header */
 
-/* A channel's word and bit in a channel bitset (ch_started, ch_stopped, ch_released). */
+/* A channel's word and bit in a channel bitset (ch_started, ch_stopped). */
 #define CH_WORD(ch) (((ch) >> 6) & 3)
 #define CH_BIT(ch) (1ull << ((ch) & 63))
+
+/* Claim the operation's CLAIM_* work for the one caller that gets it, while
+ * the slot still holds the operation of generation gen (the handle's): a
+ * thread late on a slot that ended and went to another operation claims
+ * nothing there. */
+static inline int claim(struct slot *s, uint32_t gen, uint32_t what) {
+  uint32_t cur = atomic_load_explicit(&s->claimed, memory_order_relaxed);
+  while ((cur >> 2) == (gen & H_GEN) && !(cur & what))
+    if (atomic_compare_exchange_weak(&s->claimed, &cur, cur | what)) return 1;
+  return 0;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Our event logic (version independent)                                   */
@@ -45,11 +56,9 @@ void *ours_start_op(struct ctx *c, const struct ev *e) {
   s->ctx = c;
   s->theirs = NULL;
   s->created = now;
-  /* CHANNELS_UNKNOWN: one reference for the channels to come (pending_ch) */
-  atomic_store_explicit(&s->refs, 1 + (int32_t)nch + ((fl & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) ? 1 : 0),
-                        memory_order_relaxed);
-  atomic_store_explicit(&s->pending_ch, (fl & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) ? 1 : 0, memory_order_relaxed);
-  atomic_store_explicit(&s->claimed, 0, memory_order_relaxed);
+  /* the event's reference and, unless no KernelCh will come, its channels' one (ch_ref) */
+  atomic_store_explicit(&s->refs, 1 + ((nch || (fl & NCCL_EXPORTER_F_CHANNELS_UNKNOWN)) ? 1 : 0), memory_order_relaxed);
+  atomic_store_explicit(&s->claimed, (gen & H_GEN) << 2, memory_order_relaxed);
   atomic_store_explicit(&s->finished, 0, memory_order_relaxed);
   atomic_store_explicit(&s->flags, 0, memory_order_relaxed);
   atomic_store_explicit(&s->min_start, UINT64_MAX, memory_order_relaxed);
@@ -61,7 +70,6 @@ void *ours_start_op(struct ctx *c, const struct ev *e) {
   for (int k = 0; k < 4; k++) {
     atomic_store_explicit(&s->ch_started[k], 0, memory_order_relaxed);
     atomic_store_explicit(&s->ch_stopped[k], 0, memory_order_relaxed);
-    atomic_store_explicit(&s->ch_released[k], 0, memory_order_relaxed);
   }
   s->ord = atomic_fetch_add_explicit(&c->ord_next, 1, memory_order_relaxed);
   s->lost_since = 0;
@@ -136,16 +144,15 @@ void *ours_start_kch(struct ctx *c, const struct ev *e) {
     uint64_t w = j == k ? 0 : atomic_load(&s->ch_started[j]);
     if (w) n += bits64(w);
   }
-  if (n >= s->rec.nchannels) { /* more children than announced: keep the slot for them too */
-    if (s->rec.nchannels) atomic_fetch_or_explicit(&s->flags, NCCL_EXPORTER_F_EXTRA_CHANNELS, memory_order_relaxed);
-    atomic_fetch_add_explicit(&s->refs, 1, memory_order_acq_rel);
-  }
+  /* more children than announced: flagged; the last stop waits for them too */
+  if (n >= s->rec.nchannels && s->rec.nchannels)
+    atomic_fetch_or_explicit(&s->flags, NCCL_EXPORTER_F_EXTRA_CHANNELS, memory_order_relaxed);
   /* The first start (its word was empty; of several words' firsts, the one
    * that claims it): one host clock read per operation start (not per
    * channel): the RUNNING hook's time, and a clock sample kept until the
    * operation ends (judge(): only a plausible interval's timers feed the
    * offset estimator). */
-  if (old == 0 && !(atomic_fetch_or(&s->claimed, CLAIM_RUNNING) & CLAIM_RUNNING)) {
+  if (old == 0 && claim(s, (uint32_t)((uintptr_t)e->parent >> 32), CLAIM_RUNNING)) {
     uint64_t now = mono_ns();
     (void)c;
     atomic_store_explicit(&s->first_start_timer, e->ptimer, memory_order_relaxed);
@@ -231,7 +238,7 @@ void ours_kch_stop_state(void *h, uint64_t ptimer) {
   for (unsigned j = 0; last && j < 4; j++)
     if (j != k) last = atomic_load(&s->ch_stopped[j]) == atomic_load(&s->ch_started[j]);
   if (last && ch_count(s->ch_stopped) >= s->rec.nchannels &&
-      !(atomic_fetch_or(&s->claimed, CLAIM_LAST_STOP) & CLAIM_LAST_STOP)) { /* one clock read per operation end */
+      claim(s, (uint32_t)((uintptr_t)h >> 32), CLAIM_LAST_STOP)) { /* one clock read per operation end */
     uint64_t now = mono_ns();
     uint32_t reject = judge(s, ptimer, now);
     if (!reject) { /* the operation's two clock samples: its first start and its last stop */
@@ -252,8 +259,9 @@ void ours_kch_stop_state(void *h, uint64_t ptimer) {
     atomic_store_explicit(&s->ctx->kch_done_at, now, memory_order_relaxed);
     atomic_store(&s->kch_done, 1);
     if (atomic_load(&s->proxy_open) == 0) finish(s, NCCL_EXPORTER_STATE_DONE, reject, now);
-    /* CHANNELS_UNKNOWN: channels starting after this are not waited for (a stale handle, counted) */
-    if (atomic_load_explicit(&s->pending_ch, memory_order_relaxed) && atomic_exchange(&s->pending_ch, 0)) unref(s);
+    /* The channels' reference: channels starting after this are not waited
+     * for (CHANNELS_UNKNOWN, or a stale handle: counted) */
+    if (ch_ref(s)) unref(s);
   }
 }
 void ours_stop(void *h) {
@@ -261,12 +269,17 @@ void ours_stop(void *h) {
     proxy_stop(h);
     return;
   }
+  /* A KernelCh's stopEvent changes nothing: NCCL sends it right after the
+   * channel's stop state, which counted the stop (or found it a second one,
+   * see sweep()), and the channels hold one reference together, dropped by
+   * the last stop (v2.28.9-1 src/plugin/profiler.cc, ncclProfilerStopKernelChEvent:
+   * recordEventState(KernelChStop) then stopEvent on one handle, lines 605-612;
+   * the same in v2.29.7-1 and v2.30.7-1). */
+  if ((uintptr_t)h & 0x1ff) return;
   uint32_t sub;
   struct slot *s = h_slot(h, &sub);
   if (!s) return;
-  if (sub && (atomic_fetch_or(&s->ch_released[CH_WORD(sub - 1)], CH_BIT(sub - 1)) & CH_BIT(sub - 1)))
-    return; /* a KernelCh's stopEvent counts once (see sweep()) */
-  if (sub == 0 && (s->rec.flags & NCCL_EXPORTER_F_UNTIMED)) /* no KernelCh will come: done when enqueued */
+  if (s->rec.flags & NCCL_EXPORTER_F_UNTIMED) /* no KernelCh will come: done when enqueued */
     finish(s, NCCL_EXPORTER_STATE_DONE, 0, mono_ns());
   unref(s);
 }

@@ -110,8 +110,8 @@ struct slot {
   _Atomic uint32_t gen;     /* bumped on every allocation; part of handles */
   struct ctx *ctx;
   void *theirs;             /* chained plugin's handle for this Coll/P2p */
-  _Atomic int32_t refs;     /* 1 (the event) + expected KernelCh children */
-  _Atomic uint32_t claimed;  /* CLAIM_*: the first KernelCh start's and the last stop's work, done once */
+  _Atomic int32_t refs;     /* 1 (the event) + 1 (its KernelCh children: ch_ref) + open ProxyOps */
+  _Atomic uint32_t claimed;  /* gen << 2 | CLAIM_*: the first KernelCh start's and the last stop's work, done once */
   _Atomic uint32_t finished; /* done or abandoned already emitted */
   _Atomic uint32_t flags;
   _Atomic uint64_t min_start, max_stop;
@@ -122,19 +122,24 @@ struct slot {
   _Atomic int32_t proxy_open;   /* ProxyOps started and not stopped */
   _Atomic uint32_t kch_done;    /* every expected KernelCh stopped */
   _Atomic uint32_t net_used;    /* G.nets[this slot] holds this operation's figures */
-  _Atomic uint32_t pending_ch;  /* F_CHANNELS_UNKNOWN: holds a reference until its channels stopped */
   uint32_t done_reject;         /* judge()'s verdict at the last KernelCh stop */
   uint64_t done_now;            /* and when */
   /* NCCL <= 2.30 can stop a KernelCh through the handle of an older operation
-   * (see sweep()): each channel's start, stop state and stopEvent count once.
+   * (see sweep()): each channel's start and stop state count once.
    * The bits are also the counts (ch_count): one atomic per channel event. */
-  _Atomic uint64_t ch_started[4], ch_stopped[4], ch_released[4];
+  _Atomic uint64_t ch_started[4], ch_stopped[4];
   uint64_t ord;                 /* this operation's place in its communicator's start order */
   uint64_t lost_since;          /* sweep(): first seen with a channel that will never come (0: not) */
   struct nccl_exporter_record rec; /* the static part, filled at start */
 };
 enum { SLOT_FREE = 0, SLOT_LIVE = 1, SLOT_CLOSING = 2 };
 enum { CLAIM_RUNNING = 1, CLAIM_LAST_STOP = 2 };
+
+/* Its KernelCh children hold one reference, dropped by the last stop (none
+ * when no KernelCh will come: F_UNTIMED). */
+static inline int ch_ref(const struct slot *s) {
+  return s->rec.nchannels || (s->rec.flags & NCCL_EXPORTER_F_CHANNELS_UNKNOWN);
+}
 
 /* Bits set in x (no popcnt instruction: the plugin runs on any x86-64). */
 static inline uint32_t bits64(uint64_t x) {
