@@ -51,8 +51,10 @@ void *ours_start_op(struct ctx *c, const struct ev *e) {
   uint32_t idx;
   struct slot *s = slot_alloc(now, &idx);
   if (!s) return NULL;
-  uint32_t gen = atomic_fetch_add_explicit(&s->gen, 1, memory_order_relaxed) + 1;
-  if ((gen & H_GEN) == 0) gen = atomic_fetch_add_explicit(&s->gen, 1, memory_order_relaxed) + 1;
+  /* a new generation (the slot is ours, CLOSING: we alone write gen) */
+  uint32_t gen = atomic_load_explicit(&s->gen, memory_order_relaxed) + 1;
+  if ((gen & H_GEN) == 0) gen++;
+  atomic_store_explicit(&s->gen, gen, memory_order_relaxed);
   s->ctx = c;
   s->theirs = NULL;
   s->created = now;
@@ -71,7 +73,6 @@ void *ours_start_op(struct ctx *c, const struct ev *e) {
     atomic_store_explicit(&s->ch_started[k], 0, memory_order_relaxed);
     atomic_store_explicit(&s->ch_stopped[k], 0, memory_order_relaxed);
   }
-  s->ord = atomic_fetch_add_explicit(&c->ord_next, 1, memory_order_relaxed);
   s->lost_since = 0;
   /* The network table: cleared here, before any ProxyOp (several proxy threads
    * may fill it: net_entry), if the slot's last operation used it (net_used is
@@ -87,6 +88,7 @@ void *ours_start_op(struct ctx *c, const struct ev *e) {
   r->version = NCCL_EXPORTER_RECORD_VERSION;
   r->size = sizeof *r;
   r->id = atomic_fetch_add_explicit(&G.next_id, 1, memory_order_relaxed);
+  s->ord = r->id;
   r->comm_hash = c->comm_hash;
   r->rank = c->rank;
   r->nranks = c->nranks;

@@ -83,7 +83,7 @@ struct clk {            /* GPU timer -> CLOCK_MONOTONIC offset estimator */
   _Atomic int64_t cur_min;     /* min(mono_at_delivery - timer) this window */
   _Atomic int64_t prev_min;    /* previous window's min */
   _Atomic uint64_t win_start;  /* mono ns when this window began */
-  _Atomic uint32_t nsamples;
+  _Atomic uint32_t nsamples;  /* 0, 1, 2 = two or more */
 };
 
 struct ctx {
@@ -99,7 +99,6 @@ struct ctx {
   _Atomic uint64_t *p2p_seq; /* [2 * p2p_n]: per (peer, send/recv) order */
   uint32_t p2p_n;
   /* operations in start order (slot.ord), for sweep(): */
-  _Atomic uint64_t ord_next;
   _Atomic uint64_t kch_done_ord; /* 1 + the newest ord whose every KernelCh stopped (0: none) */
   _Atomic uint64_t kch_done_at;  /* when the last of them stopped (sweep(): since when one is lost) */
   uint64_t sweep_min_run;        /* sweep(): the oldest ord with a KernelCh running (UINT64_MAX: none) */
@@ -128,7 +127,8 @@ struct slot {
    * (see sweep()): each channel's start and stop state count once.
    * The bits are also the counts (ch_count): one atomic per channel event. */
   _Atomic uint64_t ch_started[4], ch_stopped[4];
-  uint64_t ord;                 /* this operation's place in its communicator's start order */
+  uint64_t ord;                 /* its place in its communicator's start order: its record id (ids grow in
+                                   start order, over all communicators) */
   uint64_t lost_since;          /* sweep(): first seen with a channel that will never come (0: not) */
   struct nccl_exporter_record rec; /* the static part, filled at start */
 };

@@ -11,8 +11,10 @@
  * flight then keeps reusing a handful of slots. */
 static _Atomic uint32_t last_freed;
 
+/* The caller holds the slot CLOSING: it alone writes gen (no atomic add). */
 static void slot_free(struct slot *s) {
-  atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
+  atomic_store_explicit(&s->gen, atomic_load_explicit(&s->gen, memory_order_relaxed) + 1,
+                        memory_order_release); /* outstanding handles go stale */
   atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
   atomic_store_explicit(&last_freed, (uint32_t)(s - G.slots) + 1, memory_order_relaxed);
 }
@@ -179,7 +181,8 @@ int sweep(uint64_t now, int pressure) { /* 1 if it ran (not rate-limited) */
 }
 
 /* A free slot for the caller (CLOSING until it publishes it LIVE): the one
- * freed last if still free, else the next free one from a rotating cursor. */
+ * freed last if still free (threads that read the same hint race for it in
+ * slot_claim: one gets it), else the next free one from a rotating cursor. */
 static inline int slot_claim(uint32_t i) {
   struct slot *s = &G.slots[i];
   uint32_t f = SLOT_FREE;
@@ -189,7 +192,7 @@ static inline int slot_claim(uint32_t i) {
 }
 
 struct slot *slot_alloc(uint64_t now, uint32_t *idx_out) {
-  uint32_t hot = atomic_exchange_explicit(&last_freed, 0, memory_order_relaxed);
+  uint32_t hot = atomic_load_explicit(&last_freed, memory_order_relaxed);
   if (hot && hot - 1 < G.nslots && slot_claim(hot - 1)) {
     *idx_out = hot - 1;
     return &G.slots[hot - 1];
