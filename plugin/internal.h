@@ -13,9 +13,11 @@
  *    channel c).  A stale or foreign handle is detected (generation mismatch)
  *    and ignored instead of being dereferenced.
  *  - Slots come from one fixed pool allocated at the first init; allocation
- *    is a lock-free CAS scan from a rotating cursor.  A slot lives until the
- *    Coll/P2p was stopped (= enqueued) and all its expected KernelCh children
- *    were stopped, or until finalize / age-out reclaims it.
+ *    takes the slot freed last (in cache), else a lock-free CAS scan from a
+ *    rotating cursor.  A slot lives until the Coll/P2p was stopped
+ *    (= enqueued) and all its KernelCh children started so far, at least as
+ *    many as announced, had their stop state (a KernelCh's stopEvent changes
+ *    nothing), or until finalize / age-out / the sweep reclaims it.
  *  - No locks, no malloc, no syscalls per event (clock_gettime is the vDSO);
  *    the optional log file costs one write(2) per completed operation.
  *  - Chain-loading: NCCL_EXPORTER_PROFILER_CHAIN=/path/plugin.so is dlopened
