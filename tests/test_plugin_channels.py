@@ -126,3 +126,28 @@ def test_a_stale_kernelch_handle_into_the_reused_slot_is_ignored(plugin, version
     assert not out["b_done_early"] and out["completed"] == 2 and out["stale"] == 1, out
     done = [r for r in log_records(log) if r["event"] == "done"]
     assert [r["gpu_ns"] for r in done] == ["1000", "2000"] and [r["seq"] for r in done] == ["0", "1"], done
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_an_operation_in_the_reused_slot_of_an_idle_job_is_swept(plugin, version, tmp_path):
+    """The announcer sweeps an idle job's records when operations started
+    since its last sweep (docs/plugin.md, "Events never stopped"): one that
+    took the slot freed last, lost a channel and is the job's last is still
+    ended within SETTLE_MS and a quarter of it, with no other operation after it."""
+    out = play(plugin, version, """
+        ctx = P.init(nranks=8, rank=0)
+        a = P.coll(ctx, seq=0, nch=1); P.stop(a)
+        P.kch_stop(P.kch(ctx, a, 0, GPU_T0), GPU_T0 + 1000)
+        time.sleep(0.4)  # the announcer's sweeps find nothing in flight
+        b = P.coll(ctx, seq=1, nch=2); P.stop(b)
+        out["same_slot"] = (a >> 9) & 0x7fffff == (b >> 9) & 0x7fffff
+        P.kch_stop(P.kch(ctx, b, 0, GPU_T0 + 10_000), GPU_T0 + 11_000)  # channel 1 never comes
+        t0 = time.monotonic()
+        while P.stats()["completed"] < 2 and time.monotonic() - t0 < 3:
+            time.sleep(0.02)
+        out["ended_after_s"] = time.monotonic() - t0
+        out.update(P.stats())
+        P.finalize(ctx)
+    """, env={"NCCL_EXPORTER_PROFILER_SETTLE_MS": "200"})
+    assert out["same_slot"], out
+    assert out["completed"] == 2 and out["ended_after_s"] < 1.0, out
