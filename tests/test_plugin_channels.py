@@ -2,8 +2,8 @@
 the channel bitsets are also the counts (one atomic per KernelCh start and
 stop), the first start's and the last stop's work is claimed once, and a
 new operation takes the slot freed last. NCCL's side is played in Python
-(tests/plugin/fake_nccl.py) in a subprocess, through the one interface
-version the checks do not depend on (v7) and the oldest (v4).
+(tests/plugin/fake_nccl.py) in a subprocess, through every interface
+version (v4 .. v7).
 
 NCCL numbers channels below MAXCHANNELS = 64 (v2.28.9-1 src/include/device.h:86;
 the same at v2.27.7, v2.29.7, v2.30.7), one bitset word; the plugin keeps four
@@ -17,7 +17,7 @@ import pytest
 
 from test_plugin_habits_ops import F_EXTRA_CHANNELS, log_records, play
 
-VERSIONS = (4, 7)
+VERSIONS = (4, 5, 6, 7)
 WORDS = (0, 70, 130, 200)  # one channel in each bitset word
 
 
