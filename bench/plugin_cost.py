@@ -20,6 +20,9 @@ Configurations (R repetitions interleaved in a rotating order, median kept):
   agent   the same plugin, a private copy of it, with uprobes on its three
           per-record hooks running a BPF program like the agent's would
           (copy the 144-byte record, bump a log2 histogram in a hash map)
+  NAME    --baseline NAME=LIB: another build of the plugin (an older commit's,
+          built in a `git worktree` of it), in the same rotation, so that load
+          hits both alike; `plugin / NAME` is printed
   agent-real  the same plugin, another copy, with the real agent program
           (bpf/plugin.c via PluginSource, after bpf/nccl.c): uprobes on all
           six hooks, GPU histogram + in-flight map updates
@@ -138,6 +141,10 @@ def main() -> int:
     ap.add_argument("--net-n", type=int, default=20000, help="collectives per timed netbench run")
     ap.add_argument("--net-only", action="store_true", help="only the network-step rows")
     ap.add_argument("--masks-only", action="store_true", help="only the activation-mask rows")
+    ap.add_argument("--collectives-only", action="store_true", help="only the per-collective rows")
+    ap.add_argument("--baseline", action="append", default=[], metavar="NAME=LIB",
+                    help="another build of the plugin (e.g. an older commit's, built in a worktree of it) "
+                         "measured in the same rotation as the row NAME, with plugin/NAME printed; repeatable")
     a = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="plugin-cost."))
@@ -145,6 +152,11 @@ def main() -> int:
         drv, noop = compile_helpers(tmp)
         plugin = build_plugin()
         configs = {"none": "none", "noop": str(noop), "plugin": str(plugin)}
+        for b in a.baseline:
+            name, sep, lib = b.partition("=")
+            if not sep or not Path(lib).is_file() or name in configs:
+                ap.error(f"--baseline {b}: want NAME=LIB, a new name and an existing library")
+            configs[name] = str(Path(lib).resolve())
         bpf = None
         real: list = []
         if not a.no_agent:
@@ -167,7 +179,7 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - no real plugin here: report without that row
                 print(f"agent-real row skipped: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
         masks = {"none": "none", "counts": str(plugin), "gpu": str(plugin), "net": str(plugin)}
-        for ch in a.channels:
+        for ch in ([] if a.collectives_only else a.channels):
             res_m: dict[str, list[float]] = {k: [] for k in masks}
             names = list(masks)
             for r in range(a.reps):
@@ -184,7 +196,7 @@ def main() -> int:
         net = {"noop": (str(noop), {"DRIVER_PROXY_MASK": "1"}),
                "plugin-noproxy": (str(plugin), {"DRIVER_PROXY_MASK": "1", "NCCL_EXPORTER_PROFILER_PROXY": "0"}),
                "plugin": (str(plugin), {})}
-        for ch in a.channels:
+        for ch in ([] if a.collectives_only else a.channels):
             res: dict[str, list[float]] = {k: [] for k in net}
             names = list(net)
             for r in range(a.reps):
@@ -213,6 +225,9 @@ def main() -> int:
                     extra += ")"
                 spread = f"[{min(results[k]):.1f}..{max(results[k]):.1f}]"
                 print(f"  {k:10s} {med[k]:8.1f} ns  {spread}{extra}")
+            for b in a.baseline:
+                name = b.partition("=")[0]
+                print(f"  plugin / {name}: x{med['plugin'] / med[name]:.3f}")
         if bpf is not None:
             total = sum(v.value for v in bpf["hist"].values())
             print(f"\nagent BPF program saw {total} records")

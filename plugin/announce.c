@@ -46,7 +46,7 @@ static void *announcer(void *arg) {
   uint64_t mine = (uint64_t)(uintptr_t)arg, period_ns = A.period_ms * 1000000ull;
   uint64_t quarter = G.settle_ns / 4 < 100000000ull ? 100000000ull : G.settle_ns / 4;
   uint64_t next = mono_ns() + period_ns;
-  uint32_t seen = 0; /* the pool's allocation cursor at the last sweep: moved, operations started since */
+  uint64_t seen = 0; /* the next record id at the last sweep: moved, operations started since */
   pthread_mutex_lock(&A.lock);
   while (A.gen == mine) {
     uint64_t wait = quarter, now = mono_ns();
@@ -66,7 +66,9 @@ static void *announcer(void *arg) {
         hook_comm_live(&ci);
       }
     }
-    uint32_t cur = atomic_load_explicit(&G.cursor, memory_order_relaxed);
+    /* operations started: the record ids, not the allocation cursor (the
+     * slot freed last is taken without moving it: slot_alloc) */
+    uint64_t cur = atomic_load_explicit(&G.next_id, memory_order_relaxed);
     if (G.slots && (cur != seen || atomic_load_explicit(&G.sweep_live, memory_order_relaxed)) && sweep(now, 0))
       seen = cur;
   }

@@ -149,8 +149,10 @@ void split(void *h, void **ours, void **theirs) {
   if (!h) return;
   if (h_is_ours(h)) {
     *ours = h;
+    /* only a Coll/P2p handle (sub 0) can carry theirs; a KernelCh handle of
+     * ours alone may outlive its slot by its stopEvent (ours_stop) */
     uint32_t sub;
-    struct slot *s = h_slot(h, &sub);
+    struct slot *s = ((uintptr_t)h & 0x1ff) ? NULL : h_slot(h, &sub);
     if (s && sub == 0) *theirs = s->theirs;
     return;
   }

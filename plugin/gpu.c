@@ -5,13 +5,19 @@
  */
 #include "internal.h" /* first: it includes glibc_floor.h before any system header */
 
-static inline int ch_test(_Atomic uint64_t *m, unsigned ch) {
-  return (atomic_load_explicit(&m[(ch >> 6) & 3], memory_order_relaxed) >> (ch & 63)) & 1;
-}
-/* Set channel ch's bit; 1 if it was set already. */
-static inline int ch_set(_Atomic uint64_t *m, unsigned ch) {
-  uint64_t bit = 1ull << (ch & 63);
-  return (atomic_fetch_or_explicit(&m[(ch >> 6) & 3], bit, memory_order_acq_rel) & bit) != 0;
+/* A channel's word and bit in a channel bitset (ch_started, ch_stopped). */
+#define CH_WORD(ch) (((ch) >> 6) & 3)
+#define CH_BIT(ch) (1ull << ((ch) & 63))
+
+/* Claim the operation's CLAIM_* work for the one caller that gets it, while
+ * the slot still holds the operation of generation gen (the handle's): a
+ * thread late on a slot that ended and went to another operation claims
+ * nothing there. */
+static inline int claim(struct slot *s, uint32_t gen, uint32_t what) {
+  uint32_t cur = atomic_load_explicit(&s->claimed, memory_order_relaxed);
+  while ((cur >> 2) == (gen & H_GEN) && !(cur & what))
+    if (atomic_compare_exchange_weak(&s->claimed, &cur, cur | what)) return 1;
+  return 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -45,17 +51,16 @@ void *ours_start_op(struct ctx *c, const struct ev *e) {
   uint32_t idx;
   struct slot *s = slot_alloc(now, &idx);
   if (!s) return NULL;
-  uint32_t gen = atomic_fetch_add_explicit(&s->gen, 1, memory_order_relaxed) + 1;
-  if ((gen & H_GEN) == 0) gen = atomic_fetch_add_explicit(&s->gen, 1, memory_order_relaxed) + 1;
+  /* a new generation (the slot is ours, CLOSING: we alone write gen) */
+  uint32_t gen = atomic_load_explicit(&s->gen, memory_order_relaxed) + 1;
+  if ((gen & H_GEN) == 0) gen++;
+  atomic_store_explicit(&s->gen, gen, memory_order_relaxed);
   s->ctx = c;
   s->theirs = NULL;
   s->created = now;
-  /* CHANNELS_UNKNOWN: one reference for the channels to come (pending_ch) */
-  atomic_store_explicit(&s->refs, 1 + (int32_t)nch + ((fl & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) ? 1 : 0),
-                        memory_order_relaxed);
-  atomic_store_explicit(&s->pending_ch, (fl & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) ? 1 : 0, memory_order_relaxed);
-  atomic_store_explicit(&s->started, 0, memory_order_relaxed);
-  atomic_store_explicit(&s->stopped, 0, memory_order_relaxed);
+  /* the event's reference and, unless no KernelCh will come, its channels' one (ch_ref) */
+  atomic_store_explicit(&s->refs, 1 + ((nch || (fl & NCCL_EXPORTER_F_CHANNELS_UNKNOWN)) ? 1 : 0), memory_order_relaxed);
+  atomic_store_explicit(&s->claimed, (gen & H_GEN) << 2, memory_order_relaxed);
   atomic_store_explicit(&s->finished, 0, memory_order_relaxed);
   atomic_store_explicit(&s->flags, 0, memory_order_relaxed);
   atomic_store_explicit(&s->min_start, UINT64_MAX, memory_order_relaxed);
@@ -64,21 +69,26 @@ void *ours_start_op(struct ctx *c, const struct ev *e) {
   atomic_store_explicit(&s->first_start_timer, 0, memory_order_relaxed);
   atomic_store_explicit(&s->proxy_open, 0, memory_order_relaxed);
   atomic_store_explicit(&s->kch_done, 0, memory_order_relaxed);
-  atomic_store_explicit(&s->net_used, 0, memory_order_relaxed);
   for (int k = 0; k < 4; k++) {
     atomic_store_explicit(&s->ch_started[k], 0, memory_order_relaxed);
     atomic_store_explicit(&s->ch_stopped[k], 0, memory_order_relaxed);
-    atomic_store_explicit(&s->ch_released[k], 0, memory_order_relaxed);
   }
-  s->ord = atomic_fetch_add_explicit(&c->ord_next, 1, memory_order_relaxed);
   s->lost_since = 0;
-  if (G.proxy_on) net_clear(idx); /* here, before any ProxyOp: several proxy threads may fill it (net_entry) */
+  /* The network table: cleared here, before any ProxyOp (several proxy threads
+   * may fill it: net_entry), if the slot's last operation used it (net_used is
+   * set before a ProxyOp first writes it; the slot came back to the pool only
+   * after its ProxyOps ended) */
+  if (atomic_load_explicit(&s->net_used, memory_order_relaxed)) {
+    net_clear(idx);
+    atomic_store_explicit(&s->net_used, 0, memory_order_relaxed);
+  }
 
   struct nccl_exporter_record *r = &s->rec;
   memset(r, 0, sizeof *r);
   r->version = NCCL_EXPORTER_RECORD_VERSION;
   r->size = sizeof *r;
   r->id = atomic_fetch_add_explicit(&G.next_id, 1, memory_order_relaxed);
+  s->ord = r->id;
   r->comm_hash = c->comm_hash;
   r->rank = c->rank;
   r->nranks = c->nranks;
@@ -122,20 +132,29 @@ void *ours_start_kch(struct ctx *c, const struct ev *e) {
   if (!s || sub != 0) return NULL;
   uint32_t idx = (uint32_t)(((uintptr_t)e->parent >> 9) & 0x7fffffu);
   void *h = h_make(idx, (uint32_t)((uintptr_t)e->parent >> 32) & H_GEN, 1 + (e->channel & 0xff));
-  if (ch_set(s->ch_started, e->channel)) return h; /* this channel started already: counted once */
+  /* One atomic per channel: the bit is the channel's start, counted once,
+   * and (set bits) the count of channels started (ch_count). */
+  unsigned ch = e->channel & 0xff, k = CH_WORD(ch);
+  uint64_t old = atomic_fetch_or(&s->ch_started[k], CH_BIT(ch));
+  if (old & CH_BIT(ch)) return h; /* this channel started already: counted once */
   uint64_t cur = atomic_load_explicit(&s->min_start, memory_order_relaxed);
   while (e->ptimer < cur && !atomic_compare_exchange_weak_explicit(&s->min_start, &cur, e->ptimer,
                                                                    memory_order_relaxed, memory_order_relaxed)) {
   }
-  uint32_t n = atomic_fetch_add_explicit(&s->started, 1, memory_order_acq_rel);
-  if (n >= s->rec.nchannels) { /* more children than announced: keep the slot for them too */
-    if (s->rec.nchannels) atomic_fetch_or_explicit(&s->flags, NCCL_EXPORTER_F_EXTRA_CHANNELS, memory_order_relaxed);
-    atomic_fetch_add_explicit(&s->refs, 1, memory_order_acq_rel);
+  uint32_t n = bits64(old); /* channels started before it: its word's, then the others' */
+  for (unsigned j = 0; j < 4; j++) {
+    uint64_t w = j == k ? 0 : atomic_load(&s->ch_started[j]);
+    if (w) n += bits64(w);
   }
-  if (n == 0) {
-    /* One host clock read per operation start (not per channel): the RUNNING
-     * hook's time, and a clock sample kept until the operation ends (judge():
-     * only a plausible interval's timers feed the offset estimator). */
+  /* more children than announced: flagged; the last stop waits for them too */
+  if (n >= s->rec.nchannels && s->rec.nchannels)
+    atomic_fetch_or_explicit(&s->flags, NCCL_EXPORTER_F_EXTRA_CHANNELS, memory_order_relaxed);
+  /* The first start (its word was empty; of several words' firsts, the one
+   * that claims it): one host clock read per operation start (not per
+   * channel): the RUNNING hook's time, and a clock sample kept until the
+   * operation ends (judge(): only a plausible interval's timers feed the
+   * offset estimator). */
+  if (old == 0 && claim(s, (uint32_t)((uintptr_t)e->parent >> 32), CLAIM_RUNNING)) {
     uint64_t now = mono_ns();
     (void)c;
     atomic_store_explicit(&s->first_start_timer, e->ptimer, memory_order_relaxed);
@@ -195,8 +214,13 @@ void ours_kch_stop_state(void *h, uint64_t ptimer) {
   struct slot *s = h_slot(h, &sub);
   if (!s || sub == 0) return;
   /* A second stop of a channel is another operation's, sent through this
-   * operation's stale handle (see sweep()): never counted here. */
-  if (!ch_test(s->ch_started, sub - 1) || ch_set(s->ch_stopped, sub - 1)) {
+   * operation's stale handle (see sweep()): never counted here. Its timer is
+   * taken before the stop is counted (the bit): whoever sees the last bit set
+   * sees every counted stop's timer. Only a second stop racing the first one
+   * of the same channel could pass this check and leave its timer. */
+  unsigned ch = (sub - 1) & 0xff, k = CH_WORD(ch);
+  uint64_t started_w = atomic_load(&s->ch_started[k]);
+  if (!(started_w & CH_BIT(ch)) || (atomic_load_explicit(&s->ch_stopped[k], memory_order_relaxed) & CH_BIT(ch))) {
     atomic_fetch_add_explicit(&G.dup_stops, 1, memory_order_relaxed);
     return;
   }
@@ -204,10 +228,19 @@ void ours_kch_stop_state(void *h, uint64_t ptimer) {
   while (ptimer > cur && !atomic_compare_exchange_weak_explicit(&s->max_stop, &cur, ptimer, memory_order_relaxed,
                                                                memory_order_relaxed)) {
   }
-  uint32_t n = atomic_fetch_add_explicit(&s->stopped, 1, memory_order_acq_rel) + 1;
-  uint32_t started = atomic_load_explicit(&s->started, memory_order_acquire);
-  uint32_t want = s->rec.nchannels > started ? s->rec.nchannels : started;
-  if (n == want) { /* the last channel: one clock read per operation end */
+  uint64_t stopped_w = atomic_fetch_or(&s->ch_stopped[k], CH_BIT(ch));
+  if (UNLIKELY(stopped_w & CH_BIT(ch))) { /* that race: the other one counted */
+    atomic_fetch_add_explicit(&G.dup_stops, 1, memory_order_relaxed);
+    return;
+  }
+  /* The last channel: every channel started has stopped (the bitsets are
+   * equal), at least as many as announced. Of several stops seeing that at
+   * once (stops on different words), the one that claims it does its work. */
+  int last = (stopped_w | CH_BIT(ch)) == atomic_load(&s->ch_started[k]);
+  for (unsigned j = 0; last && j < 4; j++)
+    if (j != k) last = atomic_load(&s->ch_stopped[j]) == atomic_load(&s->ch_started[j]);
+  if (last && ch_count(s->ch_stopped) >= s->rec.nchannels &&
+      claim(s, (uint32_t)((uintptr_t)h >> 32), CLAIM_LAST_STOP)) { /* one clock read per operation end */
     uint64_t now = mono_ns();
     uint32_t reject = judge(s, ptimer, now);
     if (!reject) { /* the operation's two clock samples: its first start and its last stop */
@@ -228,8 +261,9 @@ void ours_kch_stop_state(void *h, uint64_t ptimer) {
     atomic_store_explicit(&s->ctx->kch_done_at, now, memory_order_relaxed);
     atomic_store(&s->kch_done, 1);
     if (atomic_load(&s->proxy_open) == 0) finish(s, NCCL_EXPORTER_STATE_DONE, reject, now);
-    /* CHANNELS_UNKNOWN: channels starting after this are not waited for (a stale handle, counted) */
-    if (atomic_exchange(&s->pending_ch, 0)) unref(s);
+    /* The channels' reference: channels starting after this are not waited
+     * for (CHANNELS_UNKNOWN, or a stale handle: counted) */
+    if (ch_ref(s)) unref(s);
   }
 }
 void ours_stop(void *h) {
@@ -237,11 +271,17 @@ void ours_stop(void *h) {
     proxy_stop(h);
     return;
   }
+  /* A KernelCh's stopEvent changes nothing: NCCL sends it right after the
+   * channel's stop state, which counted the stop (or found it a second one,
+   * see sweep()), and the channels hold one reference together, dropped by
+   * the last stop (v2.28.9-1 src/plugin/profiler.cc, ncclProfilerStopKernelChEvent:
+   * recordEventState(KernelChStop) then stopEvent on one handle, lines 605-612;
+   * the same in v2.29.7-1 and v2.30.7-1). */
+  if ((uintptr_t)h & 0x1ff) return;
   uint32_t sub;
   struct slot *s = h_slot(h, &sub);
   if (!s) return;
-  if (sub && ch_set(s->ch_released, sub - 1)) return; /* a KernelCh's stopEvent counts once (see sweep()) */
-  if (sub == 0 && (s->rec.flags & NCCL_EXPORTER_F_UNTIMED)) /* no KernelCh will come: done when enqueued */
+  if (s->rec.flags & NCCL_EXPORTER_F_UNTIMED) /* no KernelCh will come: done when enqueued */
     finish(s, NCCL_EXPORTER_STATE_DONE, 0, mono_ns());
   unref(s);
 }

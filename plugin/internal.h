@@ -13,9 +13,11 @@
  *    channel c).  A stale or foreign handle is detected (generation mismatch)
  *    and ignored instead of being dereferenced.
  *  - Slots come from one fixed pool allocated at the first init; allocation
- *    is a lock-free CAS scan from a rotating cursor.  A slot lives until the
- *    Coll/P2p was stopped (= enqueued) and all its expected KernelCh children
- *    were stopped, or until finalize / age-out reclaims it.
+ *    takes the slot freed last (in cache), else a lock-free CAS scan from a
+ *    rotating cursor.  A slot lives until the Coll/P2p was stopped
+ *    (= enqueued) and all its KernelCh children started so far, at least as
+ *    many as announced, had their stop state (a KernelCh's stopEvent changes
+ *    nothing), or until finalize / age-out / the sweep reclaims it.
  *  - No locks, no malloc, no syscalls per event (clock_gettime is the vDSO);
  *    the optional log file costs one write(2) per completed operation.
  *  - Chain-loading: NCCL_EXPORTER_PROFILER_CHAIN=/path/plugin.so is dlopened
@@ -83,7 +85,7 @@ struct clk {            /* GPU timer -> CLOCK_MONOTONIC offset estimator */
   _Atomic int64_t cur_min;     /* min(mono_at_delivery - timer) this window */
   _Atomic int64_t prev_min;    /* previous window's min */
   _Atomic uint64_t win_start;  /* mono ns when this window began */
-  _Atomic uint32_t nsamples;
+  _Atomic uint32_t nsamples;  /* 0, 1, 2 = two or more */
 };
 
 struct ctx {
@@ -99,7 +101,6 @@ struct ctx {
   _Atomic uint64_t *p2p_seq; /* [2 * p2p_n]: per (peer, send/recv) order */
   uint32_t p2p_n;
   /* operations in start order (slot.ord), for sweep(): */
-  _Atomic uint64_t ord_next;
   _Atomic uint64_t kch_done_ord; /* 1 + the newest ord whose every KernelCh stopped (0: none) */
   _Atomic uint64_t kch_done_at;  /* when the last of them stopped (sweep(): since when one is lost) */
   uint64_t sweep_min_run;        /* sweep(): the oldest ord with a KernelCh running (UINT64_MAX: none) */
@@ -110,8 +111,8 @@ struct slot {
   _Atomic uint32_t gen;     /* bumped on every allocation; part of handles */
   struct ctx *ctx;
   void *theirs;             /* chained plugin's handle for this Coll/P2p */
-  _Atomic int32_t refs;     /* 1 (the event) + expected KernelCh children */
-  _Atomic uint32_t started, stopped;
+  _Atomic int32_t refs;     /* 1 (the event) + 1 (its KernelCh children: ch_ref) + open ProxyOps */
+  _Atomic uint32_t claimed;  /* gen << 2 | CLAIM_*: the first KernelCh start's and the last stop's work, done once */
   _Atomic uint32_t finished; /* done or abandoned already emitted */
   _Atomic uint32_t flags;
   _Atomic uint64_t min_start, max_stop;
@@ -122,17 +123,42 @@ struct slot {
   _Atomic int32_t proxy_open;   /* ProxyOps started and not stopped */
   _Atomic uint32_t kch_done;    /* every expected KernelCh stopped */
   _Atomic uint32_t net_used;    /* G.nets[this slot] holds this operation's figures */
-  _Atomic uint32_t pending_ch;  /* F_CHANNELS_UNKNOWN: holds a reference until its channels stopped */
   uint32_t done_reject;         /* judge()'s verdict at the last KernelCh stop */
   uint64_t done_now;            /* and when */
   /* NCCL <= 2.30 can stop a KernelCh through the handle of an older operation
-   * (see sweep()): each channel's start, stop state and stopEvent count once */
-  _Atomic uint64_t ch_started[4], ch_stopped[4], ch_released[4];
-  uint64_t ord;                 /* this operation's place in its communicator's start order */
+   * (see sweep()): each channel's start and stop state count once.
+   * The bits are also the counts (ch_count): one atomic per channel event. */
+  _Atomic uint64_t ch_started[4], ch_stopped[4];
+  uint64_t ord;                 /* its place in its communicator's start order: its record id (ids grow in
+                                   start order, over all communicators) */
   uint64_t lost_since;          /* sweep(): first seen with a channel that will never come (0: not) */
   struct nccl_exporter_record rec; /* the static part, filled at start */
 };
 enum { SLOT_FREE = 0, SLOT_LIVE = 1, SLOT_CLOSING = 2 };
+enum { CLAIM_RUNNING = 1, CLAIM_LAST_STOP = 2 };
+
+/* Its KernelCh children hold one reference, dropped by the last stop (none
+ * when no KernelCh will come: F_UNTIMED). */
+static inline int ch_ref(const struct slot *s) {
+  return s->rec.nchannels || (s->rec.flags & NCCL_EXPORTER_F_CHANNELS_UNKNOWN);
+}
+
+/* Bits set in x (no popcnt instruction: the plugin runs on any x86-64). */
+static inline uint32_t bits64(uint64_t x) {
+  x -= (x >> 1) & 0x5555555555555555ull;
+  x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+  x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
+  return (uint32_t)((x * 0x0101010101010101ull) >> 56);
+}
+/* Channels whose bit is set in a channel bitset (ch_started, ch_stopped). */
+static inline uint32_t ch_count(_Atomic uint64_t *m) {
+  uint32_t n = 0;
+  for (int k = 0; k < 4; k++) {
+    uint64_t w = atomic_load(&m[k]);
+    if (w) n += bits64(w);
+  }
+  return n;
+}
 
 struct wrap {               /* chain mode: a KernelCh handle of both plugins */
   _Atomic uint32_t used;
@@ -314,7 +340,7 @@ struct net_tab {
   _Atomic uint32_t shared;  /* ProxyOps of it came from more than one thread: atomic figures */
   _Atomic uintptr_t writer; /* the thread of its first ProxyOp */
   struct net_ent e[NET_TAB];
-  struct net_ent over[2];   /* per direction: pairs beyond NET_TAB */
+  struct net_ent over[2];   /* per direction: pairs beyond NET_TAB (their peer and dir fields unused) */
 };
 struct pstep {
   int32_t step;       /* NCCL's step number, -1: free */

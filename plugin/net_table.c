@@ -5,11 +5,10 @@
  */
 #include "internal.h" /* first: it includes glibc_floor.h before any system header */
 
+/* All zero is a clean table (the pool's pages start so): the overflow
+ * entries' direction is their index (net_fill), their peer -1. */
 void net_clear(uint32_t idx) {
-  struct net_tab *t = &G.nets[idx];
-  memset(t, 0, sizeof *t);
-  t->over[0].peer = t->over[1].peer = -1;
-  t->over[NCCL_EXPORTER_NET_RECV].dir = NCCL_EXPORTER_NET_RECV;
+  memset(&G.nets[idx], 0, sizeof G.nets[idx]);
 }
 
 /* ProxyOp entries whose operation was reclaimed (finalize, age-out, sweep):
@@ -73,15 +72,16 @@ void net_fill(struct slot *s, struct nccl_exporter_net *out) {
     int j = 0;
     while (i < tn && j < np && peers[j] != e->peer) j++;
     struct nccl_exporter_peer_wait *w;
+    uint32_t dir = i < tn ? e->dir : i - tn; /* over[dir] */
     if (i < tn && j < np && keep[j]) {
       w = &out->e[n++];
       w->peer = e->peer;
     } else {
-      w = &other[e->dir];
+      w = &other[dir];
       w->peer = -1;
-      have_other[e->dir] = 1;
+      have_other[dir] = 1;
     }
-    w->direction = e->dir;
+    w->direction = dir;
     w->bytes += e->bytes;
     for (int p = 0; p < NCCL_EXPORTER_NET_PHASES; p++) {
       w->wall_ns[p] += e->wall[p];

@@ -4,13 +4,27 @@
  */
 #include "internal.h" /* first: it includes glibc_floor.h before any system header */
 
+/* The slot freed last (index + 1; 0: none): slot_alloc takes it first. Its
+ * memory is in this core's cache, or a neighbour's, where the rotating
+ * cursor's next slot is cold (the pool, its network tables included, is ~6 MiB
+ * at 4,096 slots: more than the L2 cache), and a job with few operations in
+ * flight then keeps reusing a handful of slots. */
+static _Atomic uint32_t last_freed;
+
+/* The caller holds the slot CLOSING: it alone writes gen (no atomic add). */
+static void slot_free(struct slot *s) {
+  atomic_store_explicit(&s->gen, atomic_load_explicit(&s->gen, memory_order_relaxed) + 1,
+                        memory_order_release); /* outstanding handles go stale */
+  atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
+  atomic_store_explicit(&last_freed, (uint32_t)(s - G.slots) + 1, memory_order_relaxed);
+}
+
 /* Return a slot to the pool (exactly one caller wins the LIVE->CLOSING CAS). */
 void release(struct slot *s, uint32_t abandon_flags, uint64_t now) {
   uint32_t live = SLOT_LIVE;
   if (!atomic_compare_exchange_strong(&s->state, &live, SLOT_CLOSING)) return;
   if (!atomic_load(&s->finished)) finish(s, NCCL_EXPORTER_STATE_ABANDONED, abandon_flags, now ? now : mono_ns());
-  atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
-  atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
+  slot_free(s);
 }
 
 /* Records NCCL will never complete, found by a periodic sweep (at most every
@@ -65,8 +79,7 @@ static int sweep_end(struct slot *s, uint32_t gen0, uint8_t state, uint32_t flag
     return 0;
   }
   if (!atomic_load(&s->finished)) finish(s, state, flags, now);
-  atomic_fetch_add_explicit(&s->gen, 1, memory_order_release); /* outstanding handles go stale */
-  atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
+  slot_free(s);
   return 1;
 }
 
@@ -113,7 +126,7 @@ int sweep(uint64_t now, int pressure) { /* 1 if it ran (not rate-limited) */
     struct slot *s = &G.slots[i];
     if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
     live++;
-    if (atomic_load_explicit(&s->started, memory_order_relaxed) > atomic_load_explicit(&s->stopped, memory_order_relaxed) &&
+    if (ch_count(s->ch_started) > ch_count(s->ch_stopped) &&
         s->ord < s->ctx->sweep_min_run)
       s->ctx->sweep_min_run = s->ord;
   }
@@ -122,7 +135,7 @@ int sweep(uint64_t now, int pressure) { /* 1 if it ran (not rate-limited) */
     uint32_t gen0 = atomic_load_explicit(&s->gen, memory_order_acquire);
     if (atomic_load_explicit(&s->state, memory_order_acquire) != SLOT_LIVE) continue;
     if (older_than(now, s->created, G.max_age_ns + 1)) {
-      int untimed = (s->rec.flags & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) && !atomic_load(&s->started);
+      int untimed = (s->rec.flags & NCCL_EXPORTER_F_CHANNELS_UNKNOWN) && !ch_count(s->ch_started);
       if (untimed) {
         sweep_end(s, gen0, NCCL_EXPORTER_STATE_DONE, NCCL_EXPORTER_F_UNTIMED, now);
         continue;
@@ -139,8 +152,7 @@ int sweep(uint64_t now, int pressure) { /* 1 if it ran (not rate-limited) */
       continue;
     }
     struct ctx *c = s->ctx;
-    uint32_t started = atomic_load_explicit(&s->started, memory_order_relaxed);
-    uint32_t stopped = atomic_load_explicit(&s->stopped, memory_order_relaxed);
+    uint32_t started = ch_count(s->ch_started), stopped = ch_count(s->ch_stopped);
     /* nothing of it runs, nothing older of its communicator runs, and either
      * some of its channels ended (its kernel ran) or a newer operation of its
      * communicator ended (kernels of one communicator end in order) */
@@ -168,17 +180,29 @@ int sweep(uint64_t now, int pressure) { /* 1 if it ran (not rate-limited) */
   return 1;
 }
 
+/* A free slot for the caller (CLOSING until it publishes it LIVE): the one
+ * freed last if still free (threads that read the same hint race for it in
+ * slot_claim: one gets it), else the next free one from a rotating cursor. */
+static inline int slot_claim(uint32_t i) {
+  struct slot *s = &G.slots[i];
+  uint32_t f = SLOT_FREE;
+  return atomic_load_explicit(&s->state, memory_order_relaxed) == SLOT_FREE &&
+         atomic_compare_exchange_strong_explicit(&s->state, &f, SLOT_CLOSING, memory_order_acquire,
+                                                 memory_order_relaxed);
+}
+
 struct slot *slot_alloc(uint64_t now, uint32_t *idx_out) {
+  uint32_t hot = atomic_load_explicit(&last_freed, memory_order_relaxed);
+  if (hot && hot - 1 < G.nslots && slot_claim(hot - 1)) {
+    *idx_out = hot - 1;
+    return &G.slots[hot - 1];
+  }
   for (int pass = 0; pass < 2; pass++) {
     for (uint32_t tries = 0; tries < G.nslots; tries++) {
       uint32_t i = atomic_fetch_add_explicit(&G.cursor, 1, memory_order_relaxed) % G.nslots;
-      struct slot *s = &G.slots[i];
-      uint32_t f = SLOT_FREE;
-      if (atomic_load_explicit(&s->state, memory_order_relaxed) == SLOT_FREE &&
-          atomic_compare_exchange_strong_explicit(&s->state, &f, SLOT_CLOSING, memory_order_acquire,
-                                                  memory_order_relaxed)) {
+      if (slot_claim(i)) {
         *idx_out = i;
-        return s; /* CLOSING until the caller publishes it LIVE */
+        return &G.slots[i];
       }
     }
     if (pass == 0) sweep(now, 1);

@@ -94,8 +94,7 @@ void snapshot(struct slot *s, struct nccl_exporter_record *r, uint8_t state, uin
   *r = s->rec;
   r->state = state;
   r->host_event_mono_ns = now;
-  uint32_t started = atomic_load_explicit(&s->started, memory_order_relaxed);
-  uint32_t stopped = atomic_load_explicit(&s->stopped, memory_order_relaxed);
+  uint32_t started = ch_count(s->ch_started), stopped = ch_count(s->ch_stopped);
   r->channels_started = started > 255 ? 255 : (uint8_t)started;
   r->channels_stopped = stopped > 255 ? 255 : (uint8_t)stopped;
   r->flags |= atomic_load_explicit(&s->flags, memory_order_relaxed);
