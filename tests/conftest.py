@@ -21,9 +21,12 @@ from fixtures.agent import (  # noqa: E402
     Exporter,
     ExporterProcess,
     free_port,
+    recording,
     run_cli,
     running_exporter,
+    start_recorder,
     wait_for_detaching,
+    wait_recording,
 )
 from fixtures.kernel import pin  # noqa: E402
 from fixtures.paths import CLI, REAL_NCCL_LIB, REPO, require_real_nccl, require_root  # noqa: E402
@@ -49,6 +52,7 @@ pytest_plugins = [
 __all__ = [
     "CLASSIC", "CLI", "READY_METRIC", "REAL_NCCL_LIB", "REPO",
     "Exporter", "ExporterProcess", "check_promql", "classic_bucket", "exposition", "free_port",
-    "parse_metrics", "pin", "require_real_nccl", "require_root", "run_cli", "running_exporter",
-    "sample_value", "sample_values", "serve_text", "series_by_labels", "wait_for_detaching",
+    "parse_metrics", "pin", "recording", "require_real_nccl", "require_root", "run_cli", "running_exporter",
+    "sample_value", "sample_values", "serve_text", "series_by_labels", "start_recorder", "wait_for_detaching",
+    "wait_recording",
 ]

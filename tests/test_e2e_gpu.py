@@ -260,36 +260,18 @@ def test_recording_holds_the_gpu_interval_and_the_gpu_time_query_finds_it(lib, p
     nccl_events row gets its GPU interval (the simulator's truth within
     100 us); the documented seed query (host time) finds no slow AllReduce,
     its GPU-time variant finds every one."""
-    import signal
     import sqlite3
-    import subprocess
-    import sys
 
-    from conftest import REPO
+    from conftest import recording
     from tests.test_queries import documented_queries
 
-    db, log = tmp_path / "gpu.db", tmp_path / "trace.log"
-    rec = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--db", str(db), "--node", "gpunode",
-                            "--nccl-lib", str(lib)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                           stdin=subprocess.DEVNULL, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 120
-        while "also loaded:" not in log.read_text():
-            assert rec.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        with Cluster(2) as cluster:
-            res = run_job(cluster, lib, "gpu", 6, tmp_path / "rdv", tmp_path / "truth", count=4096,
-                          compute_delay_ms={0: 2, 1: 2}, timeout=90,
-                          extra_env=gpu_env(plugin, NCCL_SIM_GPU_KERNEL_US=60_000, NCCL_SIM_GPU_LATE_EVERY=0),
-                          extra_args=["--sync-every", "3"])
-            assert res.ok, res.summary()
-        time.sleep(1.0)
-        rec.send_signal(signal.SIGTERM)
-        assert rec.wait(60) == 0, log.read_text()
-    finally:
-        if rec.poll() is None:
-            rec.kill()
-            rec.wait()
+    db = tmp_path / "gpu.db"
+    with recording(db, lib, node="gpunode"), Cluster(2) as cluster:
+        res = run_job(cluster, lib, "gpu", 6, tmp_path / "rdv", tmp_path / "truth", count=4096,
+                      compute_delay_ms={0: 2, 1: 2}, timeout=90,
+                      extra_env=gpu_env(plugin, NCCL_SIM_GPU_KERNEL_US=60_000, NCCL_SIM_GPU_LATE_EVERY=0),
+                      extra_args=["--sync-every", "3"])
+        assert res.ok, res.summary()
     conn = sqlite3.connect(db)
     truth = {(k["rank"], k["seq"]): k for k in gpu_kernels(res.truth, "ALL_REDUCE") if k["nranks"] == 2}
     rows = conn.execute("SELECT rank, seq, gpu_start_offset_ns, gpu_duration_ns FROM nccl_events "

@@ -11,16 +11,14 @@ simulator's truth) and NCCL's seqNumber, and the calls NCCL does not number none
 from __future__ import annotations
 
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from collections import defaultdict
 
 import pytest
 
-from conftest import REPO
+from conftest import recording as traced
 from exporter.simulator.truth import gpu_kernels, load_truth
 
 VERSIONS = (4, 5, 6, 7)
@@ -69,18 +67,11 @@ def recording(bpf, lib, plugin, tmp_path_factory):
     """One `trace --db` recording of the job, once per interface version (a process
     each): (database, {version: truth records})."""
     tmp = tmp_path_factory.mktemp("seq")
-    db, log = tmp / "seq.db", tmp / "trace.log"
+    db = tmp / "seq.db"
     job = tmp / "job.py"
     job.write_text(JOB)
-    rec = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--db", str(db), "--node", "seqnode",
-                            "--nccl-lib", str(lib)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                           stdin=subprocess.DEVNULL, cwd=REPO)
     truths = {}
-    try:
-        deadline = time.monotonic() + 120
-        while "tracing NCCL calls" not in log.read_text():
-            assert rec.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    with traced(db, lib, node="seqnode"):
         for v in VERSIONS:
             truth = tmp / f"truth.v{v}.jsonl"
             env = dict(os.environ, NCCL_SIM_GPU="1", NCCL_SIM_GPU_KERNEL_US=str(KERNEL_US),
@@ -93,13 +84,6 @@ def recording(bpf, lib, plugin, tmp_path_factory):
                                capture_output=True, text=True, timeout=90)
             assert p.returncode == 0 and "unnumbered ok" in p.stdout, p.stdout + p.stderr
             truths[v] = load_truth(truth)
-        time.sleep(1.0)
-        rec.send_signal(signal.SIGTERM)
-        assert rec.wait(60) == 0, log.read_text()
-    finally:
-        if rec.poll() is None:
-            rec.kill()
-            rec.wait()
     return db, truths
 
 

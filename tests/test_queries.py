@@ -25,7 +25,7 @@ import pytest
 
 from exporter.simulator.cluster import NETNS_DIR, Cluster, start_job
 from exporter.simulator.truth import calls
-from conftest import REPO, wait_for_detaching
+from conftest import REPO, start_recorder, wait_for_detaching, wait_recording
 from tests.retransmit_observer import Observer, allowed_blind, parse
 
 pytestmark = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the heavy lock: conftest
@@ -69,24 +69,6 @@ def rows(db, sql, *params):
         conn.close()
 
 
-def start_recorder(out, lib, *extra, env=None):
-    log = open(str(out) + ".log", "w+")
-    p = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--db", str(out), "--node", "simnode",
-                          "--nccl-lib", str(lib), *extra], stdout=log, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, cwd=REPO, env={**os.environ, **(env or {})})
-    p.log = log
-    return p
-
-
-def wait_started(procs, timeout=120):
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        while "also loaded:" not in pathlib.Path(p.log.name).read_text():
-            assert p.poll() is None, pathlib.Path(p.log.name).read_text()
-            assert time.monotonic() < deadline, "recorder did not start"
-            time.sleep(0.2)
-
-
 def connections(cluster) -> set[tuple[str, int, str, int]]:
     """(local address, port, remote address, port) of every TCP socket on the cluster's hosts."""
     out = set()
@@ -125,7 +107,7 @@ def rec(tmp_path_factory, simulator_lib):
             "killed": start_recorder(dbs["killed"], lib),
         }
         try:
-            wait_started(procs.values())
+            wait_recording(procs.values())
             job = start_job(cluster, lib, "train", iterations=10**6, rendezvous_dir=tmp / "rdv",
                             truth_dir=tmp / "truth", count=256 * 1024, compute_delay_ms={STRAGGLER: 30},
                             extra_env={"NCCL_SIM_DURATION_S": "10"})

@@ -8,14 +8,13 @@ ranks with generous factors, never absolute latencies.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import pin, wait_for_detaching
+from conftest import pin, recording, wait_for_detaching
 
 from exporter.records import metrics
 from exporter.sinks.prometheus import sched_families
@@ -276,17 +275,15 @@ def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
         pytest.skip("needs 2 CPUs")
     from exporter.simulator.build import build_library
     from exporter.simulator.cluster import Cluster, start_job
-    from tests.test_queries import documented_queries, query, rows, start_recorder, wait_started
+    from tests.test_queries import documented_queries, query, rows
 
     wait_for_detaching()  # an earlier agent's detaching would add run-queue waits of its own
     lib = build_library()
     db = tmp_path / "sched.db"
     cpu_of = {0: 0, 1: 1, 2: 0, 3: 0}
-    recorder = start_recorder(db, lib, "--runq-wait-min", "0")
     hog = None
     try:
-        wait_started([recorder])
-        with Cluster(4) as cluster:
+        with recording(db, lib, "--runq-wait-min", "0"), Cluster(4) as cluster:
             # 2 ms of compute per iteration: ~15 k waits a second to record. Flat
             # out (~35 k/s) the recorder, sharing CPU 0 with three ranks, fell
             # behind by ~1 % on a slow day: a throughput limit (counted as lost,
@@ -313,16 +310,10 @@ def test_recording_keeps_every_runqueue_wait_of_traced_threads(tmp_path):
                 assert result.ok, result.summary()
             finally:
                 job.kill()
-        time.sleep(1.0)
-        recorder.send_signal(signal.SIGTERM)
-        assert recorder.wait(60) == 0
     finally:
         if hog is not None and hog.poll() is None:
             hog.kill()
             hog.wait()
-        if recorder.poll() is None:
-            recorder.kill()
-            recorder.wait()
 
     meta = dict(rows(db, "SELECT key, value FROM meta"))
     assert meta["lost_kernel_sched_events"] == "0" and meta["lost_queue_full"] == "0", meta
