@@ -15,6 +15,8 @@ CLOCK_MONOTONIC), R repetitions interleaved in a rotating order, median kept:
   empty-link  the same pair attached as uprobe_multi links, as the
            product's are (like with like: the kernel's dispatch to a link's
            program differs from a perf event's)
+  entry-link  the empty entry program alone, as a link: what a return
+           probe costs, (empty-link - entry-link)
   product  NcclProbes().attach(lib): the exporter's probe set (all functions)
 
 Then the agent itself (`nccl-exporter run --nccl-lib LIB`) in a subprocess,
@@ -257,7 +259,7 @@ class Agent:
 
 def measure_probes(args, driver, libs, mode, product, empty_bpf, results, checks):
     """R interleaved repetitions of bare / empty / product."""
-    order = ["bare", "empty", "empty-link", "product"]
+    order = ["bare", "empty", "empty-link", "entry-link", "product"]
     for rep in range(args.reps):
         k = rep % len(order)
         for config in order[k:] + order[:k]:
@@ -327,11 +329,12 @@ def report(args, lib, mode, results, checks, agent):
     print(f"{TARGET}: {args.calls} calls per run, median of {args.reps} interleaved runs "
           f"(min..max in brackets), driver {'not pinned' if PIN_CPU is None else f'pinned to CPU {PIN_CPU}'}")
     print()
-    print(f"  {'configuration':<30} {'ns/call':>9} {'over bare':>10}   range")
+    print(f"  {'configuration':<52} {'ns/call':>9} {'over bare':>10}   range")
     rows = [("(a) bare call", "bare"), ("(b) empty uprobe+uretprobe", "empty"),
-            ("(b') the same, uprobe_multi links", "empty-link"), ("(c) product probes", "product")]
+            ("(b') the same, uprobe_multi links", "empty-link"),
+            ("(b'') the empty entry link alone (no return probe)", "entry-link"), ("(c) product probes", "product")]
     for title, key in rows:
-        print(f"  {title:<30} {med[key]:9.1f} {med[key] - a:10.1f}   [{lo[key]:.1f}..{hi[key]:.1f}]")
+        print(f"  {title:<52} {med[key]:9.1f} {med[key] - a:10.1f}   [{lo[key]:.1f}..{hi[key]:.1f}]")
     ratio = c / b
     added = (c - a) / (b - a) if b > a else float("nan")
     print()
@@ -340,6 +343,8 @@ def report(args, lib, mode, results, checks, agent):
     print(f"  per-call time   (c)/(b')         = {c / med['empty-link']:.3f}   (the empty pair as links)")
     print(f"  probe-added     (c-a)/(b-a)      = {added:.3f}")
     print(f"  BPF programs' own cost (c-b)     = {c - b:.1f} ns/call")
+    print(f"  a return probe's cost (b')-(b'') = {med['empty-link'] - med['entry-link']:.1f} ns/call "
+          "(what dropping the product's return probe would save, at most)")
     total = sum(made for _r, made, _s, _e, _res in checks)
     print(f"  calls counted by the product probes: {sum(s for _r, _m, s, _e, _res in checks)} "
           f"of {total} made (errors {sum(e for *_x, e, _res in checks)})")
@@ -406,7 +411,8 @@ def main(argv=None) -> int:
         lib, mode = pick_library(args.lib)
         log(f"library {lib} (driver mode: {mode}); work dir {workdir}")
         driver = build_driver(workdir)
-        libs = {name: private_copy(lib, workdir, name) for name in ("bare", "empty", "empty-link", "product", "agent")}
+        libs = {name: private_copy(lib, workdir, name)
+                for name in ("bare", "empty", "empty-link", "entry-link", "product", "agent")}
         first = run_driver(driver, libs["bare"], 1000, mode)
         log(f"driver check: {TARGET} -> result {first['result']}, {first['ns']:.1f} ns/call")
 
@@ -426,13 +432,16 @@ def main(argv=None) -> int:
             prog = uprobe_multi.load(empty_bpf, fn)
             empty_fds.append(prog)
             empty_fds.append(uprobe_multi.attach(prog, str(libs["empty-link"]), offset, retprobe=ret))
+        # What a return probe costs: the entry program alone, as a link.
+        entry_offset = vaddrs_to_offsets(str(libs["entry-link"]), [function_address(libs["entry-link"], TARGET)])
+        empty_fds.append(uprobe_multi.attach(empty_fds[-2], str(libs["entry-link"]), entry_offset, retprobe=False))
         product = NcclProbes()
         rep = product.attach(str(libs["product"]))
         if TARGET not in rep.attached:
             raise BenchError(f"the product did not attach {TARGET}: failed={rep.failed} missing={rep.missing}")
         log(f"product: {len(rep.attached)} functions probed ({len(rep.aliases)} aliases)")
 
-        results = {"bare": [], "empty": [], "empty-link": [], "product": []}
+        results = {"bare": [], "empty": [], "empty-link": [], "entry-link": [], "product": []}
         checks: list = []
         measure_probes(args, driver, libs, mode, product, empty_bpf, results, checks)
         agent = None if args.no_agent else measure_agent(args, driver, libs["agent"], mode, workdir, agent_box)
