@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -132,6 +134,75 @@ class LossyLink(Fault):
             self.index = None
 
 
+# The CPU hog of CpuStarvation: a child process at SCHED_FIFO priority 1 on
+# one CPU, spinning SPIN_S of every PERIOD_S; the kernel kills it if the
+# harness dies (PR_SET_PDEATHSIG), so no hog outlives the benchmark.
+HOG = r"""
+import ctypes, os, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != int(sys.argv[4]):
+    sys.exit(0)                                # the harness already gone
+cpu, spin, period = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+os.sched_setaffinity(0, {cpu})
+os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+while True:
+    t = time.monotonic()
+    while time.monotonic() - t < spin:
+        pass
+    time.sleep(period - spin)
+"""
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+class CpuStarvation(Fault):
+    """4. CPU starvation of one rank's threads: every thread of the rank's
+    process pinned to one CPU (sched_setaffinity), and on that CPU a
+    SCHED_FIFO hog (a child process) that spins 50 ms of every 100 ms: a
+    real-time task outranks every normal one, so the rank's threads wait
+    runnable while it spins (a noisy neighbour, an IRQ thread, a misplaced
+    real-time process). Cleared: the hog killed, the rank's CPUs restored."""
+
+    def __init__(self, wait_s=90, spin_s=0.05, period_s=0.1):
+        super().__init__("cpu_starvation", "cpu_starvation", wait_s)
+        self.spin_s, self.period_s = spin_s, period_s
+        self.hog: subprocess.Popen | None = None
+        self.pid, self.mask = None, None
+
+    def inject(self, ctx, rank):
+        self.pid = pid = ctx.pids[rank]
+        self.mask = os.sched_getaffinity(pid)
+        cpu = random.choice(sorted(self.mask))
+        for tid in _threads(pid):
+            try:
+                os.sched_setaffinity(tid, {cpu})
+            except OSError:
+                pass  # a thread that just ended
+        self.hog = subprocess.Popen([sys.executable, "-c", HOG, str(cpu), str(self.spin_s), str(self.period_s),
+                                     str(os.getpid())], stdin=subprocess.DEVNULL)
+        return {"mechanism": f"rank pinned to CPU {cpu} with a SCHED_FIFO hog spinning "
+                             f"{self.spin_s * 1000:.0f} ms of every {self.period_s * 1000:.0f} ms",
+                "cpu": cpu, "hog_pid": self.hog.pid}
+
+    def clear(self, ctx):
+        if self.hog is not None:
+            self.hog.kill()
+            self.hog.wait()
+            self.hog = None
+        if self.pid and self.mask:
+            for tid in _threads(self.pid):
+                try:
+                    os.sched_setaffinity(tid, self.mask)
+                except OSError:
+                    pass
+            self.pid = None
+
+
 class Stopped(Fault):
     """5. A rank that never joins (stopped between collectives: in its compute
     sleep), or 6. one stuck inside a collective: SIGSTOP, retried (SIGCONT,
@@ -232,6 +303,7 @@ FAULTS = {
     "stopped_between": lambda: Stopped(inside=False),
     "stopped_inside": lambda: Stopped(inside=True),
     "killed": Killed,
+    "cpu_starvation": CpuStarvation,
     "healthy_jitter": Jitter,
     "healthy_checkpoint": Checkpoint,
     "healthy_agent_restart": AgentRestart,

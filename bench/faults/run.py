@@ -53,9 +53,9 @@ COMPUTE_MS = 20       # each rank's compute between collectives
 COUNT = 16384         # elements per collective
 SETS = {
     "quick": (["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed",
-               "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 1),
+               "cpu_starvation", "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 1),
     "full": (["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed",
-              "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 10),
+              "cpu_starvation", "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 10),
     # the suite's (tests/test_bench_faults.py): the harness and the scoring, not the
     # timings, so with short warm-ups and waits (SUITE_TIMING)
     "suite": (["straggler", "stopped_between"], 1),
@@ -132,6 +132,8 @@ class Detectors:
         self.out, self.agent, self.prom, self.started = out, agent, prom, started  # started: the job's (Unix s)
         self.ranks_of = ranks_of     # (comm, rank label) -> the job's global rank
         self.addr_rank = addr_rank   # host address -> global rank
+        # the launcher's RANK of each rank (exporter/simulator/cluster.py sets RANK to the job's rank)
+        self.launcher_ranks = {str(r) for r in set(ranks_of.values())}
         self.run_id = run_id
         self.seen: set = set()
         self.lock = threading.Lock()
@@ -159,7 +161,7 @@ class Detectors:
             self.done.wait(max(0.0, period - (time.monotonic() - t0)))
 
     def _emit(self, detector: str, culprit: dict, cause: str | None, what: str) -> None:
-        key = (detector, json.dumps(culprit, sort_keys=True))
+        key = (detector, json.dumps(culprit, sort_keys=True), cause)  # a culprit named again with its cause
         with self.lock:
             if key in self.seen:
                 return
@@ -180,6 +182,9 @@ class Detectors:
                 cause = a.get("cause") or {"NcclStragglerRank": "late_arrival",
                                            "NcclRankMissing": "not_joined"}.get(a["alertname"])
                 self._emit("prometheus", {"rank": self.ranks_of[(a["comm"], a["rank"])]}, cause, a["alertname"])
+            elif "rank" in a and "comm" not in a and a["rank"] in self.launcher_ranks:
+                # a process's series (the scheduler's): its rank is the launcher's RANK, the job's rank
+                self._emit("prometheus", {"rank": int(a["rank"])}, a.get("cause"), a["alertname"])
 
     def _cli(self, *args) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "exporter", *args], capture_output=True, text=True,
