@@ -88,6 +88,10 @@ class Fault:
     culprit: str | None = "rank"
     healthy: bool = False
 
+    def job_env(self, work) -> dict:
+        """More environment for every rank of the job (work: this run's own folder)."""
+        return {}
+
     def inject(self, ctx, rank: int) -> dict:  # -> extra truth fields
         raise NotImplementedError
 
@@ -203,6 +207,41 @@ class CpuStarvation(Fault):
             self.pid = None
 
 
+class GpuStraggler(Fault):
+    """2. GPU straggler, in the simulator's GPU-like mode with the profiler
+    plugin: the rank's "GPU" produces each network step's data 5 ms late
+    (NCCL_SIM_SLOW_GPU, docs/simulator.md), switched on mid-job through the
+    simulator's NCCL_SIM_FAULTS_FILE (written whole, then renamed)."""
+
+    DELAY_US = 5000
+
+    def __init__(self, wait_s=90):
+        super().__init__("gpu_straggler", "gpu_straggler", wait_s)
+        self.file = None
+
+    def job_env(self, work):
+        from exporter.sources.plugin.build import build_plugin
+        work.mkdir(parents=True, exist_ok=True)
+        self.file = work / "faults"
+        self._write("")
+        return {"NCCL_SIM_GPU": "1", "NCCL_PROFILER_PLUGIN": str(build_plugin()),
+                "NCCL_SIM_FAULTS_FILE": str(self.file)}
+
+    def _write(self, value: str) -> None:
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(f"NCCL_SIM_SLOW_GPU={value}\n")
+        os.replace(tmp, self.file)
+
+    def inject(self, ctx, rank):
+        self._write(f"{rank}:{self.DELAY_US}")
+        return {"mechanism": f"NCCL_SIM_SLOW_GPU={rank}:{self.DELAY_US} (each network step's data "
+                             f"{self.DELAY_US // 1000} ms late) in the GPU-like mode"}
+
+    def clear(self, ctx):
+        if self.file is not None and self.file.exists():
+            self._write("")
+
+
 class Stopped(Fault):
     """5. A rank that never joins (stopped between collectives: in its compute
     sleep), or 6. one stuck inside a collective: SIGSTOP, retried (SIGCONT,
@@ -304,6 +343,7 @@ FAULTS = {
     "stopped_inside": lambda: Stopped(inside=True),
     "killed": Killed,
     "cpu_starvation": CpuStarvation,
+    "gpu_straggler": GpuStraggler,
     "healthy_jitter": Jitter,
     "healthy_checkpoint": Checkpoint,
     "healthy_agent_restart": AgentRestart,

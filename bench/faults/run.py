@@ -53,9 +53,9 @@ COMPUTE_MS = 20       # each rank's compute between collectives
 COUNT = 16384         # elements per collective
 SETS = {
     "quick": (["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed",
-               "cpu_starvation", "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 1),
+               "cpu_starvation", "gpu_straggler", "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 1),
     "full": (["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed",
-              "cpu_starvation", "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 10),
+              "cpu_starvation", "gpu_straggler", "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 10),
     # the suite's (tests/test_bench_faults.py): the harness and the scoring, not the
     # timings, so with short warm-ups and waits (SUITE_TIMING)
     "suite": (["straggler", "stopped_between"], 1),
@@ -262,7 +262,7 @@ def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmu
         job = start_job(cluster, lib, "train", iterations=10_000_000, rendezvous_dir=work / f"rdv{run_id}",
                         truth_dir=work / f"sim{run_id}", count=COUNT,
                         compute_delay_ms={r: COMPUTE_MS for r in range(NRANKS)},
-                        extra_env={"NCCL_SIM_DURATION_S": "3600"})
+                        extra_env={"NCCL_SIM_DURATION_S": "3600", **fault.job_env(work / f"sim{run_id}")})
         ctx = Ctx(cluster, job.pids, agent)
         start = time.time()
         try:
