@@ -189,6 +189,13 @@ class CpuStarvation(Fault):
                 pass  # a thread that just ended
         self.hog = subprocess.Popen([sys.executable, "-c", HOG, str(cpu), str(self.spin_s), str(self.period_s),
                                      str(os.getpid())], stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 5
+        while os.sched_getscheduler(self.hog.pid) != os.SCHED_FIFO:  # the fault is real, or the run fails
+            if self.hog.poll() is not None or time.monotonic() > deadline:
+                self.clear(ctx)
+                raise RuntimeError("the CPU hog did not run at SCHED_FIFO (needs CAP_SYS_NICE and real-time "
+                                   "runtime in its cgroup)")
+            time.sleep(0.01)
         return {"mechanism": f"rank pinned to CPU {cpu} with a SCHED_FIFO hog spinning "
                              f"{self.spin_s * 1000:.0f} ms of every {self.period_s * 1000:.0f} ms",
                 "cpu": cpu, "hog_pid": self.hog.pid}
