@@ -42,11 +42,12 @@ def test_wrong_culprit_lowers_precision_and_an_early_naming_is_a_false_alarm():
     dets = [det("a", 50.0, {"rank": 1}),                 # before the onset: a healthy job alarmed
             det("a", 110.0, {"rank": 3}),                # wrong rank
             det("a", 120.0, {"rank": 2}, cause="other"),  # right rank, wrong cause
-            det("a", 125.0, {"rank": 2}),                # the same culprit again: counted once
+            det("a", 125.0, {"rank": 2}),                # again, with the cause: counted once, the cause from it
             det("h", 30.0, {"rank": 0}), det("h", 40.0, {"rank": 0})]
     r = scoring.score(truths, dets, ["prometheus", "hang"])
     cell = r["faults"]["straggler"]["prometheus"]
-    assert (cell["detected"], cell["median_s"], cell["precision"], cell["cause_right"]) == (1, 20.0, 0.5, 0)
+    assert (cell["detected"], cell["median_s"], cell["precision"], cell["cause_right"]) == (1, 20.0, 0.5, 1)
+    assert cell["cause_median_s"] == 25.0
     assert r["faults"]["straggler"]["hang"]["detected"] == 0
     healthy = r["healthy"]["prometheus"]
     # healthy time: run a's 100 s before its onset + run h's 160 s
@@ -64,6 +65,20 @@ def test_a_run_counts_once_for_the_cause_and_twice_for_precision():
     assert (cell["detected"], cell["median_s"], cell["precision"], cell["cause_right"]) == (1, 7.0, 1.0, 1)
 
 
+def test_the_cause_may_come_after_the_culprit_named_with_a_symptom():
+    """A starved rank is named late first (NcclRankLate), then with its cause
+    (NcclRankCpuStarved): one right culprit, the cause right, timed apart."""
+    t = truth("c", fault="cpu_starvation", culprit={"rank": 1}, cause="cpu_starvation")
+    dets = [det("c", 110.0, {"rank": 1}, cause="late_arrival"),
+            det("c", 114.0, {"rank": 1}, cause="cpu_starvation"),
+            det("c", 300.0, {"rank": 1}, cause="cpu_starvation")]   # after the wait: not counted
+    cell = scoring.score([t], dets)["faults"]["cpu_starvation"]["prometheus"]
+    assert (cell["detected"], cell["median_s"], cell["precision"]) == (1, 10.0, 1.0)
+    assert (cell["cause_right"], cell["cause_median_s"]) == (1, 14.0)
+    cell = scoring.score([t], dets[:1])["faults"]["cpu_starvation"]["prometheus"]
+    assert (cell["cause_right"], cell["cause_median_s"]) == (0, None)
+
+
 def test_link_culprit_is_named_by_its_receiving_end():
     t = truth("l", fault="lossy_link", culprit={"link": {"to": "198.18.0.3"}}, cause="lossy_link")
     assert scoring.names_culprit(t, {"link": ["198.18.0.1", "198.18.0.3"]})
@@ -77,7 +92,7 @@ def test_score_cli_table_and_bad_input(tmp_path):
     p = subprocess.run([sys.executable, "-m", "bench.faults.score", tmp_path / "t.jsonl", tmp_path / "d.jsonl"],
                        capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0, p.stderr
-    assert "| straggler | prometheus | 1 | 1 | 12.0 | 12.0 | 1.0 | 1 |" in p.stdout
+    assert "| straggler | prometheus | 1 | 1 | 12.0 | 12.0 | 1.0 | 1 | 12.0 |" in p.stdout
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     p = subprocess.run([sys.executable, "-m", "bench.faults.score", tmp_path / "bad.jsonl", tmp_path / "d.jsonl"],
                        capture_output=True, text=True, cwd=REPO)

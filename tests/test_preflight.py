@@ -88,6 +88,13 @@ def test_missing_uprobes_and_tracepoint(fake_tracefs):
     assert by["tracepoints"].detail.startswith("missing tcp/tcp_retransmit_skb under")
 
 
+def test_missing_signal_deliver_tracepoint(fake_tracefs):
+    """NcclRankDied needs the signal a rank died of (bpf/nccl.c, signal_deliver)."""
+    (fake_tracefs / "events" / "signal" / "signal_deliver").rmdir()
+    c = _by_name(preflight.run_checks(tracefs_roots=[str(fake_tracefs)]))["tracepoints"]
+    assert not c.ok and c.detail.startswith("missing signal/signal_deliver under"), c.detail
+
+
 def test_second_tracefs_root_is_used(tmp_path, fake_tracefs):
     c = preflight.check_tracefs([str(tmp_path / "absent"), str(fake_tracefs)])
     assert c.ok and c.detail == str(fake_tracefs)

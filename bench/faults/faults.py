@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -86,6 +88,10 @@ class Fault:
     culprit: str | None = "rank"
     healthy: bool = False
 
+    def job_env(self, work) -> dict:
+        """More environment for every rank of the job (work: this run's own folder)."""
+        return {}
+
     def inject(self, ctx, rank: int) -> dict:  # -> extra truth fields
         raise NotImplementedError
 
@@ -130,6 +136,117 @@ class LossyLink(Fault):
         if self.index is not None:
             ctx.cluster.clear_loss(self.index)
             self.index = None
+
+
+# The CPU hog of CpuStarvation: a child process at SCHED_FIFO priority 1 on
+# one CPU, spinning SPIN_S of every PERIOD_S; the kernel kills it if the
+# harness dies (PR_SET_PDEATHSIG), so no hog outlives the benchmark.
+HOG = r"""
+import ctypes, os, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != int(sys.argv[4]):
+    sys.exit(0)                                # the harness already gone
+cpu, spin, period = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+os.sched_setaffinity(0, {cpu})
+os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+while True:
+    t = time.monotonic()
+    while time.monotonic() - t < spin:
+        pass
+    time.sleep(period - spin)
+"""
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+class CpuStarvation(Fault):
+    """4. CPU starvation of one rank's threads: every thread of the rank's
+    process pinned to one CPU (sched_setaffinity), and on that CPU a
+    SCHED_FIFO hog (a child process) that spins 50 ms of every 100 ms: a
+    real-time task outranks every normal one, so the rank's threads wait
+    runnable while it spins (a noisy neighbour, an IRQ thread, a misplaced
+    real-time process). Cleared: the hog killed, the rank's CPUs restored."""
+
+    def __init__(self, wait_s=90, spin_s=0.05, period_s=0.1):
+        super().__init__("cpu_starvation", "cpu_starvation", wait_s)
+        self.spin_s, self.period_s = spin_s, period_s
+        self.hog: subprocess.Popen | None = None
+        self.pid, self.mask = None, None
+
+    def inject(self, ctx, rank):
+        self.pid = pid = ctx.pids[rank]
+        self.mask = os.sched_getaffinity(pid)
+        cpu = random.choice(sorted(self.mask))
+        for tid in _threads(pid):
+            try:
+                os.sched_setaffinity(tid, {cpu})
+            except OSError:
+                pass  # a thread that just ended
+        self.hog = subprocess.Popen([sys.executable, "-c", HOG, str(cpu), str(self.spin_s), str(self.period_s),
+                                     str(os.getpid())], stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 5
+        while os.sched_getscheduler(self.hog.pid) != os.SCHED_FIFO:  # the fault is real, or the run fails
+            if self.hog.poll() is not None or time.monotonic() > deadline:
+                self.clear(ctx)
+                raise RuntimeError("the CPU hog did not run at SCHED_FIFO (needs CAP_SYS_NICE and real-time "
+                                   "runtime in its cgroup)")
+            time.sleep(0.01)
+        return {"mechanism": f"rank pinned to CPU {cpu} with a SCHED_FIFO hog spinning "
+                             f"{self.spin_s * 1000:.0f} ms of every {self.period_s * 1000:.0f} ms",
+                "cpu": cpu, "hog_pid": self.hog.pid}
+
+    def clear(self, ctx):
+        if self.hog is not None:
+            self.hog.kill()
+            self.hog.wait()
+            self.hog = None
+        if self.pid and self.mask:
+            for tid in _threads(self.pid):
+                try:
+                    os.sched_setaffinity(tid, self.mask)
+                except OSError:
+                    pass
+            self.pid = None
+
+
+class GpuStraggler(Fault):
+    """2. GPU straggler, in the simulator's GPU-like mode with the profiler
+    plugin: the rank's "GPU" produces each network step's data 5 ms late
+    (NCCL_SIM_SLOW_GPU, docs/simulator.md), switched on mid-job through the
+    simulator's NCCL_SIM_FAULTS_FILE (written whole, then renamed)."""
+
+    DELAY_US = 5000
+
+    def __init__(self, wait_s=90):
+        super().__init__("gpu_straggler", "gpu_straggler", wait_s)
+        self.file = None
+
+    def job_env(self, work):
+        from exporter.sources.plugin.build import build_plugin
+        work.mkdir(parents=True, exist_ok=True)
+        self.file = work / "faults"
+        self._write("")
+        return {"NCCL_SIM_GPU": "1", "NCCL_PROFILER_PLUGIN": str(build_plugin()),
+                "NCCL_SIM_FAULTS_FILE": str(self.file)}
+
+    def _write(self, value: str) -> None:
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(f"NCCL_SIM_SLOW_GPU={value}\n")
+        os.replace(tmp, self.file)
+
+    def inject(self, ctx, rank):
+        self._write(f"{rank}:{self.DELAY_US}")
+        return {"mechanism": f"NCCL_SIM_SLOW_GPU={rank}:{self.DELAY_US} (each network step's data "
+                             f"{self.DELAY_US // 1000} ms late) in the GPU-like mode"}
+
+    def clear(self, ctx):
+        if self.file is not None and self.file.exists():
+            self._write("")
 
 
 class Stopped(Fault):
@@ -232,6 +349,8 @@ FAULTS = {
     "stopped_between": lambda: Stopped(inside=False),
     "stopped_inside": lambda: Stopped(inside=True),
     "killed": Killed,
+    "cpu_starvation": CpuStarvation,
+    "gpu_straggler": GpuStraggler,
     "healthy_jitter": Jitter,
     "healthy_checkpoint": Checkpoint,
     "healthy_agent_restart": AgentRestart,

@@ -16,7 +16,7 @@ bench/faults/score.py scores the two files.
 As root, from the repository root, under the heavy lock:
 
     flock /tmp/nccl-heavy.lock .venv/bin/python -m bench.faults.run --set quick
-    make bench-faults                      # --set full, ~4.5 h
+    make bench-faults                      # --set full, ~5.5 h
 
 Sets: quick (each fault once, 5 healthy controls), full (each fault 10 times,
 healthy controls for 30+ minutes), or --faults a,b --repeat N. Ctrl-C stops
@@ -53,9 +53,9 @@ COMPUTE_MS = 20       # each rank's compute between collectives
 COUNT = 16384         # elements per collective
 SETS = {
     "quick": (["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed",
-               "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 1),
+               "cpu_starvation", "gpu_straggler", "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 1),
     "full": (["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed",
-              "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 10),
+              "cpu_starvation", "gpu_straggler", "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 10),
     # the suite's (tests/test_bench_faults.py): the harness and the scoring, not the
     # timings, so with short warm-ups and waits (SUITE_TIMING)
     "suite": (["straggler", "stopped_between"], 1),
@@ -132,6 +132,8 @@ class Detectors:
         self.out, self.agent, self.prom, self.started = out, agent, prom, started  # started: the job's (Unix s)
         self.ranks_of = ranks_of     # (comm, rank label) -> the job's global rank
         self.addr_rank = addr_rank   # host address -> global rank
+        # the launcher's RANK of each rank (exporter/simulator/cluster.py sets RANK to the job's rank)
+        self.launcher_ranks = {str(r) for r in set(ranks_of.values())}
         self.run_id = run_id
         self.seen: set = set()
         self.lock = threading.Lock()
@@ -159,7 +161,7 @@ class Detectors:
             self.done.wait(max(0.0, period - (time.monotonic() - t0)))
 
     def _emit(self, detector: str, culprit: dict, cause: str | None, what: str) -> None:
-        key = (detector, json.dumps(culprit, sort_keys=True))
+        key = (detector, json.dumps(culprit, sort_keys=True), cause)  # a culprit named again with its cause
         with self.lock:
             if key in self.seen:
                 return
@@ -180,6 +182,9 @@ class Detectors:
                 cause = a.get("cause") or {"NcclStragglerRank": "late_arrival",
                                            "NcclRankMissing": "not_joined"}.get(a["alertname"])
                 self._emit("prometheus", {"rank": self.ranks_of[(a["comm"], a["rank"])]}, cause, a["alertname"])
+            elif "rank" in a and "comm" not in a and a["rank"] in self.launcher_ranks:
+                # a process's series (the scheduler's): its rank is the launcher's RANK, the job's rank
+                self._emit("prometheus", {"rank": int(a["rank"])}, a.get("cause"), a["alertname"])
 
     def _cli(self, *args) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "exporter", *args], capture_output=True, text=True,
@@ -257,7 +262,7 @@ def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmu
         job = start_job(cluster, lib, "train", iterations=10_000_000, rendezvous_dir=work / f"rdv{run_id}",
                         truth_dir=work / f"sim{run_id}", count=COUNT,
                         compute_delay_ms={r: COMPUTE_MS for r in range(NRANKS)},
-                        extra_env={"NCCL_SIM_DURATION_S": "3600"})
+                        extra_env={"NCCL_SIM_DURATION_S": "3600", **fault.job_env(work / f"sim{run_id}")})
         ctx = Ctx(cluster, job.pids, agent)
         start = time.time()
         try:

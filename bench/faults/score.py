@@ -70,6 +70,7 @@ class Cell:
     right: int = 0      # namings (distinct culprits per run) that were right
     wrong: int = 0      # namings of another culprit within the run's window
     cause_right: int = 0  # runs where a right naming also gave the injected cause
+    cause_latencies: list[float] = field(default_factory=list)  # onset -> first right culprit with right cause
 
     def row(self) -> dict:
         named = self.right + self.wrong
@@ -77,7 +78,8 @@ class Cell:
                 "median_s": _r(statistics.median(self.latencies)) if self.latencies else None,
                 "p90_s": _r(quantile(self.latencies, 0.9)),
                 "precision": _r(self.right / named) if named else None,
-                "cause_right": self.cause_right}
+                "cause_right": self.cause_right,
+                "cause_median_s": _r(statistics.median(self.cause_latencies)) if self.cause_latencies else None}
 
 
 def _r(x):
@@ -87,10 +89,13 @@ def _r(x):
 def score(truths: list[dict], detections: list[dict], detectors: list[str] | None = None) -> dict:
     """{"faults": {fault: {detector: row}}, "healthy": {detector: {"hours", "false_alarms", "per_hour"}}}.
 
-    Per run and detector, each distinct culprit named counts once. In a fault
-    run, namings from the onset to onset + wait_s are right or wrong; namings
-    between the job's start and the onset are false alarms on a healthy job,
-    as is every naming in a healthy run (from its start to onset + wait_s)."""
+    Per run and detector, each distinct culprit named counts once. The cause
+    is right in a run if any naming of the right culprit in its window gave
+    the injected cause (a detector may name the culprit first with a symptom,
+    "late_arrival", then with the cause). In a fault run, namings from the
+    onset to onset + wait_s are right or wrong; namings between the job's
+    start and the onset are false alarms on a healthy job, as is every
+    naming in a healthy run (from its start to onset + wait_s)."""
     by_run: dict[str, list[dict]] = {}
     for d in detections:
         by_run.setdefault(d["run"], []).append(d)
@@ -111,19 +116,23 @@ def score(truths: list[dict], detections: list[dict], detectors: list[str] | Non
                 continue
             cell = faults.setdefault(t["fault"], {}).setdefault(det, Cell())
             cell.runs += 1
-            first, cause = None, False
+            first = None
             for when, d in seen.values():
                 if when < t["onset"]:
                     alarms[det] += 1
                 elif names_culprit(t, d["culprit"]):
                     cell.right += 1
-                    cause = cause or d.get("cause") == t.get("cause")
                     first = when if first is None else min(first, when)
                 else:
                     cell.wrong += 1
             if first is not None:
                 cell.latencies.append(first - t["onset"])
-                cell.cause_right += cause
+                with_cause = [d["t"] for d in by_run.get(t["run"], []) if d["detector"] == det
+                              and t["onset"] <= d["t"] <= end and names_culprit(t, d["culprit"])
+                              and d.get("cause") == t.get("cause")]
+                if with_cause:
+                    cell.cause_right += 1
+                    cell.cause_latencies.append(min(with_cause) - t["onset"])
     hours = healthy_s / 3600
     return {"faults": {f: {det: c.row() for det, c in cells.items()} for f, cells in faults.items()},
             "healthy": {det: {"hours": round(hours, 3), "false_alarms": n,
@@ -132,13 +141,14 @@ def score(truths: list[dict], detections: list[dict], detectors: list[str] | Non
 
 def table(result: dict) -> str:
     """The Markdown table of docs/benchmark.md."""
-    lines = ["| fault | detector | runs | named | median s | p90 s | precision | cause right |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| fault | detector | runs | named | median s | p90 s | precision | cause right | cause median s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     dash = lambda x: "–" if x is None else x  # noqa: E731
     for fault, cells in sorted(result["faults"].items()):
         for det, r in sorted(cells.items()):
             lines.append(f"| {fault} | {det} | {r['runs']} | {r['detected']} | {dash(r['median_s'])} | "
-                         f"{dash(r['p90_s'])} | {dash(r['precision'])} | {r['cause_right']} |")
+                         f"{dash(r['p90_s'])} | {dash(r['precision'])} | {r['cause_right']} | "
+                         f"{dash(r.get('cause_median_s'))} |")
     lines += ["", "| detector | healthy hours | false alarms | per hour |", "|---|---|---|---|"]
     for det, h in sorted(result["healthy"].items()):
         lines.append(f"| {det} | {h['hours']} | {h['false_alarms']} | {dash(h['per_hour'])} |")

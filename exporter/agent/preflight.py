@@ -19,7 +19,9 @@ __all__ = ["Check", "run_checks", "main", "bpf_map_create_works", "plugin_librar
            "CAPABILITIES", "required_capabilities", "missing_capabilities"]
 
 TRACEFS_ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
-TRACEPOINTS = ("tcp/tcp_retransmit_skb", "sched/sched_process_exit")
+# The classic tracepoints bpf/*.c attach (TRACEPOINT_PROBE): a missing one fails the load.
+# signal_deliver: the fatal signal a traced process got (nccl_rank_exit_timestamp_seconds, NcclRankDied).
+TRACEPOINTS = ("tcp/tcp_retransmit_skb", "sched/sched_process_exit", "signal/signal_deliver")
 
 # The capabilities `run` needs, and what fails without each: the one list
 # the DaemonSet, the systemd unit, `check`, `run` and the docs agree on

@@ -204,10 +204,16 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
                        f"{100 * s.last_share:.0f} % of {s.op} (median lag {_ms(s.median_lag_ns)}) with "
                        f"{s.retransmits_when_last} retransmits on its sockets in those windows")
             lines = [verdict, arrived, retx, cpu]
-        else:
+        elif s.runq_measured:
             verdict = (f"straggler: {name} arrives late (median lag {_ms(s.median_lag_ns)}, last in "
                        f"{100 * s.last_share:.0f} % of {s.op} on comm {s.comm[:8]}…) with no CPU wait or "
                        f"retransmits to explain it: it is busy before the call (compute, a sleep, host I/O)")
+            lines = [verdict, arrived, cpu, retx]
+        else:  # --sched totals: no CPU wait per call to rule starvation in or out
+            verdict = (f"straggler: {name} arrives late (median lag {_ms(s.median_lag_ns)}, last in "
+                       f"{100 * s.last_share:.0f} % of {s.op} on comm {s.comm[:8]}…) with no retransmits to "
+                       f"explain it; its CPU waits per call were not recorded (--sched totals: see its "
+                       f"nccl_runqueue_delay_seconds, NcclRankCpuStarved): busy before the call or starved of CPU")
             lines = [verdict, arrived, cpu, retx]
         return lines + [_durations(collectives, s.comm, s.op), clocks]
 

@@ -39,6 +39,7 @@
  * NCCL_SIM_GPU_STEP_TRUTH=1 writes one truth line per step (fn "proxyStep"):
  * when it entered each of its three states and stopped, as this thread saw it. */
 #include "nccl_sim.h"
+#include <sys/stat.h>
 
 #define NSTEPS_INFLIGHT 8  /* NCCL_STEPS */
 enum { ST_SEND_GPU_WAIT = 8, ST_SEND_WAIT = 9, ST_RECV_WAIT = 10, ST_RECV_FLUSH_WAIT = 11, ST_RECV_GPU_WAIT = 12,
@@ -65,16 +66,71 @@ typedef struct {
 static int parse3(const char *v, int *a, int *b, long *c) { return v && sscanf(v, "%d:%d:%ld", a, b, c) == 3; }
 static int parse2(const char *v, int *a, long *c) { return v && sscanf(v, "%d:%ld", a, c) == 2; }
 
+/* NCCL_SIM_FAULTS_FILE=PATH switches the two faults above on or off mid-job
+ * (bench/faults: a random onset). Lines NAME=VALUE of that file replace the
+ * environment's NCCL_SIM_SLOW_LINK / NCCL_SIM_SLOW_GPU ("NAME=" switches it
+ * off); a name the file lacks, or no file, leaves the environment's. The file
+ * is read again when its mtime changes, looked at once per 100 ms at most. A
+ * test switch like the variables themselves: NCCL reads its own settings once. */
+static pthread_mutex_t faults_mu = PTHREAD_MUTEX_INITIALIZER;
+static char faults_text[512];
+static int faults_have;
+
+static void faults_poll_locked(void) {
+  static uint64_t next;
+  static struct timespec seen;
+  const char *path = getenv("NCCL_SIM_FAULTS_FILE");
+  uint64_t now = now_ns(CLOCK_MONOTONIC);
+  if (!path || now < next) return;
+  next = now + 100000000ull;
+  struct stat st;
+  if (stat(path, &st) != 0) { faults_have = 0; return; }
+  if (faults_have && st.st_mtim.tv_sec == seen.tv_sec && st.st_mtim.tv_nsec == seen.tv_nsec) return;
+  FILE *f = fopen(path, "r");
+  if (!f) { faults_have = 0; return; }
+  size_t n = fread(faults_text, 1, sizeof faults_text - 1, f);
+  fclose(f);
+  faults_text[n] = 0;
+  seen = st.st_mtim;
+  faults_have = 1;
+}
+
+/* The value of fault variable `name` into buf: the file's, else the environment's; 0 if neither. */
+static int fault_value(const char *name, char *buf, size_t len) {
+  size_t nl = strlen(name);
+  int found = 0;
+  pthread_mutex_lock(&faults_mu);
+  faults_poll_locked();
+  for (const char *l = faults_have ? faults_text : ""; *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : l + strlen(l)) {
+    if (strncmp(l, name, nl) == 0 && l[nl] == '=') {
+      const char *v = l + nl + 1;
+      size_t vl = strcspn(v, "\n");
+      snprintf(buf, len, "%.*s", (int)(vl < len ? vl : len - 1), v);
+      found = 1;
+    }
+  }
+  pthread_mutex_unlock(&faults_mu);
+  if (found) return 1;
+  const char *e = getenv(name);
+  if (!e) return 0;
+  snprintf(buf, len, "%s", e);
+  return 1;
+}
+
 static uint64_t link_delay_ns(ncclComm_t c, int to) {
   int a, b;
   long us;
-  if (parse3(getenv("NCCL_SIM_SLOW_LINK"), &a, &b, &us) && a == c->rank && b == to && us > 0) return (uint64_t)us * 1000;
+  char v[64];
+  if (fault_value("NCCL_SIM_SLOW_LINK", v, sizeof v) && parse3(v, &a, &b, &us) && a == c->rank && b == to && us > 0)
+    return (uint64_t)us * 1000;
   return 0;
 }
 static uint64_t gpu_delay_ns(ncclComm_t c) {
   int r;
   long us;
-  if (parse2(getenv("NCCL_SIM_SLOW_GPU"), &r, &us) && r == c->rank && us > 0) return (uint64_t)us * 1000;
+  char v[64];
+  if (fault_value("NCCL_SIM_SLOW_GPU", v, sizeof v) && parse2(v, &r, &us) && r == c->rank && us > 0)
+    return (uint64_t)us * 1000;
   return 0;
 }
 
