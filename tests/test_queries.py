@@ -241,10 +241,20 @@ def test_verbatim_join_names_the_lossy_ranks_slow_calls(rec):
     assert [r["ms"] for r in lossy] == sorted((r["ms"] for r in lossy), reverse=True)
     clean = query(rec["dbs"]["clean"], q)
     # The clean host's slow calls waited for the lossy one. Its own links are
-    # clean but for the odd tail-loss probe or spurious RTO of a loaded 2-core
-    # machine (also tcp_retransmit_skb): most of its slow calls show none.
-    assert sum(r["retransmits_in_window"] for r in clean) < sum(r["retransmits_in_window"] for r in lossy)
-    assert sum(r["retransmits_in_window"] == 0 for r in clean) >= len(clean) / 2, clean
+    # clean but for the tail-loss probes and spurious RTOs of a loaded 2-core
+    # machine (also tcp_retransmit_skb, counted on any of the host's links): far
+    # fewer retransmits, and more of its slow calls with none. (A CI run had 14
+    # against 97, 9 of 20 calls with none against 2 of 20: "most with none" was
+    # one call short.)
+    def total(rs):
+        return sum(r["retransmits_in_window"] for r in rs)
+
+    def share_without(rs):
+        return sum(r["retransmits_in_window"] == 0 for r in rs) / len(rs)
+
+    assert clean, "no slow AllReduce on the clean host"
+    assert 2 * total(clean) < total(lossy), (clean, lossy)
+    assert share_without(clean) > share_without(lossy), (clean, lossy)
 
 
 def _unrecorded(observed, rec, offset) -> list[str]:
