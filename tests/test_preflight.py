@@ -1,8 +1,10 @@
 import io
+import re
 
 import pytest
 
 from exporter.agent import preflight
+from tests.fixtures.paths import REPO
 
 
 def _by_name(checks):
@@ -93,6 +95,19 @@ def test_missing_signal_deliver_tracepoint(fake_tracefs):
     (fake_tracefs / "events" / "signal" / "signal_deliver").rmdir()
     c = _by_name(preflight.run_checks(tracefs_roots=[str(fake_tracefs)]))["tracepoints"]
     assert not c.ok and c.detail.startswith("missing signal/signal_deliver under"), c.detail
+
+
+def test_every_tracepoint_the_bpf_programs_attach_is_checked():
+    """A tracepoint a BPF file attaches but `check` does not look for fails the
+    agent's load on a host `check` called fine (it happened: four were missing)."""
+    attached = set()
+    for c in (REPO / "bpf").glob("*.c"):
+        attached |= {f"{cat}/{name}" for cat, name in
+                     re.findall(r"^TRACEPOINT_PROBE\((\w+),\s*(\w+)\)", c.read_text(), re.M)}
+    assert attached, "no TRACEPOINT_PROBE found: the pattern no longer matches bpf/*.c"
+    assert attached == set(preflight.TRACEPOINTS), (
+        f"attached, not checked: {sorted(attached - set(preflight.TRACEPOINTS))}; "
+        f"checked, not attached: {sorted(set(preflight.TRACEPOINTS) - attached)}")
 
 
 def test_second_tracefs_root_is_used(tmp_path, fake_tracefs):

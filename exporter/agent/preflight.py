@@ -19,9 +19,20 @@ __all__ = ["Check", "run_checks", "main", "bpf_map_create_works", "plugin_librar
            "CAPABILITIES", "required_capabilities", "missing_capabilities"]
 
 TRACEFS_ROOTS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
-# The classic tracepoints bpf/*.c attach (TRACEPOINT_PROBE): a missing one fails the load.
-# signal_deliver: the fatal signal a traced process got (nccl_rank_exit_timestamp_seconds, NcclRankDied).
-TRACEPOINTS = ("tcp/tcp_retransmit_skb", "sched/sched_process_exit", "signal/signal_deliver")
+# Every classic tracepoint bpf/*.c attaches (TRACEPOINT_PROBE): a missing one fails
+# the load. tests/test_preflight.py reads the BPF files and keeps this list complete.
+TRACEPOINTS = (
+    # bpf/nccl.c: process lifecycle (a rank's exit and the signal it died of, NcclRankDied;
+    # a traced process's new threads are traced; getpgid: the agent asking the kernel to
+    # trace a thread made before it attached, attached only while it asks)
+    "sched/sched_process_exit", "sched/sched_process_fork", "signal/signal_deliver",
+    "syscalls/sys_enter_getpgid",
+    # bpf/loader.c: a new program that may map libnccl (library discovery)
+    "sched/sched_process_exec",
+    # bpf/tcp.c: retransmits, resets, RTT samples, and which process owns a socket
+    "tcp/tcp_retransmit_skb", "tcp/tcp_send_reset", "tcp/tcp_receive_reset", "tcp/tcp_probe",
+    "tcp/tcp_destroy_sock", "sock/inet_sock_set_state", "sock/sock_send_length", "sock/sock_recv_length",
+)
 
 # The capabilities `run` needs, and what fails without each: the one list
 # the DaemonSet, the systemd unit, `check`, `run` and the docs agree on
@@ -171,7 +182,8 @@ def check_tracepoints(roots: Iterable[str] = TRACEFS_ROOTS,
         return Check("tracepoints", False, True, "tracefs not mounted — fix tracefs first")
     missing = [tp for tp in tracepoints if not os.path.isdir(os.path.join(root, "events", tp))]
     if not missing:
-        return Check("tracepoints", True, True, ", ".join(tracepoints))
+        groups = sorted({tp.split("/")[0] for tp in tracepoints})
+        return Check("tracepoints", True, True, f"all {len(tracepoints)} present ({', '.join(groups)})")
     return Check("tracepoints", False, True,
                  f"missing {', '.join(missing)} under {root}/events — "
                  f"the kernel lacks these tracepoints (needs CONFIG_TRACEPOINTS, a newer kernel)")
