@@ -23,6 +23,14 @@ SLEEP_SYSCALLS = {35, 230}  # x86_64 nanosleep, clock_nanosleep: Python's time.s
 # sleep may be in Python between two calls, not inside one.
 TRANSPORT_SYSCALLS = {7, 271, 44, 45, 46, 47}
 
+# How long after the onset a culprit may still be named (a later answer is a miss), from the
+# issue's goals, not from any run: a slowed rank or link twice its 30 s p90 goal; a hang, a
+# rank that never joins or dies the 90 s goal plus two polls of `hang`; a healthy control long
+# enough for every 15 s window and `for:` to have seen it (the checkpoint's 45 s pause too).
+WAIT_SLOW_S = 60
+WAIT_HANG_S = 100
+WAIT_HEALTHY_S = 90
+
 
 def _signal(pid: int, sig: int) -> None:
     try:
@@ -103,7 +111,7 @@ class Straggler(Fault):
     """1. Compute straggler: the rank is SIGSTOPped 40 ms of every 100 ms from
     outside (a CPU throttled to 60 %, as a cgroup's cpu.max would)."""
 
-    def __init__(self, wait_s=90):
+    def __init__(self, wait_s=WAIT_SLOW_S):
         super().__init__("straggler", "late_arrival", wait_s)
         self.cycle = None
 
@@ -121,7 +129,7 @@ class LossyLink(Fault):
     dropped on the wire (nftables in the cluster's switch, the receiver's
     port): one direction of its links."""
 
-    def __init__(self, wait_s=90, percent=10):
+    def __init__(self, wait_s=WAIT_SLOW_S, percent=10):
         super().__init__("lossy_link", "lossy_link", wait_s, culprit="link")
         self.percent = percent
         self.index = None
@@ -172,7 +180,7 @@ class CpuStarvation(Fault):
     runnable while it spins (a noisy neighbour, an IRQ thread, a misplaced
     real-time process). Cleared: the hog killed, the rank's CPUs restored."""
 
-    def __init__(self, wait_s=90, spin_s=0.05, period_s=0.1):
+    def __init__(self, wait_s=WAIT_SLOW_S, spin_s=0.05, period_s=0.1):
         super().__init__("cpu_starvation", "cpu_starvation", wait_s)
         self.spin_s, self.period_s = spin_s, period_s
         self.hog: subprocess.Popen | None = None
@@ -222,7 +230,7 @@ class GpuStraggler(Fault):
 
     DELAY_US = 5000
 
-    def __init__(self, wait_s=90):
+    def __init__(self, wait_s=WAIT_SLOW_S):
         super().__init__("gpu_straggler", "gpu_straggler", wait_s)
         self.file = None
 
@@ -254,7 +262,7 @@ class Stopped(Fault):
     sleep), or 6. one stuck inside a collective: SIGSTOP, retried (SIGCONT,
     a random few ms, SIGSTOP) until /proc/PID/syscall says where it stopped."""
 
-    def __init__(self, inside: bool, wait_s=150):
+    def __init__(self, inside: bool, wait_s=WAIT_HANG_S):
         super().__init__("stopped_inside" if inside else "stopped_between",
                          "stopped_inside" if inside else "not_joined", wait_s)
         self.inside = inside
@@ -284,7 +292,7 @@ class Stopped(Fault):
 class Killed(Fault):
     """8. A rank that dies: SIGKILL."""
 
-    def __init__(self, wait_s=150):
+    def __init__(self, wait_s=WAIT_HANG_S):
         super().__init__("killed", "died", wait_s)
 
     def inject(self, ctx, rank):
@@ -296,7 +304,7 @@ class Jitter(Fault):
     """Healthy control: random per-call jitter: every 100 ms a random rank is
     SIGSTOPped for a random 0-40 ms (each is as often late as the others)."""
 
-    def __init__(self, wait_s=120):
+    def __init__(self, wait_s=WAIT_HEALTHY_S):
         super().__init__("healthy_jitter", None, wait_s, culprit=None, healthy=True)
         self.cycle = None
 
@@ -313,7 +321,7 @@ class Checkpoint(Fault):
     """Healthy control: every rank paused 45 s at once (a checkpoint), SIGSTOP
     and SIGCONT of all at the same instant."""
 
-    def __init__(self, wait_s=90):
+    def __init__(self, wait_s=WAIT_HEALTHY_S):
         super().__init__("healthy_checkpoint", None, wait_s, culprit=None, healthy=True)
         self.timer = None
 
@@ -334,7 +342,7 @@ class Checkpoint(Fault):
 class AgentRestart(Fault):
     """Healthy control: the agent restarted mid-job (its counters restart at 0)."""
 
-    def __init__(self, wait_s=90):
+    def __init__(self, wait_s=WAIT_HEALTHY_S):
         super().__init__("healthy_agent_restart", None, wait_s, culprit=None, healthy=True)
 
     def inject(self, ctx, rank):

@@ -60,7 +60,9 @@ SETS = {
     # timings, so with short warm-ups and waits (SUITE_TIMING)
     "suite": (["straggler", "stopped_between"], 1),
 }
-WARMUP_S = (40, 70)            # random onset after the job's start (rates need 30 s of calls)
+# Random onset after the job's start: the culprit alerts' 15 s rates, and the medians over the
+# job's ranks, have two windows of calls by 30 s.
+WARMUP_S = (30, 45)
 SUITE_TIMING = {"warmup": (5, 10), "wait": 30}
 
 
@@ -338,17 +340,24 @@ def main(argv=None) -> int:
     lib = build_library(work / "lib")   # a private copy: only this bench's ranks are traced
     cleanup_stale()
     agent = prom = None
-    log(f"bench-faults: {len(plan)} runs ({a.set if not a.faults else 'custom'}, seed {seed}); "
-        f"results in {a.out}")
+    timing = SUITE_TIMING if a.set == "suite" and not a.faults else {}
+    warmup = timing.get("warmup", WARMUP_S)
+
+    def expected_s(names: list[str]) -> float:
+        """A run: its mean warm-up, its wait, ~8 s to start the job and clean up."""
+        return sum(sum(warmup) / 2 + timing.get("wait", FAULTS[n]().wait_s) + 8 for n in names)
+
+    log(f"bench-faults: {len(plan)} runs ({a.set if not a.faults else 'custom'}, seed {seed}), "
+        f"about {expected_s(plan) / 60 + 0.5:.0f} min; results in {a.out}")
     try:
         agent = Agent(work, lib)
         agent.start()
         prom = Prometheus(work, f"127.0.0.1:{agent.port}")
         with open(truth_path, "w") as truth_out, open(det_path, "w") as det_out:
             for i, name in enumerate(plan, 1):
-                timing = SUITE_TIMING if a.set == "suite" and not a.faults else {}
+                log(f"run {i} of {len(plan)}: {name} (about {expected_s(plan[i - 1:]) / 60 + 0.5:.0f} min left)")
                 one_run(f"r{i:03d}", name, lib, work, agent, prom, truth_out, det_out, rng,
-                        warmup=timing.get("warmup", WARMUP_S), wait_s=timing.get("wait"))
+                        warmup=warmup, wait_s=timing.get("wait"))
     except KeyboardInterrupt:
         log("interrupted: cleaning up (the runs so far are scored)")
     finally:
