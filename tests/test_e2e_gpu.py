@@ -12,13 +12,14 @@ NCCL_SIM_GPU=1 and the plugin loaded the way NCCL loads it.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
 
 import pytest
 
-from conftest import CLASSIC, ExporterProcess, classic_bucket, series_by_labels
+from conftest import CLASSIC, ExporterProcess, classic_bucket, run_cli, series_by_labels
 from exporter.records import histogram, metrics
 from exporter.simulator.cluster import Cluster, run_job, start_job
 from exporter.simulator.truth import gpu_kernels
@@ -85,6 +86,7 @@ def test_stalled_stream_shows_gpu_inflight_while_host_shows_none(lib, plugin, tm
     env = gpu_env(plugin, NCCL_SIM_GPU_STALL_RANK=1, NCCL_SIM_GPU_STALL_AFTER=5, NCCL_SIM_GPU_LATE_EVERY=0,
                   NCCL_SIM_GPU_KERNEL_US=500)
     ages: list[dict] = []
+    verdict = None
     with ExporterProcess(nccl_libs=[lib]) as exporter, Cluster(2) as cluster:
         job = start_job(cluster, lib, "gpu", 20, rendezvous_dir=tmp_path / "rdv", truth_dir=tmp_path / "truth",
                         count=1024, compute_delay_ms={0: 20, 1: 20}, extra_env=env,
@@ -102,6 +104,11 @@ def test_stalled_stream_shows_gpu_inflight_while_host_shows_none(lib, plugin, tm
                           for s in ExporterProcess.samples(families, metrics.PROFILER_PLUGIN_ACTIVE)}
                 if gpu:
                     ages.append({"gpu": gpu, "host": host, "comm": world_comm(families), "active": active})
+                    if verdict is None and max(gpu.values()) > 2.5:
+                        # `hang` reads the GPU side too: the host side alone says "not hung"
+                        r = run_cli("hang", "--metrics", f"{exporter.base}/metrics", "--threshold", "2",
+                                    "--format", "json")
+                        verdict = (r.returncode, json.loads(r.stdout) if r.stdout else r.stderr)
                 time.sleep(0.25)
             result = job.wait(timeout=60)
         finally:
@@ -124,6 +131,11 @@ def test_stalled_stream_shows_gpu_inflight_while_host_shows_none(lib, plugin, tm
     assert {pid: ages[-1]["active"].get(str(pid)) for pid in job.pids} == dict.fromkeys(job.pids, 1), ages[-1]
     # the abort reclaimed everything pending
     assert ExporterProcess.samples(after, metrics.GPU_INFLIGHT_OLDEST) == []
+    # `hang` saw both ranks in the AllReduce on their GPUs: every rank joined, it does not complete
+    assert verdict is not None and verdict[0] == 1, verdict
+    (h,) = verdict[1]["hangs"]
+    assert (h["comm"], h["op"], h["waiting_ranks"], h["missing"]) == (comm, "ALL_REDUCE", [0, 1], []), h
+    assert {c["on"] for c in verdict[1]["in_flight"] if c["comm"] == comm} == {"gpu"}, verdict[1]["in_flight"]
 
 
 def test_p99_alert_fires_from_gpu_time(lib, plugin, tmp_path):

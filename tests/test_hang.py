@@ -264,6 +264,33 @@ def test_desync_is_named():
     assert a.as_dict()["hangs"][0]["desync"] == [{"rank": 0, "op": "BROADCAST", "seq": 3, "age_s": 88.0}]
 
 
+def gpu_inflight(comm, op, rank, age, state="running", node="n"):
+    return (f'nccl_gpu_inflight_oldest_seconds{{node="{node}",op="{op}",comm="{comm}",rank="{rank}",'
+            f'state="{state}"}} {age}')
+
+
+def test_a_rank_missing_from_a_hang_on_the_gpu_is_named():
+    """On a GPU a call returns once enqueued: ranks 1-3 enqueued AllReduce #8
+    (their last returned call) and it runs on their GPUs; nothing is in flight
+    on any host. Rank 0 never enqueued it (its last is #7)."""
+    from exporter.offline.analysis import hang
+
+    lines = [info(C, r, 4, 100 + r) for r in range(4)]
+    lines += [gpu_inflight(C, "ALL_REDUCE", r, 80) for r in (1, 2)] + [gpu_inflight(C, "ALL_REDUCE", 3, 79, "queued")]
+    lines += [last_seq(C, "ALL_REDUCE", r, 8) for r in (1, 2, 3)] + [last_seq(C, "ALL_REDUCE", 0, 7)]
+    a = hang.analyse(page_read(lines), None, 60)
+    assert a.hung, a.verdict
+    assert a.verdict.startswith("comm 4a3f0000… (4 ranks): ranks 1–3 waiting in AllReduce #8 on their GPUs "
+                                "(the host calls returned at enqueue) for 80.0 s; rank 0 on n never entered it: "
+                                "its last AllReduce #7"), a.verdict
+    assert [m["rank"] for m in a.as_dict()["hangs"][0]["missing"]] == [0]
+    assert {c["on"] for c in a.in_flight} == {"gpu"}
+    # a rank in flight on its host and its GPU is counted once, as on the host
+    lines += [inflight(C, "ALL_REDUCE", 1, 81), last_seq(C, "ALL_REDUCE", 1, 7)]
+    a = hang.analyse(page_read(lines), None, 60)
+    assert sorted((c["rank"], c["on"]) for c in a.in_flight) == [(1, "host"), (2, "gpu"), (3, "gpu")]
+
+
 def test_every_rank_inside_and_not_completing():
     from exporter.offline.analysis import hang
 

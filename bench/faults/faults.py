@@ -222,6 +222,13 @@ class CpuStarvation(Fault):
             self.pid = None
 
 
+def gpu_job_env() -> dict:
+    """The simulator's GPU-like mode with the profiler plugin (docs/simulator.md): a call returns
+    once enqueued, the "GPU" runs it, the plugin reports its GPU time and network waits."""
+    from exporter.sources.plugin.build import build_plugin
+    return {"NCCL_SIM_GPU": "1", "NCCL_PROFILER_PLUGIN": str(build_plugin())}
+
+
 class GpuStraggler(Fault):
     """2. GPU straggler, in the simulator's GPU-like mode with the profiler
     plugin: the rank's "GPU" produces each network step's data 5 ms late
@@ -235,12 +242,10 @@ class GpuStraggler(Fault):
         self.file = None
 
     def job_env(self, work):
-        from exporter.sources.plugin.build import build_plugin
         work.mkdir(parents=True, exist_ok=True)
         self.file = work / "faults"
         self._write("")
-        return {"NCCL_SIM_GPU": "1", "NCCL_PROFILER_PLUGIN": str(build_plugin()),
-                "NCCL_SIM_FAULTS_FILE": str(self.file)}
+        return {**gpu_job_env(), "NCCL_SIM_FAULTS_FILE": str(self.file)}
 
     def _write(self, value: str) -> None:
         tmp = self.file.with_suffix(".tmp")
@@ -260,13 +265,19 @@ class GpuStraggler(Fault):
 class Stopped(Fault):
     """5. A rank that never joins (stopped between collectives: in its compute
     sleep), or 6. one stuck inside a collective: SIGSTOP, retried (SIGCONT,
-    a random few ms, SIGSTOP) until /proc/PID/syscall says where it stopped."""
+    a random few ms, SIGSTOP) until /proc/PID/syscall says where it stopped.
+    gpu: the job in the GPU-like mode with the plugin, where the peers' calls
+    return once enqueued and their wait is on the "GPU" (the rank never joins
+    only: inside a call of that mode the host does not wait)."""
 
-    def __init__(self, inside: bool, wait_s=WAIT_HANG_S):
-        super().__init__("stopped_inside" if inside else "stopped_between",
+    def __init__(self, inside: bool, wait_s=WAIT_HANG_S, gpu: bool = False):
+        super().__init__(("gpu_" if gpu else "") + ("stopped_inside" if inside else "stopped_between"),
                          "stopped_inside" if inside else "not_joined", wait_s)
-        self.inside = inside
+        self.inside, self.gpu = inside, gpu
         self.pid = None
+
+    def job_env(self, work):
+        return gpu_job_env() if self.gpu else {}
 
     def inject(self, ctx, rank):
         self.pid = pid = ctx.pids[rank]
@@ -356,6 +367,7 @@ FAULTS = {
     "lossy_link": LossyLink,
     "stopped_between": lambda: Stopped(inside=False),
     "stopped_inside": lambda: Stopped(inside=True),
+    "gpu_stopped_between": lambda: Stopped(inside=False, gpu=True),
     "killed": Killed,
     "cpu_starvation": CpuStarvation,
     "gpu_straggler": GpuStraggler,

@@ -3,7 +3,10 @@
 Read from one or more agents' /metrics (each agent knows its own node):
 
 - members of each communicator: `nccl_communicator_info` (rank, nranks, pid);
-- the calls in flight: `nccl_inflight_oldest_seconds` (op, comm, rank, age);
+- the calls in flight: `nccl_inflight_oldest_seconds` (op, comm, rank, age),
+  and with the profiler plugin those on the GPU only,
+  `nccl_gpu_inflight_oldest_seconds` (on a GPU the host call returns once
+  enqueued);
 - where each rank is in each (comm, op) sequence: `nccl_collective_last_seq`
   (its latest returned call; the call in flight is that + 1) and
   `nccl_collective_last_return_timestamp_seconds`;
@@ -64,8 +67,8 @@ __all__ = [
 def analyse(first: Read, second: Read | None, threshold_s: float) -> Answer:
     model = Model(first, second)
     last = second or first
-    calls = sorted(({"node": n, "op": o, "comm": c, "rank": r, "oldest_s": a}
-                    for c, o, r, n, a in model.inflight), key=lambda d: -d["oldest_s"])
+    calls = sorted(({"node": c.node, "op": c.op, "comm": c.comm, "rank": c.rank, "oldest_s": c.age_s,
+                     "on": "gpu" if c.gpu else "host"} for c in model.calls()), key=lambda d: -d["oldest_s"])
     oldest = calls[0]["oldest_s"] if calls else 0.0
     hangs = model.hangs(threshold_s)
     if hangs:
@@ -77,7 +80,8 @@ def analyse(first: Read, second: Read | None, threshold_s: float) -> Answer:
     elif calls:
         v = f"not hung: the oldest NCCL call in flight is {oldest:.3f} s old (threshold {threshold_s:g} s)"
     else:
-        v = f"not hung: no NCCL call in flight ({metrics.INFLIGHT_OLDEST} absent)"
+        v = (f"not hung: no NCCL call in flight ({metrics.INFLIGHT_OLDEST} and {metrics.GPU_INFLIGHT_OLDEST} "
+             f"absent)")
     return Answer(v, [read_summary(last)], False, [], oldest, calls, len(last.answered))
 
 

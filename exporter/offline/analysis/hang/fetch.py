@@ -42,7 +42,8 @@ def check_threshold(value) -> float:
 
 
 WANTED = {metrics.COMMUNICATOR_INFO, metrics.INFLIGHT_OLDEST, metrics.INFLIGHT_STOPPED, metrics.COLLECTIVE_LAST_SEQ,
-          metrics.COLLECTIVE_LAST_RETURN, metrics.OFFCPU, metrics.RUNQUEUE_DELAY + "_sum"}
+          metrics.COLLECTIVE_LAST_RETURN, metrics.OFFCPU, metrics.RUNQUEUE_DELAY + "_sum",
+          metrics.GPU_INFLIGHT_OLDEST}
 
 
 @dataclass

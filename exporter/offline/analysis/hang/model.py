@@ -26,6 +26,7 @@ class Call:
     age_s: float
     seq: int | None      # None: this rank's earlier calls of this op are unknown
     stopped: bool = False  # its calling thread is stopped (nccl_inflight_stopped_seconds)
+    gpu: bool = False      # in flight on its GPU only: the host call returned at enqueue
 
 
 @dataclass
@@ -70,6 +71,8 @@ class Model:
         self.proc_comms: dict[Where, list[tuple[str, int]]] = defaultdict(list)
         self.launcher_rank: dict[Where, str] = {}
         self.inflight: list[tuple[str, str, int, str, float]] = []   # comm, op, rank, node, age
+        self.gpu_inflight: dict[tuple[str, str, int], tuple[str, float]] = {}  # (comm, op, rank) -> node, age
+        self._calls: list[Call] | None = None
         self.last_seq: dict[tuple[str, str, int], int] = {}
         self.last_ret: dict[tuple[str, str, int], float] = {}
         self.series_node: dict[tuple[str, int], str] = {}   # (comm, rank) -> node of its call series
@@ -88,6 +91,9 @@ class Model:
                     self.nranks[comm] = max(self.nranks.get(comm, 0), n)
             elif name == metrics.INFLIGHT_OLDEST and rank is not None:
                 self.inflight.append((comm, lab.get("op", ""), rank, lab.get("node", ""), v))
+            elif name == metrics.GPU_INFLIGHT_OLDEST and rank is not None:
+                k = (comm, lab.get("op", ""), rank)   # queued or running: the rank joined it
+                self.gpu_inflight[k] = (lab.get("node", ""), max(v, self.gpu_inflight.get(k, ("", 0.0))[1]))
             elif name == metrics.INFLIGHT_STOPPED and rank is not None:
                 self.stopped.add((comm, lab.get("op", ""), rank))
             elif name == metrics.COLLECTIVE_LAST_SEQ and rank is not None:
@@ -113,6 +119,20 @@ class Model:
     def call(self, comm, op, rank, node, age) -> Call:
         return Call(comm, op, rank, node, age, self.seq_in_flight(comm, op, rank),
                     stopped=(comm, op, rank) in self.stopped)
+
+    def calls(self) -> list[Call]:
+        """Every call in flight: inside NCCL on the host, or on the GPU only (the profiler
+        plugin's nccl_gpu_inflight_oldest_seconds, queued or running). On a GPU the host
+        call returns once enqueued, so a GPU-side hang has nothing in flight on the host:
+        its seq is then the rank's latest returned call of the op, the one enqueued."""
+        if self._calls is None:
+            self._calls = [self.call(*t) for t in self.inflight]
+            on_host = {(c.comm, c.op, c.rank) for c in self._calls}
+            for (comm, op, rank), (node, age) in self.gpu_inflight.items():
+                if (comm, op, rank) not in on_host:
+                    self._calls.append(Call(comm, op, rank, node, age, self.last_seq.get((comm, op, rank)),
+                                            gpu=True))
+        return self._calls
 
     def process_rank(self, w: Where) -> str | None:
         """The `rank` label of the scheduler series of a process: its launcher
@@ -148,8 +168,8 @@ class Model:
 
     def hangs(self, threshold_s: float) -> list[Hang]:
         by_comm: dict[str, list[Call]] = defaultdict(list)
-        for comm, op, rank, node, age in self.inflight:
-            by_comm[comm].append(self.call(comm, op, rank, node, age))
+        for c in self.calls():
+            by_comm[c.comm].append(c)
         out = []
         for comm, calls in by_comm.items():
             if max(c.age_s for c in calls) < threshold_s or comm in ("overflow",):
@@ -204,9 +224,9 @@ class Model:
             for comm2, rank2 in self.proc_comms.get(w, []):
                 if comm2 == comm:
                     continue
-                for cm, o, r, node, age in self.inflight:
-                    if cm == comm2 and r == rank2:
-                        elsewhere.append((self.call(cm, o, r, node, age), rank2))
+                for c in self.calls():
+                    if c.comm == comm2 and c.rank == rank2:
+                        elsewhere.append((c, rank2))
         gone = self.series_node.get((comm, rank)) if w is None else None
         return Missing(rank, w.node if w else None, w.pid if w else None, last, last_of_op,
                        elsewhere, self.threads_of(w) if w else None, gone_from=gone)

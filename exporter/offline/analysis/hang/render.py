@@ -68,7 +68,8 @@ def missing_text(h: Hang, m: Missing, first: bool) -> str:
 def verdict(h: Hang) -> str:
     size = f"{h.nranks} ranks" if h.nranks else "size unknown"
     head = f"comm {short(h.comm)} ({size}): "
-    wait = (f"{ranks_text([c.rank for c in h.waiting])} waiting in {call_name(h.op, h.seq)} "
+    on_gpu = " on their GPUs (the host calls returned at enqueue)" if all(c.gpu for c in h.waiting) else ""
+    wait = (f"{ranks_text([c.rank for c in h.waiting])} waiting in {call_name(h.op, h.seq)}{on_gpu} "
             f"for {h.age_s:.1f} s")
     parts = [wait]
     if h.desync:
@@ -108,8 +109,12 @@ def evidence(h: Hang, others: list[Hang], r: Read, threshold_s: float) -> list[s
     lines.append(f"waiting in {call_name(h.op, h.seq)} on comm {h.comm}: rank {w}{more}")
     if h.previous is not None:
         seq, ago = h.previous
-        lines.append(f"the latest {op_name(h.op)} returned on this communicator was #{seq}, {ago:.1f} s ago: "
-                     f"nothing of it has completed since")
+        if any(c.gpu for c in h.waiting):
+            lines.append(f"the latest {op_name(h.op)} enqueued on this communicator was #{seq}, {ago:.1f} s ago "
+                         f"(its host call returned)")
+        else:
+            lines.append(f"the latest {op_name(h.op)} returned on this communicator was #{seq}, {ago:.1f} s ago: "
+                         f"nothing of it has completed since")
     for m in h.missing[:2]:
         who = f"rank {m.rank}" + (f" (pid {m.pid} on {m.node})" if m.pid else "")
         facts = []
