@@ -21,6 +21,7 @@ import pytest
 
 from conftest import REPO
 from test_sim_gpu import inproc
+from tests.fixtures.libraries import sim_job_prelude
 
 VERSIONS = (4, 5, 6, 7)
 
@@ -236,18 +237,8 @@ def sim_job(script: str, name: str, lib, plugin, tmp_path, version: int, iters: 
 
 
 # ------------------------------------------------------------- graph replays --
-GRAPH = r"""
-import ctypes, sys
-L = ctypes.CDLL(sys.argv[1])
-c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-L.ncclAllReduce.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
-L.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
-L.ncclCommDestroy.argtypes = [c_p]
-L.simStreamSynchronize.argtypes = [c_p]
-n, iters = 2, int(sys.argv[2])
-comms = (c_p * n)()
-assert L.ncclCommInitAll(comms, n, None) == 0
-keep = []
+GRAPH = sim_job_prelude(2) + r"""
+iters = int(sys.argv[2])
 for it in range(iters):       # out of place: a replay computes the same result again
     sb = [(ctypes.c_float * 64)(*[float(r + it)] * 64) for r in range(n)]
     rb = [(ctypes.c_float * 64)() for r in range(n)]
@@ -279,19 +270,8 @@ def test_graph_replays_have_their_own_seq(lib, plugin, tmp_path, version):
 
 
 # -------------------------------------------------------- batched collectives --
-BATCH = r"""
-import ctypes, sys
-L = ctypes.CDLL(sys.argv[1])
-c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-L.ncclAllReduce.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
-L.ncclAllGather.argtypes = [c_p, c_p, c_sz, c_i, c_p, c_p]
-L.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
-L.ncclCommDestroy.argtypes = [c_p]
-L.simStreamSynchronize.argtypes = [c_p]
-n, iters = 2, int(sys.argv[2])
-comms = (c_p * n)()
-assert L.ncclCommInitAll(comms, n, None) == 0
-keep = []
+BATCH = sim_job_prelude(2) + r"""
+iters = int(sys.argv[2])
 for it in range(iters):
     b = [[(ctypes.c_float * 128)() for _ in range(4)] for r in range(n)]
     keep.append(b)
@@ -433,18 +413,8 @@ def test_collnet_collective_without_kernelch_ages_out_untimed(plugin, version, t
     assert int(first[0]["flags"], 16) & F_UNTIMED and int(first[0]["flags"], 16) & F_CHANNELS_UNKNOWN
 
 
-A2A = r"""
-import ctypes, sys
-L = ctypes.CDLL(sys.argv[1])
-c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-L.ncclAlltoAll.argtypes = [c_p, c_p, c_sz, c_i, c_p, c_p]
-L.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
-L.ncclCommDestroy.argtypes = [c_p]
-L.simStreamSynchronize.argtypes = [c_p]
-n, iters = 3, int(sys.argv[2])
-comms = (c_p * n)()
-assert L.ncclCommInitAll(comms, n, None) == 0
-keep = []
+A2A = sim_job_prelude(3) + r"""
+iters = int(sys.argv[2])
 for it in range(iters):
     sb = [(ctypes.c_float * (16 * n))(*range(16 * n)) for r in range(n)]
     rb = [(ctypes.c_float * (16 * n))() for r in range(n)]

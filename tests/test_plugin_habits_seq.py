@@ -19,25 +19,15 @@ from collections import defaultdict
 import pytest
 
 from conftest import recording as traced
+from tests.fixtures.libraries import sim_job_prelude
 from exporter.simulator.truth import gpu_kernels, load_truth
 
 VERSIONS = (4, 5, 6, 7)
 CE, SYMK = 48, 80  # counts the simulator runs as a copy-engine collective, a symmetric kernel
 KERNEL_US = 3000   # kernels this far apart: an interval is told from its neighbours by its start
 
-JOB = r"""
-import ctypes, sys
-L = ctypes.CDLL(sys.argv[1])
-c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-L.ncclAllReduce.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
-L.ncclAllGather.argtypes = [c_p, c_p, c_sz, c_i, c_p, c_p]
-L.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
-L.ncclCommDestroy.argtypes = [c_p]
-L.simStreamSynchronize.argtypes = [c_p]
-n, iters, CE, SYMK = 2, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-comms = (c_p * n)()
-assert L.ncclCommInitAll(comms, n, None) == 0
-keep = []
+JOB = sim_job_prelude(2) + r"""
+iters, CE, SYMK = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 def ar(r, cnt):
     b = (ctypes.c_float * 256)(*[1.0] * 256)
     keep.append(b)
