@@ -78,3 +78,31 @@ def test_slow_gpu_switched_on_and_off_mid_job(tmp_path):
     # read again within 100 ms: the last steps (after the switch off) are fast again
     assert steps1[-10:] and all(us < DELAY_US for us in steps1[-10:]), steps1[-10:]
     assert all(us < DELAY_US for us in steps0), "only rank 1's GPU is late"
+
+
+def test_one_long_collective_on_every_rank(tmp_path):
+    """NCCL_SIM_LONG_COLLECTIVE (host mode): AllReduce #5 of the 2-rank communicator stays
+    inside the call 1 s on both ranks, the others do not; the faults file's line wins over
+    the environment's (#2)."""
+    lib = build_library(tmp_path / "lib")
+    faults = tmp_path / "faults"
+    faults.write_text("NCCL_SIM_LONG_COLLECTIVE=2:5:1000\n")
+    (tmp_path / "rdv").mkdir()
+    env = dict(os.environ, NCCL_SIM_FAULTS_FILE=str(faults), NCCL_SIM_LONG_COLLECTIVE="2:2:1000")
+    truth = [tmp_path / f"rank{r}.jsonl" for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-m", "exporter.simulator.rank", "--lib", str(lib), "--rank", str(r),
+                               "--nranks", "2", "--rendezvous", str(tmp_path / "rdv"), "--workload", "allreduce",
+                               "--iterations", "8", "--count", "64", "--truth", str(truth[r])],
+                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=60)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), outs
+    for t in truth:
+        ms = [(c["end_mono_ns"] - c["start_mono_ns"]) / 1e6 for c in map(json.loads, t.read_text().splitlines())
+              if c["op"] == "ALL_REDUCE"]
+        assert len(ms) == 8 and 1000 <= ms[5] < 2000, ms
+        assert max(ms[:5] + ms[6:]) < 500, ms

@@ -350,6 +350,69 @@ class Checkpoint(Fault):
             _signal(p, signal.SIGCONT)
 
 
+class LongCollective(Fault):
+    """Healthy control: one legitimately long collective. Every rank stays 70 s
+    inside the same AllReduce of the job's 4-rank communicator, after its data
+    moved (the simulator's NCCL_SIM_LONG_COLLECTIVE, through the job's
+    NCCL_SIM_FAULTS_FILE): longer than `hang`'s and NcclRankNotJoined's 60 s,
+    every rank in it, none late. The AllReduce is the one 150 calls after the
+    latest the agent counted (~4 s ahead); a run in which no call of the job
+    lasted 30 s fails: it would be a control that controlled nothing."""
+
+    LONG_MS = 70_000
+    AHEAD = 150
+
+    def __init__(self, wait_s=WAIT_HEALTHY_S):
+        super().__init__("healthy_long_collective", None, wait_s, culprit=None, healthy=True)
+        self.file = None
+        self.comm = None
+
+    def job_env(self, work):
+        work.mkdir(parents=True, exist_ok=True)
+        self.file = work / "faults"
+        self.file.write_text("")
+        return {"NCCL_SIM_FAULTS_FILE": str(self.file)}
+
+    def inject(self, ctx, rank):
+        samples = agent_samples(ctx.agent.metrics)
+        pids = {str(p) for p in ctx.pids}
+        self.comm = next(lab["comm"] for name, lab, _ in samples if name == "nccl_communicator_info"
+                         and lab["pid"] in pids and lab["nranks"] == str(len(ctx.pids)))
+        seq = int(max(v for name, lab, v in samples if name == "nccl_collective_last_seq"
+                      and lab["comm"] == self.comm and lab["op"] == "ALL_REDUCE")) + 1 + self.AHEAD
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(f"NCCL_SIM_LONG_COLLECTIVE={len(ctx.pids)}:{seq}:{self.LONG_MS}\n")
+        os.replace(tmp, self.file)
+        return {"mechanism": f"every rank {self.LONG_MS // 1000} s inside AllReduce #{seq} of the "
+                             f"{len(ctx.pids)}-rank communicator (NCCL_SIM_LONG_COLLECTIVE)", "seq": seq}
+
+    def clear(self, ctx):
+        if self.comm is None:
+            return
+        self.comm, comm = None, self.comm
+        # calls of the communicator over 30 s, per rank, from the agent's duration histogram
+        over: dict[str, float] = {}
+        for name, lab, v in agent_samples(ctx.agent.metrics):
+            if name == "nccl_collective_duration_seconds_bucket" and lab["comm"] == comm \
+                    and lab["op"] == "ALL_REDUCE" and lab["le"] != "+Inf" and float(lab["le"]) >= 30:
+                over[lab["rank"]] = min(over.get(lab["rank"], v), v)
+        total = {lab["rank"]: v for name, lab, v in agent_samples(ctx.agent.metrics)
+                 if name == "nccl_collective_duration_seconds_count" and lab["comm"] == comm
+                 and lab["op"] == "ALL_REDUCE"}
+        long_calls = {r: total[r] - over.get(r, total[r]) for r in total}
+        if not long_calls or min(long_calls.values()) < 1:
+            raise RuntimeError(f"the long collective did not happen: calls over 30 s per rank {long_calls}")
+
+
+def agent_samples(url: str) -> list[tuple[str, dict, float]]:
+    """(name, labels, value) of every sample the agent at `url` serves now."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from bench.faults.procs import get
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(get(url).decode())
+            for s in f.samples]
+
+
 class AgentRestart(Fault):
     """Healthy control: the agent restarted mid-job (its counters restart at 0)."""
 
@@ -374,4 +437,5 @@ FAULTS = {
     "healthy_jitter": Jitter,
     "healthy_checkpoint": Checkpoint,
     "healthy_agent_restart": AgentRestart,
+    "healthy_long_collective": LongCollective,
 }

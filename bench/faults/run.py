@@ -51,11 +51,12 @@ PROMETHEUS = "/usr/bin/prometheus"
 NRANKS = 4
 COMPUTE_MS = 20       # each rank's compute between collectives
 COUNT = 16384         # elements per collective
+EVERY = ["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed", "cpu_starvation",
+         "gpu_straggler", "gpu_stopped_between",
+         "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart", "healthy_long_collective"]
 SETS = {
-    "quick": (["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed",
-               "cpu_starvation", "gpu_straggler", "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 1),
-    "full": (["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed",
-              "cpu_starvation", "gpu_straggler", "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart"], 10),
+    "quick": (EVERY, 1),
+    "full": (EVERY, 10),
     # the suite's (tests/test_bench_faults.py): the harness and the scoring, not the
     # timings, so with short warm-ups and waits (SUITE_TIMING)
     "suite": (["straggler", "stopped_between"], 1),

@@ -73,6 +73,23 @@ static ncclResult_t group_flush(void) {
   return res;
 }
 
+/* NCCL_SIM_LONG_COLLECTIVE=NRANKS:SEQ:MS, from the environment or NCCL_SIM_FAULTS_FILE (mid-job):
+ * on every communicator of NRANKS ranks, AllReduce number SEQ (from 0, as the agent's seq counts
+ * a communicator's calls of an op) stays inside the call MS ms after its data moved, on every
+ * rank alike: a legitimately long collective (bench/faults' healthy control), not a hang. Host
+ * mode, an AllReduce outside a group; a test switch, as NCCL_SIM_SLOW_GPU is. */
+static void long_collective(const collargs_t *a, uint64_t seq) {
+  char v[64];
+  int n;
+  unsigned long long want;
+  long ms;
+  if (!sim_fault_value("NCCL_SIM_LONG_COLLECTIVE", v, sizeof v) ||
+      sscanf(v, "%d:%llu:%ld", &n, &want, &ms) != 3 || n != a->comm->nranks || seq != want || ms <= 0)
+    return;
+  struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+  while (nanosleep(&t, &t) != 0 && errno == EINTR) {}
+}
+
 static ncclResult_t submit(collargs_t a) {
   if (!comm_ok(a.comm)) return ncclInvalidArgument;
   if (a.kind == K_ALLREDUCE || a.kind == K_REDUCESCATTER || a.kind == K_REDUCE) {
@@ -93,6 +110,7 @@ static ncclResult_t submit(collargs_t a) {
     if (gpu_discards(&a)) return ncclSuccess;  /* NCCL discards an empty collective (gpu.c) */
     gpu_assign(&a);
   }
+  uint64_t seq = !gpu_on() && a.kind == K_ALLREDUCE ? a.comm->host_allreduces++ : 0;  /* grouped ones too */
   if (tl_group_depth > 0) {
     if (tl_qn == tl_qcap) {
       int nc = tl_qcap ? tl_qcap * 2 : 16;
@@ -104,7 +122,9 @@ static ncclResult_t submit(collargs_t a) {
     return ncclSuccess;
   }
   if (gpu_on()) return gpu_enqueue(&a, 1);
-  return exec_coll(&a);
+  ncclResult_t res = exec_coll(&a);
+  if (res == ncclSuccess && a.kind == K_ALLREDUCE) long_collective(&a, seq);
+  return res;
 }
 
 /* ----------------------------------------------------- collective entry -- */

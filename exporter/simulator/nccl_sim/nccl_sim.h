@@ -128,6 +128,7 @@ struct ncclComm {
   uint64_t nkern;           /*   kernels run, index into that ring */
   uint64_t desync;          /*   unprofiled Broadcasts run: how far the host's timer slots lag */
   int nshrinks;             /* ncclCommShrink calls made on this comm */
+  uint64_t host_allreduces; /* host mode: AllReduce calls made on this comm (NCCL_SIM_LONG_COLLECTIVE) */
   void *last_kh[64];        /* NCCL_SIM_GPU_STALE_KCH: the KernelCh handle last used per channel */
 };
 
@@ -217,6 +218,8 @@ ncclResult_t init_rank_impl(ncclComm_t *out, int nranks, const ncclUniqueId *id,
 ncclResult_t get_unique_id_impl(ncclUniqueId *id);
 /* collectives.c */
 ncclResult_t exec_coll(const collargs_t *a);
+/* A fault variable's value: NCCL_SIM_FAULTS_FILE's line NAME=..., else the environment's (netsteps.c). */
+int sim_fault_value(const char *name, char *buf, size_t len);
 ncclResult_t do_allgather(ncclComm_t c, const void *sb, void *rb, size_t count, int dt);
 /* gpu.c */
 uint64_t nccl_split_hash(uint64_t parent, uint32_t count, uint32_t color);

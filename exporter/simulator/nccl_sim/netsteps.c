@@ -359,3 +359,6 @@ ncclResult_t net_progress(ncclComm_t c, p2p_t *ops, int n) {
   free(x); free(pfds); free(idx);
   return res;
 }
+
+/* For the faults outside the network steps (enqueue.c: NCCL_SIM_LONG_COLLECTIVE). */
+int sim_fault_value(const char *name, char *buf, size_t len) { return fault_value(name, buf, len); }
