@@ -63,7 +63,7 @@ SETS = {
 }
 # Random onset after the job's start: the culprit alerts' 15 s rates, and the medians over the
 # job's ranks, have two windows of calls by 30 s.
-WARMUP_S = (30, 45)
+WARMUP_S = (30, 40)
 SUITE_TIMING = {"warmup": (5, 10), "wait": 30}
 
 
