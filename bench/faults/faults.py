@@ -249,6 +249,37 @@ class GpuStraggler(Fault):
             self._write("")
 
 
+class GpuSlowLink(GpuStraggler):
+    """3b. Slow link in the GPU-like mode with the plugin: the data of the
+    rank before the culprit in the ring (collectives.c: rank r sends to r + 1)
+    leaves 5 ms late per network step on the link into the culprit
+    (NCCL_SIM_SLOW_LINK=FROM:TO:US, docs/simulator.md), switched on mid-job
+    through NCCL_SIM_FAULTS_FILE. The sender's send_wait and the culprit's
+    recv_wait grow; the culprit is the link into the rank's host (its
+    receiving end), as for lossy_link. 5 ms: the GPU straggler's delay, so
+    the two faults differ only in where the data waits."""
+
+    def __init__(self, wait_s=90):
+        Fault.__init__(self, "gpu_slow_link", "slow_link", wait_s, culprit="link")
+        self.file = None
+
+    def _write(self, value: str) -> None:
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(f"NCCL_SIM_SLOW_LINK={value}\n")
+        os.replace(tmp, self.file)
+
+    @staticmethod
+    def sender(rank: int, nranks: int) -> int:
+        """The rank whose data to `rank` is slowed: its predecessor in the ring."""
+        return (rank - 1) % nranks
+
+    def inject(self, ctx, rank):
+        sender = self.sender(rank, len(ctx.pids))
+        self._write(f"{sender}:{rank}:{self.DELAY_US}")
+        return {"mechanism": f"NCCL_SIM_SLOW_LINK={sender}:{rank}:{self.DELAY_US} (rank {sender}'s data to "
+                             f"rank {rank} leaves {self.DELAY_US // 1000} ms late per step) in the GPU-like mode"}
+
+
 class Stopped(Fault):
     """5. A rank that never joins (stopped between collectives: in its compute
     sleep), or 6. one stuck inside a collective: SIGSTOP, retried (SIGCONT,
@@ -351,6 +382,7 @@ FAULTS = {
     "killed": Killed,
     "cpu_starvation": CpuStarvation,
     "gpu_straggler": GpuStraggler,
+    "gpu_slow_link": GpuSlowLink,
     "healthy_jitter": Jitter,
     "healthy_checkpoint": Checkpoint,
     "healthy_agent_restart": AgentRestart,
