@@ -48,8 +48,9 @@ def _nccl_row(r: int, i: int, comm: str) -> tuple:
 
 
 def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA_VERSION,
-                   ranks_recorded=range(NRANKS), other_rows: bool = True) -> str:
-    """A recording of the synthetic job at schema `version` (peer waits from 7 on)."""
+                   ranks_recorded=range(NRANKS), other_rows: bool = True, host_late: int | None = None) -> str:
+    """A recording of the synthetic job at schema `version` (peer waits from 7 on); `host_late`: that
+    rank calls every AllReduce 5 ms after the others and returns with them (a late arriver on the host)."""
     conn = sqlite3.connect(path, isolation_level=None)
     schema.migrate(conn, target=version)
     nccl_fields = [f for f in schema.NCCL_FIELDS if f != "proxy_runq_wait_ns" or version >= 3]
@@ -60,6 +61,8 @@ def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA
                      "first_seen_ns) VALUES (?, ?, ?, ?, ?, ?, ?)", (f"n{r}", 100 + r, comm, NCCL_HASH, r, NRANKS, T0))
         for i in range(OPS):
             row = _nccl_row(r, i, comm)
+            if r == host_late:
+                row = (row[0] + 5 * MS, row[1] - 5 * MS) + row[2:]  # the last to arrive: the short call
             conn.execute(f"INSERT INTO nccl_events ({', '.join(nccl_fields)}) VALUES "
                          f"({', '.join('?' * len(nccl_fields))})", row[:len(nccl_fields)])
             if version >= 5:
@@ -215,6 +218,16 @@ def test_explain_calls_a_late_gpu_a_gpu_straggler(tmp_path):
                                      "rank 3 \u2190 rank 2: recv_wait 6.0×")
     assert "slow link" not in json.dumps(out)
     assert any("send_gpu_wait (its GPU producing the data) 540.0 ms" in e for e in out["evidence"])
+
+
+def test_explain_names_the_gpu_straggler_before_a_rank_late_on_the_host(tmp_path):
+    """In GPU mode the rank after a slow GPU can look late on the host (its launches queue behind
+    the data it waits for): the plugin's waits, in GPU time, name the slow GPU's rank, not that one.
+    A GPU straggler that is itself late on the host is named by its host lateness (the cause)."""
+    out = explain(make_recording(tmp_path / "r.db", "gpu", host_late=3))
+    assert out["verdict"].startswith("GPU straggler: rank 2 on n2 is late producing its data"), out
+    out = explain(make_recording(tmp_path / "r2.db", "gpu", host_late=2))
+    assert out["verdict"].startswith("straggler: rank 2 on n2 arrives late"), out
 
 
 def test_explain_healthy_says_the_links_were_looked_at(tmp_path):
