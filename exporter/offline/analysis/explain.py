@@ -339,13 +339,21 @@ def _late_arriver(by_comm: dict, size: dict):
 def _late_reader(collectives, addrs: set, addr_procs: dict):
     """The process at the receiving end (addrs) of the retransmits if it is a late reader (checks 4
     and 5): (its arrival, the collectives it was late to, the collectives with retransmits into addrs)."""
+    # The receiving end's processes: those whose own sockets used the address. A rank that never
+    # retransmitted has no such socket in the recording: then any process but the senders.
     procs = set().union(*(addr_procs.get(a, set()) for a in addrs))
-    probed = [c for c in collectives if any(n and link.partition("\u2192")[2] in addrs
-                                            for a in c.arrivals for link, n in (a.links or {}).items())]
+    probed, senders = [], set()
+    for c in collectives:
+        into = [a for a in c.arrivals if any(n and link.partition("\u2192")[2] in addrs
+                                             for link, n in (a.links or {}).items())]
+        if into:
+            probed.append(c)
+            senders |= {(a.node, a.pid) for a in into}
     late: dict[tuple, list] = defaultdict(list)
     for c in probed:
-        if (c.last.node, c.last.pid) in procs and c.lag_ns >= MIN_LAG_NS:
-            late[(c.last.node, c.last.pid)].append(c)
+        key = (c.last.node, c.last.pid)
+        if (key in procs if procs else key not in senders) and c.lag_ns >= MIN_LAG_NS:
+            late[key].append(c)
     if not late:
         return None
     mine = max(late.values(), key=len)
