@@ -151,7 +151,7 @@ def test_healthy_ring_has_no_verdict(tmp_path):
 
 
 def test_a_short_wait_is_not_a_slow_link():
-    """3× the median but under SHARE of the receiver's time: not reported."""
+    """3× the median but under SHARE of the receiver's time, at either end: not reported."""
     links = []
     for s in range(4):
         lk = network.Link("h", "h", s, (s + 1) % 4, recv={"recv_wait": 1 * MS}, send={"send_wait": 1 * MS},
@@ -159,8 +159,22 @@ def test_a_short_wait_is_not_a_slow_link():
         links.append(lk)
     links[0].recv["recv_wait"] = links[0].send["send_wait"] = 9 * MS   # 9× the median, 9 % of 100 ms
     assert network.judge(links) == []
-    links[0].recv["recv_wait"] = 10 * MS                                 # 10 %: reported
+    links[0].recv["recv_wait"] = 10 * MS                                 # the receiver 10 %, the sender 9 %
+    assert [lk.verdict for lk in network.judge(links)] == [network.UNEXPLAINED]
+    links[0].send["send_wait"] = 10 * MS                                 # both 10 %: reported
     assert [lk.verdict for lk in network.judge(links)] == [network.SLOW_LINK]
+
+
+def test_in_a_ring_every_receiver_waits_and_the_sender_names_the_slow_link():
+    """One slow link in a ring: each rank sends on what it received, so every receiver waits
+    alike (no recv_wait stands out), but only the slow link's sender waits for the network."""
+    links = [network.Link("h", "h", s, (s + 1) % 4, recv={"recv_wait": 40 * MS},
+                          send={"send_wait": 1 * MS, "send_gpu_wait": 1 * MS}, receiver_time_ns=100 * MS)
+             for s in range(4)]
+    links[1].send["send_wait"] = 35 * MS
+    assert [(lk.sender, lk.verdict) for lk in network.judge(links)] == [(1, network.SLOW_LINK)]
+    links[1].send["send_wait"], links[1].send["send_gpu_wait"] = 1 * MS, 35 * MS   # a slow GPU instead
+    assert [(lk.sender, lk.verdict) for lk in network.judge(links)] == [(1, network.GPU_STRAGGLER)]
 
 
 def test_two_ranks_compare_the_two_directions():

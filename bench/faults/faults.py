@@ -240,9 +240,11 @@ class GpuStraggler(Fault):
         os.replace(tmp, self.file)
 
     def inject(self, ctx, rank):
-        self._write(f"{rank}:{self.DELAY_US}")
-        return {"mechanism": f"NCCL_SIM_SLOW_GPU={rank}:{self.DELAY_US} (each network step's data "
-                             f"{self.DELAY_US // 1000} ms late) in the GPU-like mode"}
+        # the last field: only the job's communicator of every rank (the ranks are communicator
+        # ranks: without it the train workload's 2-rank communicators would slow another rank)
+        self._write(f"{rank}:{self.DELAY_US}:{len(ctx.pids)}")
+        return {"mechanism": f"NCCL_SIM_SLOW_GPU={rank}:{self.DELAY_US}:{len(ctx.pids)} (each network step's "
+                             f"data {self.DELAY_US // 1000} ms late) in the GPU-like mode"}
 
     def clear(self, ctx):
         if self.file is not None and self.file.exists():
@@ -274,9 +276,10 @@ class GpuSlowLink(GpuStraggler):
         return (rank - 1) % nranks
 
     def inject(self, ctx, rank):
-        sender = self.sender(rank, len(ctx.pids))
-        self._write(f"{sender}:{rank}:{self.DELAY_US}")
-        return {"mechanism": f"NCCL_SIM_SLOW_LINK={sender}:{rank}:{self.DELAY_US} (rank {sender}'s data to "
+        n = len(ctx.pids)
+        sender = self.sender(rank, n)
+        self._write(f"{sender}:{rank}:{self.DELAY_US}:{n}")  # only the communicator of every rank
+        return {"mechanism": f"NCCL_SIM_SLOW_LINK={sender}:{rank}:{self.DELAY_US}:{n} (rank {sender}'s data to "
                              f"rank {rank} leaves {self.DELAY_US // 1000} ms late per step) in the GPU-like mode"}
 
 
