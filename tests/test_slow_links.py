@@ -337,3 +337,26 @@ def test_documented_slow_link_query_names_the_link(tmp_path):
     rows = json.loads(p.stdout)
     assert (rows[0]["receiver"], rows[0]["sender"]) == (3, 2)
     assert rows[0]["recv_wait_ms"] == 600.0 and rows[0]["send_wait_ms"] == 560.0
+
+
+def test_a_window_keeps_the_gpu_operations_and_network_waits_of_the_window(tmp_path):
+    """The query endpoint's window (`explain --nodes --since`): GPU operations that started in it
+    and their per-peer waits, not the whole recording's (a live agent's recording holds every job
+    it saw: an earlier job's slow link must not be this window's verdict)."""
+    from exporter.sinks.recording.window import window_copy
+
+    db = make_recording(tmp_path / "r.db", "slow_link")
+    window_copy(db, str(tmp_path / "w.db"), T0 + 1000 * MS, None)   # operations 10..19 of 20
+    conn = sqlite3.connect(tmp_path / "w.db")
+    try:
+        assert conn.execute("SELECT MIN(seq), COUNT(DISTINCT seq) FROM gpu_intervals").fetchone() == (10, 10)
+        assert conn.execute("SELECT MIN(seq), COUNT(DISTINCT seq) FROM nccl_peer_waits").fetchone() == (10, 10)
+    finally:
+        conn.close()
+    window_copy(db, str(tmp_path / "none.db"), T0 + 10_000 * MS, None)  # after the job: nothing of it
+    conn = sqlite3.connect(tmp_path / "none.db")
+    try:
+        assert conn.execute("SELECT COUNT(*) FROM nccl_peer_waits").fetchone() == (0,)
+    finally:
+        conn.close()
+    assert not explain(tmp_path / "none.db")["verdict"].startswith("slow link")
