@@ -108,7 +108,9 @@ def _detectors(alerts=(), verdict=None):
 
     out = io.StringIO()
     prom = SimpleNamespace(firing=lambda started: list(alerts))
-    d = Detectors(out, None, prom, {("abcdef0123456789", str(r)): r for r in range(4)},
+    ranks_of = {("abcdef0123456789", str(r)): r for r in range(4)}
+    ranks_of.update({("3b15efef2b1e58cf", "0"): 1, ("3b15efef2b1e58cf", "1"): 3})   # a 2-rank communicator
+    d = Detectors(out, None, prom, ranks_of,
                   {f"198.18.0.{r + 1}": r for r in range(4)}, "r1", started=0.0)
     if verdict is not None:
         d._cli = lambda *a: subprocess.CompletedProcess(a, 0, json.dumps({"verdict": verdict}), "")
@@ -136,6 +138,13 @@ def test_harness_maps_link_alerts_and_explains_network_verdicts_to_culprits():
         d._explain()
         (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
         assert line["culprit"] == culprit and line["cause"] == cause, (line, network.verdict_line(lk))
+    # "rank N on NODE" is the process's (launcher's) rank, even where the verdict quotes a smaller
+    # communicator, in which N is another process
+    d, out = _detectors(verdict="straggler: rank 1 on bench arrives late (median lag 2.5 ms, last in 100 % of "
+                                "ALL_REDUCE on comm 3b15efef\u2026) with no retransmits to explain it")
+    d._explain()
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert line["culprit"] == {"rank": 1} and line["cause"] == "late_arrival", line
 
 
 def test_score_cli_table_and_bad_input(tmp_path):

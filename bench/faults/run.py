@@ -244,9 +244,13 @@ class Detectors:
             ends = list(link.groups()) if link else [the_link.group(1)]
             self._emit("explain", {"link": ends}, "lossy_link", verdict[:120])
         elif rank and verdict.startswith(("straggler", "CPU starvation")):
-            # "rank N" is N in the communicator the verdict names ("comm 1c64bc4b…"), else the world's
+            # "rank N on NODE" is the process's rank (Recording.process_ranks: the launcher's RANK, which
+            # the simulated cluster sets to the job's rank); else N in the communicator the verdict names
             cause = "cpu_starvation" if "CPU" in verdict[:60] else "late_arrival"
-            if (r := self._global(rank.group(1), comm.group(1) if comm else None)) is not None:
+            on = re.search(r"\brank (\d+) on ", verdict)
+            if on and on.group(1) in self.launcher_ranks:
+                self._emit("explain", {"rank": int(on.group(1))}, cause, verdict[:120])
+            elif (r := self._global(rank.group(1), comm.group(1) if comm else None)) is not None:
                 self._emit("explain", {"rank": r}, cause, verdict[:120])
 
 

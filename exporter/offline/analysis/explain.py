@@ -3,12 +3,13 @@
 The checks, in order (docs/fleet.md; thresholds below):
 
 0. the profiler plugin's per-peer network waits name a slow link or a GPU
-   straggler (check 3's evidence, below): that comes first, unless the
-   late arriver of check 1 is that GPU straggler itself (a rank that calls
-   late launches its GPU work late: its host lateness is the cause). The
-   waits are measured in GPU time, where a late sender's receivers wait;
-   the host arrivals of a GPU job only show the queueing of launches, so
-   the rank after a slow GPU in the ring can look late on the host;
+   straggler (check 3's evidence, below): that comes first. The waits are
+   measured in GPU time; the host arrivals of a GPU job show the queueing
+   of launches behind the GPU, so the slow GPU's rank, or the one after it
+   in the ring, can look late on the host. A rank that is late on the host
+   does not inflate its own send_gpu_wait: NCCL posts the proxy's steps
+   when the call enqueues them, so the wait for the GPU starts no earlier
+   than its late launch;
 1. a late arriver: on the communicator with the most ranks first, a rank
    that arrived last in at least STRAGGLER_SHARE of the collectives (and at
    least twice what chance gives, 1/nranks), with a median lag of at least
@@ -200,10 +201,8 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
     size = {k: max((c.nranks for c in collectives if (c.comm, c.op) == k), default=0) for k in by_comm}
     main = max(by_comm, key=lambda k: (size[k], by_comm[k][0].collectives))
     s = _late_arriver(by_comm, size)
-    # 0. the plugin's waits name a slow link or a GPU straggler (GPU time) before a host-time late
-    # arriver, unless that arriver is the GPU straggler itself
-    net = slow[0] if slow and slow[0].verdict in (network.SLOW_LINK, network.GPU_STRAGGLER) else None
-    if net and not (s and net.verdict == network.GPU_STRAGGLER and net.sender_at == (s.node, s.pid)):
+    # 0. the plugin's waits name a slow link or a GPU straggler (GPU time) before a host-time late arriver
+    if slow and slow[0].verdict in (network.SLOW_LINK, network.GPU_STRAGGLER):
         return _network(slow) + [_durations(collectives, *main), _no_late(stats), clocks]
     if s:
         group = by_comm[(s.comm, s.op)]
@@ -367,10 +366,10 @@ def _late_reader(collectives, addrs: set, addr_procs: dict):
 def _late_reader_lines(late, who, links: str) -> list[str]:
     """The verdict naming a late reader, its links' retransmits the victims."""
     a, mine, probed = late
-    comms = defaultdict(int)
+    comms = defaultdict(int)   # named in its largest communicator (its rank there: usually the world's)
     for c in mine:
-        comms[c.comm] += 1
-    comm = max(comms, key=comms.get)
+        comms[(c.nranks, c.comm)] += 1
+    comm = max(comms, key=lambda k: (k[0], comms[k]))[1]
     rank = next(c.last.rank for c in mine if c.comm == comm)
     node = a.node
     lag = statistics.median(c.lag_ns for c in mine)
