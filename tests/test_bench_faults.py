@@ -86,6 +86,67 @@ def test_link_culprit_is_named_by_its_receiving_end():
     assert not scoring.names_culprit(t, {"rank": 2})
 
 
+def test_directed_link_culprit_needs_both_ends_in_order():
+    """A slow link between two ranks: only that link, sender first, is right; the link the other way,
+    another link into the receiver, or the receiver's host alone are not."""
+    t = truth("s", fault="gpu_slow_link", culprit={"link": {"from": "198.18.0.2", "to": "198.18.0.3"}},
+              cause="slow_link")
+    assert scoring.names_culprit(t, {"link": ["198.18.0.2", "198.18.0.3"]})
+    assert not scoring.names_culprit(t, {"link": ["198.18.0.3", "198.18.0.2"]})
+    assert not scoring.names_culprit(t, {"link": ["198.18.0.1", "198.18.0.3"]})
+    assert not scoring.names_culprit(t, {"link": ["198.18.0.3"]})
+    assert not scoring.names_culprit(t, {"rank": 3})
+
+
+def _detectors(alerts=(), verdict=None):
+    """The harness's Detectors on a 4-rank job (comm abcdef0123…, rank r at 198.18.0.(r+1)), its
+    Prometheus answering `alerts` and its explain `verdict`; returns (detectors, the lines written)."""
+    import io
+    from types import SimpleNamespace
+
+    from bench.faults.run import Detectors
+
+    out = io.StringIO()
+    prom = SimpleNamespace(firing=lambda started: list(alerts))
+    ranks_of = {("abcdef0123456789", str(r)): r for r in range(4)}
+    ranks_of.update({("3b15efef2b1e58cf", "0"): 1, ("3b15efef2b1e58cf", "1"): 3})   # a 2-rank communicator
+    d = Detectors(out, None, prom, ranks_of,
+                  {f"198.18.0.{r + 1}": r for r in range(4)}, "r1", started=0.0)
+    if verdict is not None:
+        d._cli = lambda *a: subprocess.CompletedProcess(a, 0, json.dumps({"verdict": verdict}), "")
+        d.agent = SimpleNamespace(query="http://x", token="t")
+    return d, out
+
+
+def test_harness_maps_link_alerts_and_explains_network_verdicts_to_culprits():
+    """NcclLinkSlow's (comm, rank, peer) is the link peer -> rank; explain's GPU-straggler and slow-link
+    verdicts (their real wording: analysis/network.verdict_line) name the sender rank and the link."""
+    from exporter.offline.analysis import network
+
+    d, out = _detectors(alerts=[{"alertname": "NcclLinkSlow", "comm": "abcdef0123456789", "rank": "3",
+                                 "peer": "2", "cause": "slow_link"}])
+    d._prometheus()
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert line["culprit"] == {"link": ["198.18.0.3", "198.18.0.4"]} and line["cause"] == "slow_link", line
+    for verdict, culprit, cause in ((network.GPU_STRAGGLER, {"rank": 1}, "gpu_straggler"),
+                                    (network.SLOW_LINK, {"link": ["198.18.0.2", "198.18.0.3"]}, "slow_link")):
+        lk = network.Link("abcdef0123456789", "abcdef0123456789", sender=1, receiver=2, recv={"recv_wait": 9},
+                          send={"send_wait": 9}, recv_x=5.0, send_x=5.0, gpu_x=5.0, verdict=verdict,
+                          sender_at=("n1", 11))
+        d, out = _detectors(verdict=network.verdict_line(lk))
+        d.started = 0.0
+        d._explain()
+        (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+        assert line["culprit"] == culprit and line["cause"] == cause, (line, network.verdict_line(lk))
+    # "rank N on NODE" is the process's (launcher's) rank, even where the verdict quotes a smaller
+    # communicator, in which N is another process
+    d, out = _detectors(verdict="straggler: rank 1 on bench arrives late (median lag 2.5 ms, last in 100 % of "
+                                "ALL_REDUCE on comm 3b15efef\u2026) with no retransmits to explain it")
+    d._explain()
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert line["culprit"] == {"rank": 1} and line["cause"] == "late_arrival", line
+
+
 def test_score_cli_table_and_bad_input(tmp_path):
     (tmp_path / "t.jsonl").write_text(json.dumps(truth("a")) + "\n")
     (tmp_path / "d.jsonl").write_text(json.dumps(det("a", 112.0, {"rank": 2})) + "\n")

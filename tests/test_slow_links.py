@@ -48,8 +48,9 @@ def _nccl_row(r: int, i: int, comm: str) -> tuple:
 
 
 def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA_VERSION,
-                   ranks_recorded=range(NRANKS), other_rows: bool = True) -> str:
-    """A recording of the synthetic job at schema `version` (peer waits from 7 on)."""
+                   ranks_recorded=range(NRANKS), other_rows: bool = True, host_late: int | None = None) -> str:
+    """A recording of the synthetic job at schema `version` (peer waits from 7 on); `host_late`: that
+    rank calls every AllReduce 5 ms after the others and returns with them (a late arriver on the host)."""
     conn = sqlite3.connect(path, isolation_level=None)
     schema.migrate(conn, target=version)
     nccl_fields = [f for f in schema.NCCL_FIELDS if f != "proxy_runq_wait_ns" or version >= 3]
@@ -60,6 +61,8 @@ def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA
                      "first_seen_ns) VALUES (?, ?, ?, ?, ?, ?, ?)", (f"n{r}", 100 + r, comm, NCCL_HASH, r, NRANKS, T0))
         for i in range(OPS):
             row = _nccl_row(r, i, comm)
+            if r == host_late:
+                row = (row[0] + 5 * MS, row[1] - 5 * MS) + row[2:]  # the last to arrive: the short call
             conn.execute(f"INSERT INTO nccl_events ({', '.join(nccl_fields)}) VALUES "
                          f"({', '.join('?' * len(nccl_fields))})", row[:len(nccl_fields)])
             if version >= 5:
@@ -148,7 +151,7 @@ def test_healthy_ring_has_no_verdict(tmp_path):
 
 
 def test_a_short_wait_is_not_a_slow_link():
-    """3× the median but under SHARE of the receiver's time: not reported."""
+    """3× the median but under SHARE of the receiver's time, at either end: not reported."""
     links = []
     for s in range(4):
         lk = network.Link("h", "h", s, (s + 1) % 4, recv={"recv_wait": 1 * MS}, send={"send_wait": 1 * MS},
@@ -156,8 +159,22 @@ def test_a_short_wait_is_not_a_slow_link():
         links.append(lk)
     links[0].recv["recv_wait"] = links[0].send["send_wait"] = 9 * MS   # 9× the median, 9 % of 100 ms
     assert network.judge(links) == []
-    links[0].recv["recv_wait"] = 10 * MS                                 # 10 %: reported
+    links[0].recv["recv_wait"] = 10 * MS                                 # the receiver 10 %, the sender 9 %
+    assert [lk.verdict for lk in network.judge(links)] == [network.UNEXPLAINED]
+    links[0].send["send_wait"] = 10 * MS                                 # both 10 %: reported
     assert [lk.verdict for lk in network.judge(links)] == [network.SLOW_LINK]
+
+
+def test_in_a_ring_every_receiver_waits_and_the_sender_names_the_slow_link():
+    """One slow link in a ring: each rank sends on what it received, so every receiver waits
+    alike (no recv_wait stands out), but only the slow link's sender waits for the network."""
+    links = [network.Link("h", "h", s, (s + 1) % 4, recv={"recv_wait": 40 * MS},
+                          send={"send_wait": 1 * MS, "send_gpu_wait": 1 * MS}, receiver_time_ns=100 * MS)
+             for s in range(4)]
+    links[1].send["send_wait"] = 35 * MS
+    assert [(lk.sender, lk.verdict) for lk in network.judge(links)] == [(1, network.SLOW_LINK)]
+    links[1].send["send_wait"], links[1].send["send_gpu_wait"] = 1 * MS, 35 * MS   # a slow GPU instead
+    assert [(lk.sender, lk.verdict) for lk in network.judge(links)] == [(1, network.GPU_STRAGGLER)]
 
 
 def test_two_ranks_compare_the_two_directions():
@@ -215,6 +232,15 @@ def test_explain_calls_a_late_gpu_a_gpu_straggler(tmp_path):
                                      "rank 3 \u2190 rank 2: recv_wait 6.0×")
     assert "slow link" not in json.dumps(out)
     assert any("send_gpu_wait (its GPU producing the data) 540.0 ms" in e for e in out["evidence"])
+
+
+def test_explain_names_the_gpu_straggler_before_a_rank_late_on_the_host(tmp_path):
+    """In GPU mode the rank after a slow GPU, or the slow GPU's own rank, can look late on the host
+    (launches queue behind the GPU): the plugin's waits, in GPU time, name the slow GPU's rank and
+    the cause, its GPU."""
+    for late in (3, 2):
+        out = explain(make_recording(tmp_path / f"r{late}.db", "gpu", host_late=late))
+        assert out["verdict"].startswith("GPU straggler: rank 2 on n2 is late producing its data"), out
 
 
 def test_explain_healthy_says_the_links_were_looked_at(tmp_path):
@@ -310,3 +336,26 @@ def test_documented_slow_link_query_names_the_link(tmp_path):
     rows = json.loads(p.stdout)
     assert (rows[0]["receiver"], rows[0]["sender"]) == (3, 2)
     assert rows[0]["recv_wait_ms"] == 600.0 and rows[0]["send_wait_ms"] == 560.0
+
+
+def test_a_window_keeps_the_gpu_operations_and_network_waits_of_the_window(tmp_path):
+    """The query endpoint's window (`explain --nodes --since`): GPU operations that started in it
+    and their per-peer waits, not the whole recording's (a live agent's recording holds every job
+    it saw: an earlier job's slow link must not be this window's verdict)."""
+    from exporter.sinks.recording.window import window_copy
+
+    db = make_recording(tmp_path / "r.db", "slow_link")
+    window_copy(db, str(tmp_path / "w.db"), T0 + 1000 * MS, None)   # operations 10..19 of 20
+    conn = sqlite3.connect(tmp_path / "w.db")
+    try:
+        assert conn.execute("SELECT MIN(seq), COUNT(DISTINCT seq) FROM gpu_intervals").fetchone() == (10, 10)
+        assert conn.execute("SELECT MIN(seq), COUNT(DISTINCT seq) FROM nccl_peer_waits").fetchone() == (10, 10)
+    finally:
+        conn.close()
+    window_copy(db, str(tmp_path / "none.db"), T0 + 10_000 * MS, None)  # after the job: nothing of it
+    conn = sqlite3.connect(tmp_path / "none.db")
+    try:
+        assert conn.execute("SELECT COUNT(*) FROM nccl_peer_waits").fetchone() == (0,)
+    finally:
+        conn.close()
+    assert not explain(tmp_path / "none.db")["verdict"].startswith("slow link")

@@ -255,13 +255,47 @@ class GpuStraggler(Fault):
         os.replace(tmp, self.file)
 
     def inject(self, ctx, rank):
-        self._write(f"{rank}:{self.DELAY_US}")
-        return {"mechanism": f"NCCL_SIM_SLOW_GPU={rank}:{self.DELAY_US} (each network step's data "
-                             f"{self.DELAY_US // 1000} ms late) in the GPU-like mode"}
+        # the last field: only the job's communicator of every rank (the ranks are communicator
+        # ranks: without it the train workload's 2-rank communicators would slow another rank)
+        self._write(f"{rank}:{self.DELAY_US}:{len(ctx.pids)}")
+        return {"mechanism": f"NCCL_SIM_SLOW_GPU={rank}:{self.DELAY_US}:{len(ctx.pids)} (each network step's "
+                             f"data {self.DELAY_US // 1000} ms late) in the GPU-like mode"}
 
     def clear(self, ctx):
         if self.file is not None and self.file.exists():
             self._write("")
+
+
+class GpuSlowLink(GpuStraggler):
+    """3b. Slow link in the GPU-like mode with the plugin: the data of the
+    rank before the culprit in the ring (collectives.c: rank r sends to r + 1)
+    leaves 5 ms late per network step on the link into the culprit
+    (NCCL_SIM_SLOW_LINK=FROM:TO:US, docs/simulator.md), switched on mid-job
+    through NCCL_SIM_FAULTS_FILE. The sender's send_wait and the culprit's
+    recv_wait grow; the culprit is the link into the rank's host (its
+    receiving end), as for lossy_link. 5 ms: the GPU straggler's delay, so
+    the two faults differ only in where the data waits."""
+
+    def __init__(self, wait_s=WAIT_SLOW_S):
+        Fault.__init__(self, "gpu_slow_link", "slow_link", wait_s, culprit="link")
+        self.file = None
+
+    def _write(self, value: str) -> None:
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(f"NCCL_SIM_SLOW_LINK={value}\n")
+        os.replace(tmp, self.file)
+
+    @staticmethod
+    def sender(rank: int, nranks: int) -> int:
+        """The rank whose data to `rank` is slowed: its predecessor in the ring."""
+        return (rank - 1) % nranks
+
+    def inject(self, ctx, rank):
+        n = len(ctx.pids)
+        sender = self.sender(rank, n)
+        self._write(f"{sender}:{rank}:{self.DELAY_US}:{n}")  # only the communicator of every rank
+        return {"mechanism": f"NCCL_SIM_SLOW_LINK={sender}:{rank}:{self.DELAY_US}:{n} (rank {sender}'s data to "
+                             f"rank {rank} leaves {self.DELAY_US // 1000} ms late per step) in the GPU-like mode"}
 
 
 class Stopped(Fault):
@@ -436,6 +470,7 @@ FAULTS = {
     "killed": Killed,
     "cpu_starvation": CpuStarvation,
     "gpu_straggler": GpuStraggler,
+    "gpu_slow_link": GpuSlowLink,
     "healthy_jitter": Jitter,
     "healthy_checkpoint": Checkpoint,
     "healthy_agent_restart": AgentRestart,

@@ -52,7 +52,7 @@ NRANKS = 4
 COMPUTE_MS = 20       # each rank's compute between collectives
 COUNT = 16384         # elements per collective
 EVERY = ["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed", "cpu_starvation",
-         "gpu_straggler", "gpu_stopped_between",
+         "gpu_straggler", "gpu_slow_link", "gpu_stopped_between",
          "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart", "healthy_long_collective"]
 SETS = {
     "quick": (EVERY, 1),
@@ -135,6 +135,7 @@ class Detectors:
         self.out, self.agent, self.prom, self.started = out, agent, prom, started  # started: the job's (Unix s)
         self.ranks_of = ranks_of     # (comm, rank label) -> the job's global rank
         self.addr_rank = addr_rank   # host address -> global rank
+        self.rank_addr = {r: a for a, r in addr_rank.items()}
         # the launcher's RANK of each rank (exporter/simulator/cluster.py sets RANK to the job's rank)
         self.launcher_ranks = {str(r) for r in set(ranks_of.values())}
         self.run_id = run_id
@@ -181,6 +182,10 @@ class Detectors:
                 if a["saddr"] in self.addr_rank or a["daddr"] in self.addr_rank:
                     self._emit("prometheus", {"link": [a["saddr"], a["daddr"]]}, a.get("cause", "lossy_link"),
                                a["alertname"])
+            elif "peer" in a and "rank" in a and self._link(a.get("comm"), a["peer"], a["rank"]):
+                # a link of a communicator (NcclLinkSlow, NcclPeerNetworkWaitHigh): peer sends, rank receives
+                self._emit("prometheus", {"link": self._link(a["comm"], a["peer"], a["rank"])},
+                           a.get("cause", "slow_link"), a["alertname"])
             elif "rank" in a and (a.get("comm"), a["rank"]) in self.ranks_of:
                 cause = a.get("cause") or {"NcclStragglerRank": "late_arrival",
                                            "NcclRankMissing": "not_joined"}.get(a["alertname"])
@@ -188,6 +193,17 @@ class Detectors:
             elif "rank" in a and "comm" not in a and a["rank"] in self.launcher_ranks:
                 # a process's series (the scheduler's): its rank is the launcher's RANK, the job's rank
                 self._emit("prometheus", {"rank": int(a["rank"])}, a.get("cause"), a["alertname"])
+
+    def _global(self, rank: str, comm: str | None) -> int | None:
+        """The job's rank of `rank` in the communicator whose id starts with `comm` (None: any): None
+        unless that names one rank."""
+        ranks = {g for (c, r), g in self.ranks_of.items() if r == rank and (comm is None or c.startswith(comm))}
+        return ranks.pop() if len(ranks) == 1 else None
+
+    def _link(self, comm, sender: str, receiver: str) -> list | None:
+        """[sender's address, receiver's] of two ranks of a communicator; None if not this job's."""
+        ends = [self.rank_addr.get(self._global(r, comm)) for r in (sender, receiver)] if comm else [None]
+        return ends if all(ends) else None
 
     def _cli(self, *args) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "exporter", *args], capture_output=True, text=True,
@@ -220,17 +236,25 @@ class Detectors:
         link = re.search(r"(198\.18\.\d+\.\d+)\u2192(198\.18\.\d+\.\d+)", verdict)
         the_link = re.search(r"the link of (198\.18\.\d+\.\d+)", verdict)
         rank = re.search(r"\brank (\d+)\b", verdict)
-        if verdict.startswith("network") and (link or the_link):
+        comm = re.search(r"\bcomm ([0-9a-f]{8})", verdict)
+        gpu = re.match(r"GPU straggler: rank (\d+)", verdict)
+        slow = re.match(r"slow link: rank (\d+) \u2190 rank (\d+)", verdict)
+        if gpu and comm and (r := self._global(gpu.group(1), comm.group(1))) is not None:
+            self._emit("explain", {"rank": r}, "gpu_straggler", verdict[:120])
+        elif slow and comm and (ends := self._link(comm.group(1), slow.group(2), slow.group(1))):
+            self._emit("explain", {"link": ends}, "slow_link", verdict[:120])
+        elif verdict.startswith("network") and (link or the_link):
             ends = list(link.groups()) if link else [the_link.group(1)]
             self._emit("explain", {"link": ends}, "lossy_link", verdict[:120])
         elif rank and verdict.startswith(("straggler", "CPU starvation")):
-            # "rank N" is N in the communicator the verdict names ("comm 1c64bc4b…"), else the world's
-            comm = re.search(r"\bcomm ([0-9a-f]{8})", verdict)
-            ranks = [g for (c, r), g in self.ranks_of.items()
-                     if r == rank.group(1) and (comm is None or c.startswith(comm.group(1)))]
+            # "rank N on NODE" is the process's rank (Recording.process_ranks: the launcher's RANK, which
+            # the simulated cluster sets to the job's rank); else N in the communicator the verdict names
             cause = "cpu_starvation" if "CPU" in verdict[:60] else "late_arrival"
-            if len(set(ranks)) == 1:
-                self._emit("explain", {"rank": ranks[0]}, cause, verdict[:120])
+            on = re.search(r"\brank (\d+) on ", verdict)
+            if on and on.group(1) in self.launcher_ranks:
+                self._emit("explain", {"rank": int(on.group(1))}, cause, verdict[:120])
+            elif (r := self._global(rank.group(1), comm.group(1) if comm else None)) is not None:
+                self._emit("explain", {"rank": r}, cause, verdict[:120])
 
 
 class Ctx:
@@ -288,6 +312,8 @@ def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmu
                     truth["culprit"] = {"rank": culprit_rank}
                 elif fault.culprit == "link":
                     truth["culprit"] = {"link": {"to": cluster.hosts[culprit_rank].addr}}
+                    if hasattr(fault, "sender"):  # a directed link: both its ends must be named
+                        truth["culprit"]["link"]["from"] = cluster.hosts[fault.sender(culprit_rank, NRANKS)].addr
                 truth_out.write(json.dumps(truth) + "\n")  # before the fault: ground truth first
                 truth_out.flush()
                 log(f"{run_id} {name}: culprit {truth['culprit']}")

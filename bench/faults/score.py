@@ -7,8 +7,13 @@ that writes its answers in the same format is scored the same way.
 
 truth.jsonl, one line per run, written BEFORE the fault is injected:
     {"run": "r03", "fault": "straggler", "healthy": false,
-     "culprit": {"rank": 2} | {"link": {"to": "198.18.0.3"}} | null,
+     "culprit": {"rank": 2} | {"link": {"to": "198.18.0.3"}}
+                | {"link": {"from": "198.18.0.2", "to": "198.18.0.3"}} | null,
      "cause": "late_arrival", "start": T0, "onset": T1, "wait_s": 90}
+  a link with "to" only: any named link with that end is right (a lossy
+  link into a host, whose peers all send into it); with "from" too (one
+  directed link between two ranks, as a slow link): only that link,
+  named [from, to].
   start: the job's start (Unix s), onset: the fault's (or the healthy
   control's event's), wait_s: a culprit not named by onset + wait_s is a miss.
 detections.jsonl, one line per answer that names a culprit:
@@ -40,14 +45,18 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def names_culprit(truth: dict, named: dict) -> bool:
     """Whether a detection's culprit is the injected one: the same rank, or a
-    link with the injected link's receiving end."""
+    link with the injected link's receiving end (and, where the truth names
+    it, its sending end: that directed link)."""
     want = truth.get("culprit")
     if not want or not named:
         return False
     if "rank" in want:
         return named.get("rank") == want["rank"]
     if "link" in want:
-        return want["link"]["to"] in (named.get("link") or [])
+        link = list(named.get("link") or [])
+        if "from" in want["link"]:
+            return link == [want["link"]["from"], want["link"]["to"]]
+        return want["link"]["to"] in link
     return False
 
 

@@ -2,6 +2,14 @@
 
 The checks, in order (docs/fleet.md; thresholds below):
 
+0. the profiler plugin's per-peer network waits name a slow link or a GPU
+   straggler (check 3's evidence, below): that comes first. The waits are
+   measured in GPU time; the host arrivals of a GPU job show the queueing
+   of launches behind the GPU, so the slow GPU's rank, or the one after it
+   in the ring, can look late on the host. A rank that is late on the host
+   does not inflate its own send_gpu_wait: NCCL posts the proxy's steps
+   when the call enqueues them, so the wait for the GPU starts no earlier
+   than its late launch;
 1. a late arriver: on the communicator with the most ranks first, a rank
    that arrived last in at least STRAGGLER_SHARE of the collectives (and at
    least twice what chance gives, 1/nranks), with a median lag of at least
@@ -32,6 +40,20 @@ The checks, in order (docs/fleet.md; thresholds below):
    LINK_RATIO times those of every other link, and MIN_LINK_RETRANSMITS: a
    link that loses packets both ways. Two such addresses (a 2-host job): the
    link between them;
+   4 and 5 only when the link's receiving end is not a late reader: a rank
+   that arrives late makes the peers sending to it retransmit (tail-loss
+   probes and timeouts while it does not read or ack), so the links into a
+   slow rank carry retransmits although nothing is lost. When the rank at
+   the receiving end arrived last, at least MIN_LAG_NS after the median, in
+   more of the collectives whose windows had retransmits into its address
+   than chance gives (1/nranks of them) by LATE_SDS binomial standard
+   deviations, and in at least MIN_LATE_READS of them, the verdict names
+   that rank, a straggler, and its links as victims. A lossy link's
+   receiver is not late to the calls (its data arrives late inside them,
+   after it arrived): it is last there as often as chance gives, or less.
+   Not half of them, as check 1 asks: a retransmit falls in the sender's
+   window, which can end before the receiver it waits for is late to the
+   next call;
 6. otherwise: no straggler.
 """
 
@@ -52,6 +74,12 @@ STARVE_SHARE = 0.2
 LINK_SHARE = 0.5
 LINK_RATIO = 2.0
 MIN_LINK_RETRANSMITS = 20
+# A late reader (checks 4 and 5): last (by MIN_LAG_NS) in the collectives with retransmits into its
+# address at least LATE_SDS standard deviations more often than chance (binomial, 1/nranks; the lag floor
+# makes chance rarer still: the test is conservative), one-sided p ~ 0.02 at 2; and in at least
+# MIN_LATE_READS of them, so a handful of collectives is no evidence.
+LATE_SDS = 2.0
+MIN_LATE_READS = 5
 
 
 def _ms(ns) -> str:
@@ -126,6 +154,9 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
     stats = stragglers.per_rank(collectives)
     prank = rec.process_ranks()
     addr_rank = _addr_ranks(rec)
+    addr_procs: dict[str, set] = defaultdict(set)
+    for saddr, node, pid in rec.local_addresses():
+        addr_procs[saddr].add((node, pid))
     nodes = sorted({a.node for c in collectives for a in c.arrivals})
 
     def who(node, pid):
@@ -168,14 +199,13 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
     for s in stats:
         by_comm[(s.comm, s.op)].append(s)
     size = {k: max((c.nranks for c in collectives if (c.comm, c.op) == k), default=0) for k in by_comm}
-    for key in sorted(by_comm, key=lambda k: (-size[k], -by_comm[k][0].collectives, k)):
-        group = by_comm[key]
-        n = max(size[key], len(group))
-        cand = [s for s in group if s.collectives >= MIN_COLLECTIVES and s.last_share >= STRAGGLER_SHARE
-                and s.last_share >= min(0.9, 2.0 / n) and s.median_lag_ns >= MIN_LAG_NS]
-        if not cand:
-            continue
-        s = max(cand, key=lambda s: sum(s.lags_when_last))
+    main = max(by_comm, key=lambda k: (size[k], by_comm[k][0].collectives))
+    s = _late_arriver(by_comm, size)
+    # 0. the plugin's waits name a slow link or a GPU straggler (GPU time) before a host-time late arriver
+    if slow and slow[0].verdict in (network.SLOW_LINK, network.GPU_STRAGGLER):
+        return _network(slow) + [_durations(collectives, *main), _no_late(stats), clocks]
+    if s:
+        group = by_comm[(s.comm, s.op)]
         name = who(s.node, s.pid)
         arrived = (f"{name} arrived last in {100 * s.last_share:.0f} % of {s.op} on comm {s.comm[:8]}… "
                    f"({s.last} of {s.collectives}), median lag {_ms(s.median_lag_ns)} "
@@ -217,8 +247,6 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
             lines = [verdict, arrived, cpu, retx]
         return lines + [_durations(collectives, s.comm, s.op), clocks]
 
-    main = max(by_comm, key=lambda k: (size[k], by_comm[k][0].collectives))
-
     # 2. CPU starvation inside the calls
     if len(proc_wait) >= 2:
         for key, wait in sorted(proc_wait.items(), key=lambda kv: -kv[1])[:1]:
@@ -246,6 +274,11 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
         (node_link, top), second = ranked_links[0], (ranked_links[1][1] if len(ranked_links) > 1 else 0)
         if top >= MIN_LINK_RETRANSMITS and top >= LINK_SHARE * total_retx and top >= LINK_RATIO * max(second, 1):
             node, link = node_link
+            late = _late_reader(collectives, {link.partition("\u2192")[2]}, addr_procs)
+            if late:
+                return _late_reader_lines(late, who, f"link {link_text(link)}: {top} retransmits, "
+                                          f"{100 * top / total_retx:.0f} % of all") + [
+                    _durations(collectives, *main), clocks]
             owner = link_owner[node_link]
             with_retx = sum(1 for c in collectives if any(a.retransmits for a in c.arrivals))
             return [f"network: no rank arrives late, collectives are slow alike; link {link_text(link)} "
@@ -258,6 +291,10 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
 
     # 5. a lossy host link: the retransmitting links share one address
     hosts = _lossy_hosts(links, total_retx)
+    late = _late_reader(collectives, set(hosts), addr_procs) if hosts else None
+    if late:
+        return _late_reader_lines(late, who, "the links of " + " and ".join(hosts) + " carry most retransmits") + [
+            _durations(collectives, *main), clocks]
     if hosts:
         named = " and ".join(f"{a} ({addr_rank.get(a, '?')})" for a in hosts)
         mine = [(nl, n) for nl, n in ranked_links if set(hosts) <= set(nl[1].split("\u2192"))]
@@ -283,6 +320,66 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
             _durations(collectives, *main), clocks] + ([
             f"network waits (profiler plugin): {len(measured)} links measured, no receiver waited for one "
             f"peer {network.RATIO:g}× its communicator's median pair"] if measured else [])
+
+
+def _late_arriver(by_comm: dict, size: dict):
+    """Check 1's rank: on the largest communicators first, one last in STRAGGLER_SHARE of the
+    collectives (and twice chance) with a median lag of MIN_LAG_NS; None if none."""
+    for key in sorted(by_comm, key=lambda k: (-size[k], -by_comm[k][0].collectives, k)):
+        group = by_comm[key]
+        n = max(size[key], len(group))
+        cand = [s for s in group if s.collectives >= MIN_COLLECTIVES and s.last_share >= STRAGGLER_SHARE
+                and s.last_share >= min(0.9, 2.0 / n) and s.median_lag_ns >= MIN_LAG_NS]
+        if cand:
+            return max(cand, key=lambda s: sum(s.lags_when_last))
+    return None
+
+
+def _late_reader(collectives, addrs: set, addr_procs: dict):
+    """The process at the receiving end (addrs) of the retransmits if it is a late reader (checks 4
+    and 5): (its arrival, the collectives it was late to, the collectives with retransmits into addrs)."""
+    # The receiving end's processes: those whose own sockets used the address. A rank that never
+    # retransmitted has no such socket in the recording: then any process but the senders.
+    procs = set().union(*(addr_procs.get(a, set()) for a in addrs))
+    probed, senders = [], set()
+    for c in collectives:
+        into = [a for a in c.arrivals if any(n and link.partition("\u2192")[2] in addrs
+                                             for link, n in (a.links or {}).items())]
+        if into:
+            probed.append(c)
+            senders |= {(a.node, a.pid) for a in into}
+    late: dict[tuple, list] = defaultdict(list)
+    for c in probed:
+        key = (c.last.node, c.last.pid)
+        if (key in procs if procs else key not in senders) and c.lag_ns >= MIN_LAG_NS:
+            late[key].append(c)
+    if not late:
+        return None
+    mine = max(late.values(), key=len)
+    p = 1 / max(2, max(c.nranks for c in probed))
+    chance = len(probed) * p
+    if len(mine) >= MIN_LATE_READS and len(mine) >= chance + LATE_SDS * (chance * (1 - p)) ** 0.5:
+        return mine[0].last, mine, probed
+    return None
+
+
+def _late_reader_lines(late, who, links: str) -> list[str]:
+    """The verdict naming a late reader, its links' retransmits the victims."""
+    a, mine, probed = late
+    comms = defaultdict(int)   # named in its largest communicator (its rank there: usually the world's)
+    for c in mine:
+        comms[(c.nranks, c.comm)] += 1
+    comm = max(comms, key=lambda k: (k[0], comms[k]))[1]
+    rank = next(c.last.rank for c in mine if c.comm == comm)
+    node = a.node
+    lag = statistics.median(c.lag_ns for c in mine)
+    return [f"straggler: rank {rank} on {node} arrives late (comm {comm[:8]}…) and its peers retransmit to it: "
+            f"it arrived last in {len(mine)} of the {len(probed)} collectives whose windows had retransmits into "
+            f"its address (median lag {_ms(lag)}): probes of a late reader, not a lossy link",
+            f"{who(a.node, a.pid)}: last in {len(mine)} of {len(probed)} collectives with retransmits into it, "
+            f"each at least {_ms(MIN_LAG_NS)} after the median arrival; {links}",
+            "a lossy link delays data inside the calls, after its receiver arrived: its receiver is not the "
+            "late arriver"]
 
 
 def _network(slow: list) -> list[str]:

@@ -18,16 +18,19 @@ at least MIN_PAIRS links measured on the receiving side. (The alert takes
 the median over all links, itself included, which needs 3 links to let one
 stand out; with 3 or more and one outlier the two medians agree.)
 
-- slow link: the receiver's recv_wait from the sender is at least RATIO
-  times the communicator's median link and at least SHARE of the receiver's
-  time in those operations, AND the sender's send_wait to the receiver is at
-  least RATIO times the median link's send_wait;
+- slow link: the receiver's recv_wait from the sender is at least SHARE of
+  the receiver's time in those operations, AND the sender's send_wait to
+  the receiver is at least RATIO times the median link's send_wait and
+  SHARE of that time (not the receiver's wait against the median: in a
+  ring every receiver waits when one link is slow, each rank sending on
+  what it received; only the slow link's sender waits for the network);
 - GPU straggler: the same recv_wait, but the sender's send_wait is not high
-  while its send_gpu_wait to that receiver is (RATIO times the median):
-  the receiver waited for the sender's GPU;
-- unexplained: the same recv_wait, and neither of the sender's figures is
-  high, or the sender's side is not in the recording (its node's recording
-  was not merged).
+  while its send_gpu_wait to that receiver is (RATIO times the median, and
+  SHARE of the time): the receiver waited for the sender's GPU;
+- unexplained: the receiver's recv_wait is at least RATIO times the
+  communicator's median link and SHARE of its time, and neither of the
+  sender's figures is high, or the sender's side is not in the recording
+  (its node's recording was not merged).
 
 The receiver's time in the operations is their GPU time (gpu_intervals);
 without GPU intervals, its process's span in the recording. Retransmits
@@ -210,14 +213,21 @@ def judge(links: list[Link]) -> list[Link]:
             lk.send_x = _x(lk.send_wait_ns, med_send) if lk.send else 0.0
             lk.gpu_x = _x(lk.send_gpu_wait_ns, med_gpu) if lk.send else 0.0
             share = lk.share
-            if not (lk.recv and lk.recv_x >= RATIO and (share is None or share >= SHARE)):
+            if not (lk.recv and (share is None or share >= SHARE)):
                 continue
-            if lk.send and lk.send_x >= RATIO:
+            # The sender's own figure names the cause: in a ring every receiver waits when one link
+            # or one GPU is slow (each rank sends on what it received), so the receiver's wait need
+            # not stand out; the slow link's sender waits for the network, the slow GPU's for its GPU.
+            # Its wait must be a real share too: SHARE of the receiver's time in the operations.
+            floor = SHARE * lk.receiver_time_ns if lk.receiver_time_ns else 0
+            if lk.send and lk.send_x >= RATIO and lk.send_wait_ns >= floor:
                 lk.verdict = SLOW_LINK
-            elif lk.send and lk.gpu_x >= RATIO:
+            elif lk.send and lk.gpu_x >= RATIO and lk.send_gpu_wait_ns >= floor:
                 lk.verdict = GPU_STRAGGLER
-            else:
+            elif lk.recv_x >= RATIO:
                 lk.verdict = UNEXPLAINED
+            else:
+                continue
             found.append(lk)
     order = {SLOW_LINK: 0, GPU_STRAGGLER: 1, UNEXPLAINED: 2}
     return sorted(found, key=lambda lk: (order[lk.verdict], -(lk.recv_wait_ns - lk.median_recv_ns)))

@@ -21,10 +21,11 @@
  * per (peer, direction) do not depend on it.
  *
  * Faults, for tests (docs/simulator.md):
- *   NCCL_SIM_SLOW_LINK=FROM:TO:US  the data of rank FROM to rank TO leaves US
- *       microseconds late per step (a slow link: FROM's send_wait and TO's
- *       recv_wait grow);
- *   NCCL_SIM_SLOW_GPU=RANK:US  RANK's GPU produces each step's data US late
+ *   NCCL_SIM_SLOW_LINK=FROM:TO:US[:NRANKS]  the data of rank FROM to rank TO
+ *       leaves US microseconds late per step (a slow link: FROM's send_wait
+ *       and TO's recv_wait grow); communicator ranks, in every communicator
+ *       or, with NRANKS, in those of NRANKS ranks;
+ *   NCCL_SIM_SLOW_GPU=RANK:US[:NRANKS]  RANK's GPU produces each step's data US late
  *       (a compute straggler: RANK's send_gpu_wait grows, and its receivers'
  *       recv_wait, which includes the sender being late);
  *   NCCL_SIM_GPU_PXN=1  each batch also gets a ProxyOp of another pid (a PXN
@@ -63,8 +64,16 @@ typedef struct {
   uint64_t link_us;       /* send: this link's delay per step */
 } xfer_t;
 
-static int parse3(const char *v, int *a, int *b, long *c) { return v && sscanf(v, "%d:%d:%ld", a, b, c) == 3; }
-static int parse2(const char *v, int *a, long *c) { return v && sscanf(v, "%d:%ld", a, c) == 2; }
+/* A fault's optional last field NRANKS: only communicators of that many ranks (ranks are
+ * communicator ranks: without it, every communicator where the ranks exist). */
+static int parse3(const char *v, int *a, int *b, long *c, int *n) {
+  *n = 0;
+  return v && sscanf(v, "%d:%d:%ld:%d", a, b, c, n) >= 3;
+}
+static int parse2(const char *v, int *a, long *c, int *n) {
+  *n = 0;
+  return v && sscanf(v, "%d:%ld:%d", a, c, n) >= 2;
+}
 
 /* NCCL_SIM_FAULTS_FILE=PATH switches the two faults above on or off mid-job
  * (bench/faults: a random onset). Lines NAME=VALUE of that file replace the
@@ -118,18 +127,20 @@ static int fault_value(const char *name, char *buf, size_t len) {
 }
 
 static uint64_t link_delay_ns(ncclComm_t c, int to) {
-  int a, b;
+  int a, b, n;
   long us;
   char v[64];
-  if (fault_value("NCCL_SIM_SLOW_LINK", v, sizeof v) && parse3(v, &a, &b, &us) && a == c->rank && b == to && us > 0)
+  if (fault_value("NCCL_SIM_SLOW_LINK", v, sizeof v) && parse3(v, &a, &b, &us, &n) && a == c->rank && b == to &&
+      us > 0 && (n == 0 || n == c->nranks))
     return (uint64_t)us * 1000;
   return 0;
 }
 static uint64_t gpu_delay_ns(ncclComm_t c) {
-  int r;
+  int r, n;
   long us;
   char v[64];
-  if (fault_value("NCCL_SIM_SLOW_GPU", v, sizeof v) && parse2(v, &r, &us) && r == c->rank && us > 0)
+  if (fault_value("NCCL_SIM_SLOW_GPU", v, sizeof v) && parse2(v, &r, &us, &n) && r == c->rank && us > 0 &&
+      (n == 0 || n == c->nranks))
     return (uint64_t)us * 1000;
   return 0;
 }

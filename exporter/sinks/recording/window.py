@@ -11,7 +11,9 @@ from exporter.sinks.recording import query
 
 def window_copy(db: str, dest: str, since_ns: int | None, until_ns: int | None) -> None:
     """Copy the recording `db` to `dest`, keeping only rows of [since, until] in every table
-    with a timestamp_ns column (the others, e.g. processes and meta, whole)."""
+    with a timestamp_ns column, GPU operations (gpu_intervals) that started in it and their
+    per-peer network waits (nccl_peer_waits: no time of their own, they belong to an operation);
+    the other tables, e.g. processes and meta, whole."""
     src = query.open_readonly(db)
     try:
         out = sqlite3.connect(dest)
@@ -35,6 +37,15 @@ def window_copy(db: str, dest: str, since_ns: int | None, until_ns: int | None) 
                     conn.execute(f'DELETE FROM "{t}" WHERE timestamp_ns < ?', (since_ns,))
                 if until_ns is not None:
                     conn.execute(f'DELETE FROM "{t}" WHERE timestamp_ns > ?', (until_ns,))
+            if "gpu_intervals" in tables:
+                if since_ns is not None:
+                    conn.execute("DELETE FROM gpu_intervals WHERE gpu_start_ns < ?", (since_ns,))
+                if until_ns is not None:
+                    conn.execute("DELETE FROM gpu_intervals WHERE gpu_start_ns > ?", (until_ns,))
+                if "nccl_peer_waits" in tables:
+                    conn.execute("DELETE FROM nccl_peer_waits AS w WHERE NOT EXISTS (SELECT 1 FROM gpu_intervals AS g "
+                                 "WHERE g.pid = w.pid AND g.nccl_comm_hash = w.nccl_comm_hash AND g.op = w.op "
+                                 "AND g.seq = w.seq AND g.kind = w.kind AND g.node IS w.node)")
             if "meta" in tables:
                 conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                                  [("window_since_ns", "" if since_ns is None else str(since_ns)),
