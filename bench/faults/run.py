@@ -180,7 +180,8 @@ class Detectors:
                                a["alertname"])
             elif "rank" in a and (a.get("comm"), a["rank"]) in self.ranks_of:
                 cause = a.get("cause") or {"NcclStragglerRank": "late_arrival",
-                                           "NcclRankMissing": "not_joined"}.get(a["alertname"])
+                                           "NcclRankMissing": "not_joined",
+                                           "NcclRankDesync": "desync"}.get(a["alertname"])
                 self._emit("prometheus", {"rank": self.ranks_of[(a["comm"], a["rank"])]}, cause, a["alertname"])
             elif "rank" in a and "comm" not in a and a["rank"] in self.launcher_ranks:
                 # a process's series (the scheduler's): its rank is the launcher's RANK, the job's rank
@@ -198,6 +199,9 @@ class Detectors:
             for m in h.get("stopped", []):
                 if (r := self.ranks_of.get((h["comm"], str(m["rank"])))) is not None:
                     self._emit("hang", {"rank": r}, "stopped_inside", "stopped inside")
+            for m in h.get("desync", []):  # in another op, seq or count than the ranks waiting
+                if (r := self.ranks_of.get((h["comm"], str(m["rank"])))) is not None:
+                    self._emit("hang", {"rank": r}, "desync", f"desync in {m['op']} #{m['seq']}")
             for m in h.get("missing", []):
                 if m.get("elsewhere"):
                     continue  # in a collective of another communicator: waiting there, a victim
