@@ -201,7 +201,8 @@ class Detectors:
                     self._emit("hang", {"rank": r}, "stopped_inside", "stopped inside")
             for m in h.get("desync", []):  # in another op, seq or count than the ranks waiting
                 if (r := self.ranks_of.get((h["comm"], str(m["rank"])))) is not None:
-                    self._emit("hang", {"rank": r}, "desync", f"desync in {m['op']} #{m['seq']}")
+                    seq = "" if m["seq"] is None else f" #{m['seq']}"
+                    self._emit("hang", {"rank": r}, "desync", f"desync in {m['op']}{seq}")
             for m in h.get("missing", []):
                 if m.get("elsewhere"):
                     continue  # in a collective of another communicator: waiting there, a victim
