@@ -151,6 +151,10 @@ def test_communicator_identity_and_hang_then_kill(simulator_lib, tmp_path):
                 time.sleep(0.2)
             assert sorted(s.labels["rank"] for s in inflight) == ["1", "2", "3"], inflight
             assert all(s.value > 0.5 for s in inflight)
+            # Each waiting call's size: count 1024 (start_job's default) x float32.
+            size = {s.labels["rank"]: s.value for s in exporter.samples(families, metrics.INFLIGHT_BYTES)
+                    if s.labels["op"] == "ALL_REDUCE"}
+            assert size == {"1": 4096.0, "2": 4096.0, "3": 4096.0}, size
 
             # Communicator identity of the live world communicator.
             records = load_truth(tmp_path / "truth")

@@ -261,7 +261,47 @@ def test_desync_is_named():
     assert a.hung
     assert a.verdict == ("comm 4a3f0000… (4 ranks): ranks 1–3 waiting in AllReduce #8 for 90.0 s; "
                          "desync: rank 0 in Broadcast #3 instead (for 88.0 s)"), a.verdict
-    assert a.as_dict()["hangs"][0]["desync"] == [{"rank": 0, "op": "BROADCAST", "seq": 3, "age_s": 88.0}]
+    assert a.as_dict()["hangs"][0]["desync"] == [{"rank": 0, "op": "BROADCAST", "seq": 3, "age_s": 88.0,
+                                                  "bytes": None}]
+
+
+def inflight_bytes(comm, op, rank, size, node="n"):
+    return f'nccl_inflight_bytes{{node="{node}",op="{op}",comm="{comm}",rank="{rank}"}} {size}'
+
+
+def test_desync_by_count_is_named():
+    """Every rank in AllReduce #8, rank 2 with twice the others' count: rank 2 is named desync,
+    the others wait; the JSON carries both sizes."""
+    from exporter.offline.analysis import hang
+
+    lines = [info(C, r, 4, 100 + r) for r in range(4)]
+    lines += [inflight(C, "ALL_REDUCE", r, 90 - r) for r in range(4)]
+    lines += [inflight_bytes(C, "ALL_REDUCE", r, 8192 if r == 2 else 4096) for r in range(4)]
+    lines += [last_seq(C, "ALL_REDUCE", r, 7) for r in range(4)]
+    a = hang.analyse(page_read(lines), None, 60)
+    assert a.hung
+    assert a.verdict == ("comm 4a3f0000… (4 ranks): ranks 0, 1, 3 waiting in AllReduce #8 for 90.0 s; "
+                         "desync: rank 2 in AllReduce #8 with another count (8192 bytes vs 4096; for 88.0 s)"), \
+        a.verdict
+    h = a.as_dict()["hangs"][0]
+    assert h["waiting_ranks"] == [0, 1, 3] and h["bytes"] == 4096
+    assert h["desync"] == [{"rank": 2, "op": "ALL_REDUCE", "seq": 8, "age_s": 88.0, "bytes": 8192}]
+
+
+def test_same_count_everywhere_or_a_tie_names_no_desync():
+    """One size on every rank: no desync. Two ranks with two sizes: no majority, no one named."""
+    from exporter.offline.analysis import hang
+
+    lines = [info(C, r, 4, 100 + r) for r in range(4)]
+    lines += [inflight(C, "ALL_REDUCE", r, 90) for r in range(4)]
+    lines += [inflight_bytes(C, "ALL_REDUCE", r, 4096) for r in range(4)]
+    a = hang.analyse(page_read(lines), None, 60)
+    assert a.hung and a.as_dict()["hangs"][0]["desync"] == []
+    lines = [info(C, r, 2, 100 + r) for r in range(2)]
+    lines += [inflight(C, "ALL_REDUCE", r, 90) for r in range(2)]
+    lines += [inflight_bytes(C, "ALL_REDUCE", r, 4096 * (r + 1)) for r in range(2)]
+    a = hang.analyse(page_read(lines), None, 60)
+    assert a.hung and a.as_dict()["hangs"][0]["desync"] == []
 
 
 def gpu_inflight(comm, op, rank, age, state="running", node="n"):

@@ -298,6 +298,36 @@ class GpuSlowLink(GpuStraggler):
                              f"rank {rank} leaves {self.DELAY_US // 1000} ms late per step) in the GPU-like mode"}
 
 
+class Desync(Fault):
+    """7. Desync: the rank's program calls ncclBroadcast where its peers call
+    ncclAllReduce (NCCL_SIM_DESYNC=RANK in the simulator's NCCL_SIM_FAULTS_FILE,
+    read by the `train` workload at each iteration; docs/simulator.md,
+    "Desync"). Every rank then waits inside its call: the job hangs."""
+
+    def __init__(self, wait_s=WAIT_HANG_S):
+        super().__init__("desync", "desync", wait_s)
+        self.file = None
+
+    def job_env(self, work):
+        work.mkdir(parents=True, exist_ok=True)
+        self.file = work / "faults"
+        self._write("")
+        return {"NCCL_SIM_FAULTS_FILE": str(self.file)}
+
+    def _write(self, value: str) -> None:
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(f"NCCL_SIM_DESYNC={value}\n")
+        os.replace(tmp, self.file)
+
+    def inject(self, ctx, rank):
+        self._write(str(rank))
+        return {"mechanism": f"NCCL_SIM_DESYNC={rank}: ncclBroadcast where the other ranks call ncclAllReduce"}
+
+    def clear(self, ctx):
+        if self.file is not None and self.file.exists():
+            self._write("")
+
+
 class Stopped(Fault):
     """5. A rank that never joins (stopped between collectives: in its compute
     sleep), or 6. one stuck inside a collective: SIGSTOP, retried (SIGCONT,
@@ -471,6 +501,7 @@ FAULTS = {
     "cpu_starvation": CpuStarvation,
     "gpu_straggler": GpuStraggler,
     "gpu_slow_link": GpuSlowLink,
+    "desync": Desync,
     "healthy_jitter": Jitter,
     "healthy_checkpoint": Checkpoint,
     "healthy_agent_restart": AgentRestart,

@@ -52,7 +52,7 @@ NRANKS = 4
 COMPUTE_MS = 20       # each rank's compute between collectives
 COUNT = 16384         # elements per collective
 EVERY = ["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed", "cpu_starvation",
-         "gpu_straggler", "gpu_slow_link", "gpu_stopped_between",
+         "desync", "gpu_straggler", "gpu_slow_link", "gpu_stopped_between",
          "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart", "healthy_long_collective"]
 SETS = {
     "quick": (EVERY, 1),
@@ -188,7 +188,8 @@ class Detectors:
                            a.get("cause", "slow_link"), a["alertname"])
             elif "rank" in a and (a.get("comm"), a["rank"]) in self.ranks_of:
                 cause = a.get("cause") or {"NcclStragglerRank": "late_arrival",
-                                           "NcclRankMissing": "not_joined"}.get(a["alertname"])
+                                           "NcclRankMissing": "not_joined",
+                                           "NcclRankDesync": "desync"}.get(a["alertname"])
                 self._emit("prometheus", {"rank": self.ranks_of[(a["comm"], a["rank"])]}, cause, a["alertname"])
             elif "rank" in a and "comm" not in a and a["rank"] in self.launcher_ranks:
                 # a process's series (the scheduler's): its rank is the launcher's RANK, the job's rank
@@ -217,6 +218,10 @@ class Detectors:
             for m in h.get("stopped", []):
                 if (r := self.ranks_of.get((h["comm"], str(m["rank"])))) is not None:
                     self._emit("hang", {"rank": r}, "stopped_inside", "stopped inside")
+            for m in h.get("desync", []):  # in another op, seq or count than the ranks waiting
+                if (r := self.ranks_of.get((h["comm"], str(m["rank"])))) is not None:
+                    seq = "" if m["seq"] is None else f" #{m['seq']}"
+                    self._emit("hang", {"rank": r}, "desync", f"desync in {m['op']}{seq}")
             for m in h.get("missing", []):
                 if m.get("elsewhere"):
                     continue  # in a collective of another communicator: waiting there, a victim

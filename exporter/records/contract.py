@@ -45,6 +45,11 @@ def datatype_name(code: int) -> str:
     return NCCL_DATATYPES.get(code, (f"ncclDataType({code})", 0))[0]
 
 
+def datatype_size(code: int) -> int:
+    """Bytes per element of ncclDataType_t `code`; 0 for one not known (or -1: no datatype)."""
+    return NCCL_DATATYPES.get(code, ("", 0))[1]
+
+
 def redop_name(code: int) -> str:
     # Values >= ncclNumOps are user-created ops (ncclRedOpCreatePreMulSum).
     return NCCL_REDOPS.get(code, f"ncclRedOp({code})")

@@ -75,6 +75,7 @@ class InflightCall:
     nranks: int
     start_ns: int  # CLOCK_MONOTONIC
     stopped: bool = False  # its thread is stopped (/proc state T or t), read once in flight over 1 s
+    nbytes: int = 0  # count x datatype size, as nccl_collective_bytes_total counts it (0: unknown)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,12 @@ INFLIGHT_STOPPED = _m(
     "Age of the oldest NCCL call in flight whose calling thread is stopped (SIGSTOP, a job-control "
     "stop, a debugger: state T or t in /proc), per op, communicator and rank; read at each scrape "
     "for calls in flight over 1 s. No sample while no such caller is stopped.")
+INFLIGHT_BYTES = _m(
+    "nccl_inflight_bytes", "gauge", ("node", "op", "comm", "rank"),
+    "Size of the oldest NCCL call in flight per op, communicator and rank (the series of "
+    "nccl_inflight_oldest_seconds): its count times the datatype's size, as "
+    "nccl_collective_bytes_total counts it. Ranks of one communicator waiting in the same op "
+    "with different sizes are desynchronized (a wrong count on one rank).")
 COLLECTIVE_LAST_SEQ = _m(
     "nccl_collective_last_seq", "gauge", ("node", "op", "comm", "rank"),
     "Sequence number of this rank's latest returned call of this op on this communicator, from 0 "

@@ -22,6 +22,7 @@ import sys
 import time
 from ctypes import c_int, c_void_p
 
+from exporter.simulator.faults import desync_due
 from exporter.simulator.binding import Nccl, NcclError, publish_or_fetch
 from exporter.simulator.numerics import (AVG, BF16, DTYPES, FLOAT16, FLOAT32, FLOAT64, INT8, INT32, INT64,
                                          INT_DTYPES, MAX, MIN, PROD, SUM, UINT8, UINT32, UINT64,
@@ -237,6 +238,10 @@ class Rank:
             stop = 1.0 if (deadline is not None and time.monotonic() >= deadline) or it >= self.a.iterations else 0.0
             ctypes.memmove(ctypes.addressof(sb) + vote_off, struct.pack("<f", stop), 4)
             self.delay()
+            if desync_due(r):  # another collective than its peers' (docs/simulator.md, "Desync")
+                print(f"rank {r}: iteration {it}: ncclBroadcast instead of ncclAllReduce", flush=True)
+                self.nccl("ncclBroadcast", sb, rb, cnt, FLOAT32, 1 if r == 0 else 0, world, self.nccl.stream)
+                raise NcclError(f"ncclBroadcast of the desync returned (iteration {it})")
             self.nccl("ncclAllReduce", sb, rb, cnt, FLOAT32, SUM, world, self.nccl.stream)
             raw = rb.raw
             self.checks += 1

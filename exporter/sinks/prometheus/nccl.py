@@ -75,17 +75,22 @@ class NcclCollector(SourceCollector):
     def _inflight(self, scrape: Scrape):
         """The oldest call in flight per series, and the oldest of those whose
         caller is stopped (a rank stopped inside a collective: its peers wait
-        in flight too, but running)."""
+        in flight too, but running), and the oldest call's size (a rank
+        waiting with another count than its peers is desynchronized)."""
         oldest: dict[tuple, float] = {}
         stopped: dict[tuple, float] = {}
+        size: dict[tuple, int] = {}
         for call in self.source.inflight():
             key = (scrape.node, call.op, format_comm(call.comm), rank_label(call.rank))
             age = max(0, scrape.now_ns - call.start_ns) / 1e9
-            oldest[key] = max(oldest.get(key, 0), age)
+            if key not in oldest or age >= oldest[key]:
+                oldest[key] = age
+                size[key] = call.nbytes
             if call.stopped:
                 stopped[key] = max(stopped.get(key, 0), age)
         yield family_of(metrics.INFLIGHT_OLDEST, oldest)
         yield family_of(metrics.INFLIGHT_STOPPED, stopped)
+        yield family_of(metrics.INFLIGHT_BYTES, size)
 
     def _exits(self, scrape: Scrape):
         return family_of(metrics.RANK_EXIT, {(scrape.node, format_comm(e.comm), rank_label(e.rank), e.signal): e.time_s

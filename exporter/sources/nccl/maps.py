@@ -227,7 +227,8 @@ class NcclReader(Source):
         now = time.monotonic_ns()
         return [InflightCall(tid=tid, op=contract.op_name(v.op), comm=v.nccl_hash or v.comm_hash, rank=v.rank,
                              nranks=v.nranks, start_ns=v.start_ns,
-                             stopped=now - v.start_ns > STOPPED_AFTER_NS and thread_stopped(tid))
+                             stopped=now - v.start_ns > STOPPED_AFTER_NS and thread_stopped(tid),
+                             nbytes=v.count * contract.datatype_size(v.datatype))
                 for tid, v in self._call_slots() if v.op and v.start_ns]
 
     def name_unknown_comms(self, proc: str = "/proc") -> int:

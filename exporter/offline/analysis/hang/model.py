@@ -27,6 +27,7 @@ class Call:
     seq: int | None      # None: this rank's earlier calls of this op are unknown
     stopped: bool = False  # its calling thread is stopped (nccl_inflight_stopped_seconds)
     gpu: bool = False      # in flight on its GPU only: the host call returned at enqueue
+    nbytes: float | None = None  # its size (nccl_inflight_bytes); None: not exported
 
 
 @dataclass
@@ -49,13 +50,16 @@ class Hang:
     op: str
     seq: int | None
     waiting: list[Call]
-    desync: list[Call]                            # member ranks in another (op, seq) of this comm
+    desync: list[Call]                            # member ranks in another (op, seq) of this comm, or
+                                                  # in the same one with another size than most
     missing: list[Missing]
     unknown_members: bool                         # the communicator's size is not known
     unseen: list[int] = field(default_factory=list)  # members no agent read knows anything of
     previous: tuple[int, float] | None = None     # (seq, seconds ago) of the op's latest return on it
     stopped: list[Call] = field(default_factory=list)  # in it with their threads stopped, while
                                                        # others wait in it running: the culprits
+
+    nbytes: float | None = None                   # the size most waiting ranks called it with
 
     @property
     def age_s(self) -> float:
@@ -77,6 +81,7 @@ class Model:
         self.last_ret: dict[tuple[str, str, int], float] = {}
         self.series_node: dict[tuple[str, int], str] = {}   # (comm, rank) -> node of its call series
         self.stopped: set[tuple[str, str, int]] = set()     # (comm, op, rank) whose caller is stopped
+        self.nbytes: dict[tuple[str, str, int], float] = {}  # (comm, op, rank) -> in-flight call's size
         for name, lab, v in last.samples:
             rank = _int(lab.get("rank"))
             comm = lab.get("comm", "")
@@ -94,6 +99,8 @@ class Model:
             elif name == metrics.GPU_INFLIGHT_OLDEST and rank is not None:
                 k = (comm, lab.get("op", ""), rank)   # queued or running: the rank joined it
                 self.gpu_inflight[k] = (lab.get("node", ""), max(v, self.gpu_inflight.get(k, ("", 0.0))[1]))
+            elif name == metrics.INFLIGHT_BYTES and rank is not None:
+                self.nbytes[(comm, lab.get("op", ""), rank)] = v
             elif name == metrics.INFLIGHT_STOPPED and rank is not None:
                 self.stopped.add((comm, lab.get("op", ""), rank))
             elif name == metrics.COLLECTIVE_LAST_SEQ and rank is not None:
@@ -118,7 +125,7 @@ class Model:
 
     def call(self, comm, op, rank, node, age) -> Call:
         return Call(comm, op, rank, node, age, self.seq_in_flight(comm, op, rank),
-                    stopped=(comm, op, rank) in self.stopped)
+                    stopped=(comm, op, rank) in self.stopped, nbytes=self.nbytes.get((comm, op, rank)))
 
     def calls(self) -> list[Call]:
         """Every call in flight: inside NCCL on the host, or on the GPU only (the profiler
@@ -179,12 +186,18 @@ class Model:
                 groups[(c.op, c.seq)].append(c)
             (op, seq), waiting = max(groups.items(), key=lambda kv: (len(kv[1]), max(c.age_s for c in kv[1])))
             desync = [c for k, g in groups.items() if k != (op, seq) for c in g]
+            # Same op, same seq, another count: desync too, named against the size most
+            # of them called it with (a tie names no one).
+            size = _majority([c.nbytes for c in waiting if c.nbytes is not None])
+            if size is not None:
+                desync += [c for c in waiting if c.nbytes is not None and c.nbytes != size]
+                waiting = [c for c in waiting if c.nbytes is None or c.nbytes == size]
             n = self.nranks.get(comm)
             if comm == "unknown" or comm.startswith("local-"):
                 # Made before the agent started: each rank has its own id here, so the
                 # communicator's other ranks cannot be found (docs/communicators.md).
                 out.append(Hang(comm, n, op, seq, sorted(waiting, key=lambda c: c.rank),
-                                sorted(desync, key=lambda c: c.rank), [], unknown_members=True))
+                                sorted(desync, key=lambda c: c.rank), [], unknown_members=True, nbytes=size))
                 continue
             seen = {c.rank for c in calls} | {r for (cm, r) in self.info if cm == comm}
             members = set(range(n)) if n else seen
@@ -203,7 +216,8 @@ class Model:
             stopped = [c for c in waiting if c.stopped] if any(not c.stopped for c in waiting) else []
             out.append(Hang(comm, n, op, seq, sorted(waiting, key=lambda c: c.rank),
                             sorted(desync, key=lambda c: c.rank), missing, unknown_members=not n,
-                            unseen=unseen, previous=previous, stopped=sorted(stopped, key=lambda c: c.rank)))
+                            unseen=unseen, previous=previous, stopped=sorted(stopped, key=lambda c: c.rank),
+                            nbytes=size))
         out.sort(key=lambda h: -h.age_s)
         return out
 
@@ -241,6 +255,14 @@ def _sched(r: Read) -> dict[tuple[str, str, str], tuple[float, float]]:
         elif name == metrics.RUNQUEUE_DELAY + "_sum":
             out[k][1] += v
     return {k: (a, b) for k, (a, b) in out.items()}
+
+
+def _majority(values: list[float]) -> float | None:
+    """The value more than half of `values` have, if their values differ; else None."""
+    if len(set(values)) < 2:
+        return None
+    best = max(set(values), key=values.count)
+    return best if 2 * values.count(best) > len(values) else None
 
 
 def _int(v) -> int | None:

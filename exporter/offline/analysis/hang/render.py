@@ -77,6 +77,11 @@ def verdict(h: Hang) -> str:
         for c in h.desync:
             by[(c.op, c.seq)].append(c)
         for (op, seq), cs in sorted(by.items(), key=lambda kv: kv[1][0].rank):
+            if (op, seq) == (h.op, h.seq):  # the same call with another size: a wrong count
+                for c in cs:
+                    parts.append(f"desync: {ranks_text([c.rank])} in {call_name(op, seq)} with another count "
+                                 f"({c.nbytes:.0f} bytes vs {h.nbytes:.0f}; for {c.age_s:.1f} s)")
+                continue
             parts.append(f"desync: {ranks_text([c.rank for c in cs])} in {call_name(op, seq)} instead "
                          f"(for {max(c.age_s for c in cs):.1f} s)")
     if h.stopped:
@@ -158,8 +163,9 @@ class Answer:
             "oldest_s": self.oldest_s, "in_flight": self.in_flight,
             "hangs": [{"comm": h.comm, "nranks": h.nranks, "op": h.op, "seq": h.seq, "age_s": h.age_s,
                        "waiting_ranks": [c.rank for c in h.waiting],
-                       "desync": [{"rank": c.rank, "op": c.op, "seq": c.seq, "age_s": c.age_s}
-                                  for c in h.desync],
+                       "bytes": h.nbytes,
+                       "desync": [{"rank": c.rank, "op": c.op, "seq": c.seq, "age_s": c.age_s,
+                                   "bytes": c.nbytes} for c in h.desync],
                        "unseen_ranks": h.unseen,
                        "stopped": [{"rank": c.rank, "node": c.node, "age_s": c.age_s} for c in h.stopped],
                        "missing": [{"rank": m.rank, "node": m.node or m.gone_from, "pid": m.pid,
