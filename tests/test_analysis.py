@@ -85,7 +85,7 @@ def record_scenario(tmp: pathlib.Path, scenario: str, node: str = "simnode") -> 
                     hog = subprocess.Popen(["taskset", "-c", "1", "chrt", "-f", "1",
                                             sys.executable, "-c", "while True: pass"])
                 if scenario == "late_onset":
-                    from bench.faults.faults import DutyCycle
+                    from bench.faults.base import DutyCycle
                     time.sleep(ONSET_S)
                     cycle = DutyCycle([job.pids[SLEEPER]], 0.04, 0.1).start()
                 result = job.wait(timeout=120)

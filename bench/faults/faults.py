@@ -1,10 +1,7 @@
-"""The faults the benchmark injects, and its healthy controls
-(docs/benchmark.md, "Faults"). Each is real on this machine: signals to the
-rank's process, nftables loss on a link, the agent really restarted.
-
-A fault's inject() returns at once (a background thread keeps a duty cycle
-going); clear() undoes it and is safe to call twice. The ground truth is
-written by the harness BEFORE inject() runs."""
+"""The faults the benchmark injects (docs/benchmark.md, "Faults"), and the
+registry of every fault and healthy control (bench/faults/healthy.py). Each
+is real on this machine: signals to the rank's process, nftables loss on a
+link, the simulator's faults file switched mid-job."""
 
 from __future__ import annotations
 
@@ -13,100 +10,18 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
 
-SLEEP_SYSCALLS = {35, 230}  # x86_64 nanosleep, clock_nanosleep: Python's time.sleep, the ranks' compute
-# x86_64 poll, ppoll, sendto, recvfrom, sendmsg, recvmsg: the simulated socket transport's waits inside a
-# collective (exporter/simulator/nccl_sim/bootstrap.c, netsteps.c). A rank stopped elsewhere than in its
-# sleep may be in Python between two calls, not inside one.
-TRANSPORT_SYSCALLS = {7, 271, 44, 45, 46, 47}
-
-# How long after the onset a culprit may still be named (a later answer is a miss), from the
-# goals, not from any run: a slowed rank or link twice its 30 s p90 goal; a hang, a rank that
-# never joins or dies its 90 s goal; a healthy control long enough for every 15 s window and
-# `for:` to have seen it twice, and 90 s where the control itself lasts (a 45 s pause, a 70 s
-# collective).
-WAIT_SLOW_S = 60
-WAIT_HANG_S = 90
-WAIT_HEALTHY_S = 60
-WAIT_HEALTHY_LONG_S = 90
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def in_sleep(pid: int, inside: bool = False) -> bool | None:
-    """Whether a (stopped) rank's main thread was in its compute sleep, i.e.
-    between collectives: its /proc/PID/syscall is nanosleep. inside: whether
-    it was in the transport's wait inside an NCCL call instead (poll, ppoll,
-    a socket send or receive). None if gone."""
-    try:
-        with open(f"/proc/{pid}/syscall") as f:
-            nr = f.read().split()[0]
-    except (OSError, IndexError):
-        return None
-    return nr.lstrip("-").isdigit() and int(nr) in (TRANSPORT_SYSCALLS if inside else SLEEP_SYSCALLS)
-
-
-class DutyCycle:
-    """SIGSTOP / SIGCONT a set of processes: stopped `stop_s` of every `period_s`
-    (random phase); with `pick`, a new random member of `pids` each period."""
-
-    def __init__(self, pids: list[int], stop_s: float, period_s: float, pick: bool = False, seed: int = 0):
-        self.pids, self.stop_s, self.period_s, self.pick = pids, stop_s, period_s, pick
-        self.rng = random.Random(seed)
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self):
-        while not self.done.is_set():
-            pids = [self.rng.choice(self.pids)] if self.pick else self.pids
-            stop = self.rng.uniform(0, self.stop_s) if self.pick else self.stop_s
-            for p in pids:
-                _signal(p, signal.SIGSTOP)
-            self.done.wait(stop)
-            for p in pids:
-                _signal(p, signal.SIGCONT)
-            self.done.wait(max(0.0, self.period_s - stop))
-
-    def start(self):
-        self.thread.start()
-        return self
-
-    def stop(self):
-        self.done.set()
-        if self.thread.is_alive():
-            self.thread.join()
-        for p in self.pids:
-            _signal(p, signal.SIGCONT)
-
-
-@dataclass
-class Fault:
-    """name: as in the truth file; cause: what a detector should say; wait_s:
-    how long after the onset a culprit may still be named; healthy: a control
-    (no culprit); culprit: "rank", "link" or None."""
-    name: str
-    cause: str | None
-    wait_s: float
-    culprit: str | None = "rank"
-    healthy: bool = False
-
-    def job_env(self, work) -> dict:
-        """More environment for every rank of the job (work: this run's own folder)."""
-        return {}
-
-    def inject(self, ctx, rank: int) -> dict:  # -> extra truth fields
-        raise NotImplementedError
-
-    def clear(self, ctx) -> None:
-        pass
+from bench.faults.base import (
+    WAIT_HANG_S,
+    WAIT_SLOW_S,
+    DutyCycle,
+    Fault,
+    send_signal,
+    gpu_job_env,
+    in_sleep,
+)
+from bench.faults.healthy import AgentRestart, Checkpoint, Jitter, LongCollective
 
 
 class Straggler(Fault):
@@ -222,13 +137,6 @@ class CpuStarvation(Fault):
                 except OSError:
                     pass
             self.pid = None
-
-
-def gpu_job_env() -> dict:
-    """The simulator's GPU-like mode with the profiler plugin (docs/simulator.md): a call returns
-    once enqueued, the "GPU" runs it, the plugin reports its GPU time and network waits."""
-    from exporter.sources.plugin.build import build_plugin
-    return {"NCCL_SIM_GPU": "1", "NCCL_PROFILER_PLUGIN": str(build_plugin())}
 
 
 class GpuStraggler(Fault):
@@ -351,19 +259,19 @@ class Stopped(Fault):
             deadline = time.monotonic() + 0.5
             while self.inside and in_sleep(pid, True) is False and time.monotonic() < deadline:
                 time.sleep(0.0005)  # inside: stop it once it waits in the transport (cheaper than blind tries)
-            _signal(pid, signal.SIGSTOP)
+            send_signal(pid, signal.SIGSTOP)
             time.sleep(0.02)
             where = in_sleep(pid, self.inside)
             if where is None or where:
                 return {"mechanism": "SIGSTOP " + ("inside a collective" if self.inside else "between collectives"),
                         "attempts": attempt}
-            _signal(pid, signal.SIGCONT)
+            send_signal(pid, signal.SIGCONT)
             time.sleep(random.uniform(0.001, 0.02))
         raise RuntimeError(f"rank {rank} never stopped {'inside' if self.inside else 'between'} collectives")
 
     def clear(self, ctx):
         if self.pid:
-            _signal(self.pid, signal.SIGCONT)
+            send_signal(self.pid, signal.SIGCONT)
 
 
 class Killed(Fault):
@@ -373,121 +281,8 @@ class Killed(Fault):
         super().__init__("killed", "died", wait_s)
 
     def inject(self, ctx, rank):
-        _signal(ctx.pids[rank], signal.SIGKILL)
+        send_signal(ctx.pids[rank], signal.SIGKILL)
         return {"mechanism": "SIGKILL"}
-
-
-class Jitter(Fault):
-    """Healthy control: random per-call jitter: every 100 ms a random rank is
-    SIGSTOPped for a random 0-40 ms (each is as often late as the others)."""
-
-    def __init__(self, wait_s=WAIT_HEALTHY_S):
-        super().__init__("healthy_jitter", None, wait_s, culprit=None, healthy=True)
-        self.cycle = None
-
-    def inject(self, ctx, rank):
-        self.cycle = DutyCycle(ctx.pids, 0.04, 0.1, pick=True, seed=int(time.time())).start()
-        return {"mechanism": "SIGSTOP a random rank 0-40 ms every 100 ms"}
-
-    def clear(self, ctx):
-        if self.cycle:
-            self.cycle.stop()
-
-
-class Checkpoint(Fault):
-    """Healthy control: every rank paused 45 s at once (a checkpoint), SIGSTOP
-    and SIGCONT of all at the same instant."""
-
-    def __init__(self, wait_s=WAIT_HEALTHY_LONG_S):
-        super().__init__("healthy_checkpoint", None, wait_s, culprit=None, healthy=True)
-        self.timer = None
-
-    def inject(self, ctx, rank):
-        for p in ctx.pids:
-            _signal(p, signal.SIGSTOP)
-        self.timer = threading.Timer(45, self.clear, args=(ctx,))
-        self.timer.start()
-        return {"mechanism": "SIGSTOP every rank for 45 s"}
-
-    def clear(self, ctx):
-        if self.timer:
-            self.timer.cancel()
-        for p in ctx.pids:
-            _signal(p, signal.SIGCONT)
-
-
-class LongCollective(Fault):
-    """Healthy control: one legitimately long collective. Every rank stays 70 s
-    inside the same AllReduce of the job's 4-rank communicator, after its data
-    moved (the simulator's NCCL_SIM_LONG_COLLECTIVE, through the job's
-    NCCL_SIM_FAULTS_FILE): longer than `hang`'s and NcclRankNotJoined's 60 s,
-    every rank in it, none late. The AllReduce is the one 150 calls after the
-    latest the agent counted (~4 s ahead); a run in which no call of the job
-    lasted 30 s fails: it would be a control that controlled nothing."""
-
-    LONG_MS = 70_000
-    AHEAD = 150
-
-    def __init__(self, wait_s=WAIT_HEALTHY_LONG_S):
-        super().__init__("healthy_long_collective", None, wait_s, culprit=None, healthy=True)
-        self.file = None
-        self.comm = None
-
-    def job_env(self, work):
-        work.mkdir(parents=True, exist_ok=True)
-        self.file = work / "faults"
-        self.file.write_text("")
-        return {"NCCL_SIM_FAULTS_FILE": str(self.file)}
-
-    def inject(self, ctx, rank):
-        samples = agent_samples(ctx.agent.metrics)
-        pids = {str(p) for p in ctx.pids}
-        self.comm = next(lab["comm"] for name, lab, _ in samples if name == "nccl_communicator_info"
-                         and lab["pid"] in pids and lab["nranks"] == str(len(ctx.pids)))
-        seq = int(max(v for name, lab, v in samples if name == "nccl_collective_last_seq"
-                      and lab["comm"] == self.comm and lab["op"] == "ALL_REDUCE")) + 1 + self.AHEAD
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(f"NCCL_SIM_LONG_COLLECTIVE={len(ctx.pids)}:{seq}:{self.LONG_MS}\n")
-        os.replace(tmp, self.file)
-        return {"mechanism": f"every rank {self.LONG_MS // 1000} s inside AllReduce #{seq} of the "
-                             f"{len(ctx.pids)}-rank communicator (NCCL_SIM_LONG_COLLECTIVE)", "seq": seq}
-
-    def clear(self, ctx):
-        if self.comm is None:
-            return
-        self.comm, comm = None, self.comm
-        # calls of the communicator over 30 s, per rank, from the agent's duration histogram
-        over: dict[str, float] = {}
-        for name, lab, v in agent_samples(ctx.agent.metrics):
-            if name == "nccl_collective_duration_seconds_bucket" and lab["comm"] == comm \
-                    and lab["op"] == "ALL_REDUCE" and lab["le"] != "+Inf" and float(lab["le"]) >= 30:
-                over[lab["rank"]] = min(over.get(lab["rank"], v), v)
-        total = {lab["rank"]: v for name, lab, v in agent_samples(ctx.agent.metrics)
-                 if name == "nccl_collective_duration_seconds_count" and lab["comm"] == comm
-                 and lab["op"] == "ALL_REDUCE"}
-        long_calls = {r: total[r] - over.get(r, total[r]) for r in total}
-        if not long_calls or min(long_calls.values()) < 1:
-            raise RuntimeError(f"the long collective did not happen: calls over 30 s per rank {long_calls}")
-
-
-def agent_samples(url: str) -> list[tuple[str, dict, float]]:
-    """(name, labels, value) of every sample the agent at `url` serves now."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from bench.faults.procs import get
-    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(get(url).decode())
-            for s in f.samples]
-
-
-class AgentRestart(Fault):
-    """Healthy control: the agent restarted mid-job (its counters restart at 0)."""
-
-    def __init__(self, wait_s=WAIT_HEALTHY_S):
-        super().__init__("healthy_agent_restart", None, wait_s, culprit=None, healthy=True)
-
-    def inject(self, ctx, rank):
-        ctx.restart_agent()
-        return {"mechanism": "agent stopped (SIGINT) and started again"}
 
 
 # name -> a new instance (a fault keeps its state between inject and clear)
