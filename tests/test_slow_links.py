@@ -359,3 +359,48 @@ def test_a_window_keeps_the_gpu_operations_and_network_waits_of_the_window(tmp_p
     finally:
         conn.close()
     assert not explain(tmp_path / "none.db")["verdict"].startswith("slow link")
+
+
+def test_a_window_copy_reads_each_network_wait_once(tmp_path, monkeypatch):
+    """The endpoint's window of a long GPU job: each per-peer wait row of the recording finds its
+    operation among the window's by an index, so a window twice as long costs about the same
+    (it cost recording x window: explain --nodes on a live agent outran its node timeout). Counted
+    in SQLite virtual-machine steps, not seconds."""
+    from exporter.sinks.recording import window
+
+    ops, t0 = 400, 1_700_000_000_000_000_000
+    db = tmp_path / "long.db"
+    conn = sqlite3.connect(db, isolation_level=None)
+    schema.migrate(conn)
+    conn.execute("BEGIN")
+    for i in range(ops):
+        for r in range(NRANKS):
+            ts = t0 + i * MS
+            conn.execute(schema.INSERT["gpu"], (100 + r, NCCL_HASH, "ALL_REDUCE", i, "coll", r, None, ts, ts, MS,
+                                                f"n{r}", 4096))
+            for phase in ("send_gpu_wait", "send_peer_wait", "send_wait"):
+                conn.execute(schema.INSERT["peer_waits"], (100 + r, NCCL_HASH, "ALL_REDUCE", i, "coll", r,
+                                                           (r + 1) % NRANKS, "send", phase, MS, MS, 0, f"n{r}"))
+    conn.execute("COMMIT")
+    conn.close()
+    steps = []
+    connect = sqlite3.connect
+
+    def counted(*a, **kw):
+        c = connect(*a, **kw)
+        c.set_progress_handler(lambda: steps.append(1) and 0, 1000)
+        return c
+
+    monkeypatch.setattr(window.sqlite3, "connect", counted)
+    cost = {}
+    for share in (10, 20):
+        steps.clear()
+        window.window_copy(str(db), str(tmp_path / f"w{share}.db"), t0 + ops * (100 - share) // 100 * MS, None)
+        cost[share] = len(steps)
+        w = connect(tmp_path / f"w{share}.db")
+        try:
+            assert w.execute("SELECT COUNT(*) FROM nccl_peer_waits").fetchone() == (3 * NRANKS * ops * share // 100,)
+            assert not w.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (window._WINDOW_KEY,)).fetchall()
+        finally:
+            w.close()
+    assert cost[20] < 1.5 * cost[10], cost

@@ -140,6 +140,7 @@ class Detectors:
         self.launcher_ranks = {str(r) for r in set(ranks_of.values())}
         self.run_id = run_id
         self.seen: set = set()
+        self.explain_errors: set = set()  # explain's failures, each logged once
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.threads = [threading.Thread(target=self._loop, args=(f, p), daemon=True)
@@ -235,7 +236,11 @@ class Detectors:
             return
         p = self._cli("explain", "--nodes", self.agent.query, "--token-file", str(self.agent.token),
                       "--since", f"{min(30, age)}s", "--format", "json")
-        if p.returncode != 0:
+        if p.returncode != 0:  # said once per message: an explain that keeps failing is not a silent miss
+            why = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+            if why not in self.explain_errors:
+                self.explain_errors.add(why)
+                log(f"  explain failed: {why}")
             return
         verdict = json.loads(p.stdout).get("verdict", "")
         link = re.search(r"(198\.18\.\d+\.\d+)\u2192(198\.18\.\d+\.\d+)", verdict)
