@@ -102,11 +102,11 @@ test-image: deps venv plugin
 push-image: image
 	@$(SHELL) scripts/build-image.sh --push
 
-## bench-faults: the fault-injection benchmark, full set (~5.5 h; docs/benchmark.md), under the heavy lock
+## bench-faults: the fault-injection benchmark, full set (~4.6 h; docs/benchmark.md), under the heavy lock
 bench-faults: deps venv plugin
 	flock /tmp/nccl-heavy.lock $(PY) -m bench.faults.run --set full
 
-## bench-faults-quick: each fault type once and the healthy controls (~37 min)
+## bench-faults-quick: each fault type and healthy control once (~28 min)
 bench-faults-quick: deps venv plugin
 	flock /tmp/nccl-heavy.lock $(PY) -m bench.faults.run --set quick
 

@@ -16,7 +16,7 @@ bench/faults/score.py scores the two files.
 As root, from the repository root, under the heavy lock:
 
     flock /tmp/nccl-heavy.lock .venv/bin/python -m bench.faults.run --set quick
-    make bench-faults                      # --set full, ~5.5 h
+    make bench-faults                      # --set full, ~4.6 h
 
 Sets: quick (each fault once, 5 healthy controls), full (each fault 10 times,
 healthy controls for 30+ minutes), or --faults a,b --repeat N. Ctrl-C stops
