@@ -18,8 +18,8 @@ As root, from the repository root, under the heavy lock:
     flock /tmp/nccl-heavy.lock .venv/bin/python -m bench.faults.run --set quick
     make bench-faults                      # --set full, ~4.6 h
 
-Sets: quick (each fault once, 5 healthy controls), full (each fault 10 times,
-healthy controls for 30+ minutes), or --faults a,b --repeat N. Ctrl-C stops
+Sets: quick (each fault and healthy control once), full (each 10 times: 40
+healthy runs and 140 warm-ups, over 2 h healthy), or --faults a,b --repeat N. Ctrl-C stops
 cleanly: every rank, namespace, nft table, the agent and Prometheus go.
 """
 
