@@ -147,6 +147,21 @@ def test_harness_maps_link_alerts_and_explains_network_verdicts_to_culprits():
     assert line["culprit"] == {"rank": 1} and line["cause"] == "late_arrival", line
 
 
+def test_the_full_set_in_parts_adds_up_to_the_whole_plan():
+    from bench.faults.run import SETS, plan_part, main
+
+    names, repeat = SETS["full"]
+    _, whole = plan_part(names, repeat, seed=5)
+    assert sorted(whole) == sorted(names * repeat) and whole != names * repeat  # shuffled
+    got = []
+    for k in (1, 2, 3):
+        first, runs = plan_part(names, repeat, 5, k, 3)
+        assert first == len(got)
+        got += runs
+    assert got == whole
+    assert main(["--set", "full", "--part", "3/2"]) == 2 and main(["--part", "x"]) == 2
+
+
 def test_score_cli_table_and_bad_input(tmp_path):
     (tmp_path / "t.jsonl").write_text(json.dumps(truth("a")) + "\n")
     (tmp_path / "d.jsonl").write_text(json.dumps(det("a", 112.0, {"rank": 2})) + "\n")

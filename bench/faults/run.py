@@ -337,6 +337,16 @@ def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmu
             job.kill()
 
 
+def plan_part(names: list[str], repeat: int, seed: int, part: int = 1, parts: int = 1) -> tuple[int, list[str]]:
+    """The runs of the whole plan (every name `repeat` times, shuffled by `seed`) in the
+    part-th of `parts` slices, and how many runs come before it: a part's runs keep their
+    place (and run ids) in the whole plan, so the parts add up to it."""
+    plan = [n for _ in range(repeat) for n in names]
+    random.Random(seed).shuffle(plan)
+    first = (part - 1) * len(plan) // parts
+    return first, plan[first:part * len(plan) // parts]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -346,7 +356,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "build" / "bench-faults",
                    help="where truth.jsonl, detections.jsonl and result.json go (default build/bench-faults)")
     p.add_argument("--seed", type=int, default=None, help="random onsets and culprits (default: from the clock)")
+    p.add_argument("--part", default="1/1", metavar="K/N",
+                   help="run only the K-th of N equal slices of the set's shuffled plan (the full set takes "
+                        "~4.6 h: in two sittings, --seed S --part 1/2 then --part 2/2, each to its own --out); "
+                        "score the parts together with python -m bench.faults.score T1 D1 T2 D2")
     a = p.parse_args(argv)
+    try:
+        part, parts = (int(x) for x in a.part.split("/"))
+        if not 1 <= part <= parts:
+            raise ValueError
+    except ValueError:
+        print(f"bench-faults: --part K/N with 1 <= K <= N, not {a.part!r}", file=sys.stderr)
+        return 2
     names, repeat = SETS[a.set]
     if a.faults:
         names = [n.strip() for n in a.faults.split(",") if n.strip()]
@@ -365,9 +386,8 @@ def main(argv=None) -> int:
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the finally below cleans up
     seed = a.seed if a.seed is not None else int(time.time())
-    rng = random.Random(seed)
-    plan = [n for _ in range(repeat) for n in names]
-    rng.shuffle(plan)
+    first, plan = plan_part(names, repeat, seed, part, parts)
+    rng = random.Random(seed * 1000 + part)     # onsets and culprits
     a.out.mkdir(parents=True, exist_ok=True)
     truth_path, det_path = a.out / "truth.jsonl", a.out / "detections.jsonl"
     from exporter.simulator.build import build_library
@@ -384,7 +404,7 @@ def main(argv=None) -> int:
         """A run: its mean warm-up, its wait, ~8 s to start the job and clean up."""
         return sum(sum(warmup) / 2 + timing.get("wait", FAULTS[n]().wait_s) + 8 for n in names)
 
-    log(f"bench-faults: {len(plan)} runs ({a.set if not a.faults else 'custom'}, seed {seed}), "
+    log(f"bench-faults: {len(plan)} runs ({a.set if not a.faults else 'custom'}, seed {seed}, part {a.part}), "
         f"about {expected_s(plan) / 60 + 0.5:.0f} min; results in {a.out}")
     try:
         agent = Agent(work, lib)
@@ -393,7 +413,7 @@ def main(argv=None) -> int:
         with open(truth_path, "w") as truth_out, open(det_path, "w") as det_out:
             for i, name in enumerate(plan, 1):
                 log(f"run {i} of {len(plan)}: {name} (about {expected_s(plan[i - 1:]) / 60 + 0.5:.0f} min left)")
-                one_run(f"r{i:03d}", name, lib, work, agent, prom, truth_out, det_out, rng,
+                one_run(f"r{first + i:03d}", name, lib, work, agent, prom, truth_out, det_out, rng,
                         warmup=warmup, wait_s=timing.get("wait"))
     except KeyboardInterrupt:
         log("interrupted: cleaning up (the runs so far are scored)")
@@ -405,7 +425,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     result = scoring.score(scoring.read_jsonl(truth_path), scoring.read_jsonl(det_path),
                            ["prometheus", "hang", "explain"])
-    result["seed"], result["runs"] = seed, len(plan)
+    result["seed"], result["runs"], result["part"] = seed, len(plan), a.part
     result["processes"] = (agent.pids if agent else []) + ([prom.proc.pid] if prom else [])
     (a.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(scoring.table(result))
