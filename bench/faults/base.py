@@ -121,3 +121,21 @@ def agent_samples(url: str) -> list[tuple[str, dict, float]]:
     from bench.faults.procs import get
     return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(get(url).decode())
             for s in f.samples]
+
+
+class FaultsFile:
+    """The simulated job's NCCL_SIM_FAULTS_FILE (docs/simulator.md): one line `var=VALUE`,
+    written whole then renamed, so a rank never reads half of it; "" switches it off."""
+
+    def __init__(self, work, var: str):
+        work.mkdir(parents=True, exist_ok=True)
+        self.path, self.var = work / "faults", var
+        self.set("")
+
+    def set(self, value: str) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(f"{self.var}={value}\n")
+        os.replace(tmp, self.path)
+
+    def env(self) -> dict:
+        return {"NCCL_SIM_FAULTS_FILE": str(self.path)}

@@ -17,6 +17,7 @@ from bench.faults.base import (
     WAIT_SLOW_S,
     DutyCycle,
     Fault,
+    FaultsFile,
     send_signal,
     gpu_job_env,
     in_sleep,
@@ -151,27 +152,22 @@ class GpuStraggler(Fault):
         super().__init__("gpu_straggler", "gpu_straggler", wait_s)
         self.file = None
 
-    def job_env(self, work):
-        work.mkdir(parents=True, exist_ok=True)
-        self.file = work / "faults"
-        self._write("")
-        return {**gpu_job_env(), "NCCL_SIM_FAULTS_FILE": str(self.file)}
+    VAR = "NCCL_SIM_SLOW_GPU"
 
-    def _write(self, value: str) -> None:
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(f"NCCL_SIM_SLOW_GPU={value}\n")
-        os.replace(tmp, self.file)
+    def job_env(self, work):
+        self.file = FaultsFile(work, self.VAR)
+        return {**gpu_job_env(), **self.file.env()}
 
     def inject(self, ctx, rank):
         # the last field: only the job's communicator of every rank (the ranks are communicator
         # ranks: without it the train workload's 2-rank communicators would slow another rank)
-        self._write(f"{rank}:{self.DELAY_US}:{len(ctx.pids)}")
+        self.file.set(f"{rank}:{self.DELAY_US}:{len(ctx.pids)}")
         return {"mechanism": f"NCCL_SIM_SLOW_GPU={rank}:{self.DELAY_US}:{len(ctx.pids)} (each network step's "
                              f"data {self.DELAY_US // 1000} ms late) in the GPU-like mode"}
 
     def clear(self, ctx):
-        if self.file is not None and self.file.exists():
-            self._write("")
+        if self.file is not None:
+            self.file.set("")
 
 
 class GpuSlowLink(GpuStraggler):
@@ -188,10 +184,7 @@ class GpuSlowLink(GpuStraggler):
         Fault.__init__(self, "gpu_slow_link", "slow_link", wait_s, culprit="link")
         self.file = None
 
-    def _write(self, value: str) -> None:
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(f"NCCL_SIM_SLOW_LINK={value}\n")
-        os.replace(tmp, self.file)
+    VAR = "NCCL_SIM_SLOW_LINK"
 
     @staticmethod
     def sender(rank: int, nranks: int) -> int:
@@ -201,7 +194,7 @@ class GpuSlowLink(GpuStraggler):
     def inject(self, ctx, rank):
         n = len(ctx.pids)
         sender = self.sender(rank, n)
-        self._write(f"{sender}:{rank}:{self.DELAY_US}:{n}")  # only the communicator of every rank
+        self.file.set(f"{sender}:{rank}:{self.DELAY_US}:{n}")  # only the communicator of every rank
         return {"mechanism": f"NCCL_SIM_SLOW_LINK={sender}:{rank}:{self.DELAY_US}:{n} (rank {sender}'s data to "
                              f"rank {rank} leaves {self.DELAY_US // 1000} ms late per step) in the GPU-like mode"}
 
@@ -217,23 +210,16 @@ class Desync(Fault):
         self.file = None
 
     def job_env(self, work):
-        work.mkdir(parents=True, exist_ok=True)
-        self.file = work / "faults"
-        self._write("")
-        return {"NCCL_SIM_FAULTS_FILE": str(self.file)}
-
-    def _write(self, value: str) -> None:
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(f"NCCL_SIM_DESYNC={value}\n")
-        os.replace(tmp, self.file)
+        self.file = FaultsFile(work, "NCCL_SIM_DESYNC")
+        return self.file.env()
 
     def inject(self, ctx, rank):
-        self._write(str(rank))
+        self.file.set(str(rank))
         return {"mechanism": f"NCCL_SIM_DESYNC={rank}: ncclBroadcast where the other ranks call ncclAllReduce"}
 
     def clear(self, ctx):
-        if self.file is not None and self.file.exists():
-            self._write("")
+        if self.file is not None:
+            self.file.set("")
 
 
 class Stopped(Fault):

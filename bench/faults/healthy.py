@@ -4,7 +4,6 @@ alarm."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -14,6 +13,7 @@ from bench.faults.base import (
     WAIT_HEALTHY_S,
     DutyCycle,
     Fault,
+    FaultsFile,
     send_signal,
     agent_samples,
 )
@@ -76,10 +76,8 @@ class LongCollective(Fault):
         self.comm = None
 
     def job_env(self, work):
-        work.mkdir(parents=True, exist_ok=True)
-        self.file = work / "faults"
-        self.file.write_text("")
-        return {"NCCL_SIM_FAULTS_FILE": str(self.file)}
+        self.file = FaultsFile(work, "NCCL_SIM_LONG_COLLECTIVE")
+        return self.file.env()
 
     def inject(self, ctx, rank):
         samples = agent_samples(ctx.agent.metrics)
@@ -88,9 +86,7 @@ class LongCollective(Fault):
                          and lab["pid"] in pids and lab["nranks"] == str(len(ctx.pids)))
         seq = int(max(v for name, lab, v in samples if name == "nccl_collective_last_seq"
                       and lab["comm"] == self.comm and lab["op"] == "ALL_REDUCE")) + 1 + self.AHEAD
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(f"NCCL_SIM_LONG_COLLECTIVE={len(ctx.pids)}:{seq}:{self.LONG_MS}\n")
-        os.replace(tmp, self.file)
+        self.file.set(f"{len(ctx.pids)}:{seq}:{self.LONG_MS}")
         return {"mechanism": f"every rank {self.LONG_MS // 1000} s inside AllReduce #{seq} of the "
                              f"{len(ctx.pids)}-rank communicator (NCCL_SIM_LONG_COLLECTIVE)", "seq": seq}
 
