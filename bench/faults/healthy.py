@@ -96,11 +96,12 @@ class LongCollective(Fault):
         self.comm, comm = None, self.comm
         # calls of the communicator over 30 s, per rank, from the agent's duration histogram
         over: dict[str, float] = {}
-        for name, lab, v in agent_samples(ctx.agent.metrics):
+        samples = agent_samples(ctx.agent.metrics)   # one scrape: buckets and counts of the same instant
+        for name, lab, v in samples:
             if name == "nccl_collective_duration_seconds_bucket" and lab["comm"] == comm \
                     and lab["op"] == "ALL_REDUCE" and lab["le"] != "+Inf" and float(lab["le"]) >= 30:
                 over[lab["rank"]] = min(over.get(lab["rank"], v), v)
-        total = {lab["rank"]: v for name, lab, v in agent_samples(ctx.agent.metrics)
+        total = {lab["rank"]: v for name, lab, v in samples
                  if name == "nccl_collective_duration_seconds_count" and lab["comm"] == comm
                  and lab["op"] == "ALL_REDUCE"}
         long_calls = {r: total[r] - over.get(r, total[r]) for r in total}
