@@ -90,7 +90,8 @@ def test_stalled_stream_shows_gpu_inflight_while_host_shows_none(lib, plugin, tm
     with ExporterProcess(nccl_libs=[lib]) as exporter, Cluster(2) as cluster:
         job = start_job(cluster, lib, "gpu", 20, rendezvous_dir=tmp_path / "rdv", truth_dir=tmp_path / "truth",
                         count=1024, compute_delay_ms={0: 20, 1: 20}, extra_env=env,
-                        extra_args=["--sync-every", "0", "--finish", "abort", "--finish-delay-ms", "4000"])
+                        # 8 s of stall: `hang` (asked at 2.5 s) reads twice, 1 s apart, before the abort
+                        extra_args=["--sync-every", "0", "--finish", "abort", "--finish-delay-ms", "8000"])
         try:
             deadline = time.monotonic() + 60
             while None in job.poll() and time.monotonic() < deadline:
