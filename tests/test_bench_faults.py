@@ -175,6 +175,20 @@ def test_score_cli_table_and_bad_input(tmp_path):
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "bad.jsonl:1: not JSON" in p.stderr, p.stderr
 
 
+def test_score_refuses_parts_from_different_commits(tmp_path):
+    """Two parts of one set whose detectors ran from different code are not one result."""
+    files = []
+    for i, commit in enumerate(["aaaa", "bbbb"]):
+        (tmp_path / f"t{i}.jsonl").write_text(json.dumps(dict(truth("a"), commit=commit)) + "\n")
+        (tmp_path / f"d{i}.jsonl").write_text(json.dumps(det("a", 112.0, {"rank": 2})) + "\n")
+        files += [tmp_path / f"t{i}.jsonl", tmp_path / f"d{i}.jsonl"]
+    cmd = [sys.executable, "-m", "bench.faults.score", *files]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "aaaa, bbbb" in p.stderr, p.stderr
+    p = subprocess.run(cmd + ["--mixed-commits", "--format", "json"], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0 and json.loads(p.stdout)["commits"] == ["aaaa", "bbbb"], p.stderr
+
+
 # --- the harness, for real ------------------------------------------------------------
 
 
@@ -190,9 +204,13 @@ def test_two_fault_set_writes_truth_first_scores_it_and_cleans_up(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     truths = scoring.read_jsonl(tmp_path / "truth.jsonl")
     dets = scoring.read_jsonl(tmp_path / "detections.jsonl")
+    result_commit = json.loads((tmp_path / "result.json").read_text())["commit"]
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    assert result_commit.startswith(head.stdout.strip() or "unknown"), result_commit
     assert sorted(t["fault"] for t in truths) == ["stopped_between", "straggler"]
     for t in truths:
         assert t["start"] < t["onset"] and t["culprit"]["rank"] in range(4) and t["wait_s"] > 0
+        assert t["commit"] == result_commit, t   # which code the detectors ran from
     # the truth of a run is on disk before any answer about it after its onset
     for d in dets:
         t = next(t for t in truths if t["run"] == d["run"])

@@ -289,7 +289,7 @@ def job_map(agent: Agent, pids: list[int]) -> dict:
 
 
 def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmup=WARMUP_S,
-            wait_s: float | None = None) -> None:
+            wait_s: float | None = None, commit: str = "") -> None:
     from exporter.simulator.cluster import Cluster, start_job
 
     fault = FAULTS[name]()
@@ -317,7 +317,7 @@ def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmu
                 culprit_rank = rng.randrange(NRANKS)
                 truth = {"run": run_id, "fault": name, "healthy": fault.healthy, "cause": fault.cause,
                          "start": round(start, 3), "onset": round(time.time(), 3), "wait_s": fault.wait_s,
-                         "culprit": None}
+                         "culprit": None, "commit": commit}
                 if fault.culprit == "rank":
                     truth["culprit"] = {"rank": culprit_rank}
                 elif fault.culprit == "link":
@@ -345,6 +345,15 @@ def plan_part(names: list[str], repeat: int, seed: int, part: int = 1, parts: in
     random.Random(seed).shuffle(plan)
     first = (part - 1) * len(plan) // parts
     return first, plan[first:part * len(plan) // parts]
+
+
+def source_commit() -> str:
+    """The commit the detectors ran from, "+dirty" when the tree had changes:
+    parts of one set scored together must come from the same code."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def main(argv=None) -> int:
@@ -404,8 +413,9 @@ def main(argv=None) -> int:
         """A run: its mean warm-up, its wait, ~8 s to start the job and clean up."""
         return sum(sum(warmup) / 2 + timing.get("wait", FAULTS[n]().wait_s) + 8 for n in names)
 
-    log(f"bench-faults: {len(plan)} runs ({a.set if not a.faults else 'custom'}, seed {seed}, part {a.part}), "
-        f"about {expected_s(plan) / 60 + 0.5:.0f} min; results in {a.out}")
+    commit = source_commit()
+    log(f"bench-faults: {len(plan)} runs ({a.set if not a.faults else 'custom'}, seed {seed}, part {a.part}, "
+        f"commit {commit}), about {expected_s(plan) / 60 + 0.5:.0f} min; results in {a.out}")
     try:
         agent = Agent(work, lib)
         agent.start()
@@ -414,7 +424,7 @@ def main(argv=None) -> int:
             for i, name in enumerate(plan, 1):
                 log(f"run {i} of {len(plan)}: {name} (about {expected_s(plan[i - 1:]) / 60 + 0.5:.0f} min left)")
                 one_run(f"r{first + i:03d}", name, lib, work, agent, prom, truth_out, det_out, rng,
-                        warmup=warmup, wait_s=timing.get("wait"))
+                        warmup=warmup, wait_s=timing.get("wait"), commit=commit)
     except KeyboardInterrupt:
         log("interrupted: cleaning up (the runs so far are scored)")
     finally:
@@ -425,7 +435,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     result = scoring.score(scoring.read_jsonl(truth_path), scoring.read_jsonl(det_path),
                            ["prometheus", "hang", "explain"])
-    result["seed"], result["runs"], result["part"] = seed, len(plan), a.part
+    result["seed"], result["runs"], result["part"], result["commit"] = seed, len(plan), a.part, commit
     result["processes"] = (agent.pids if agent else []) + ([prom.proc.pid] if prom else [])
     (a.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(scoring.table(result))

@@ -9,13 +9,16 @@ truth.jsonl, one line per run, written BEFORE the fault is injected:
     {"run": "r03", "fault": "straggler", "healthy": false,
      "culprit": {"rank": 2} | {"link": {"to": "198.18.0.3"}}
                 | {"link": {"from": "198.18.0.2", "to": "198.18.0.3"}} | null,
-     "cause": "late_arrival", "start": T0, "onset": T1, "wait_s": 90}
+     "cause": "late_arrival", "start": T0, "onset": T1, "wait_s": 90,
+     "commit": "0123abcd4567"}
   a link with "to" only: any named link with that end is right (a lossy
   link into a host, whose peers all send into it); with "from" too (one
   directed link between two ranks, as a slow link): only that link,
   named [from, to].
   start: the job's start (Unix s), onset: the fault's (or the healthy
   control's event's), wait_s: a culprit not named by onset + wait_s is a miss.
+  commit (optional): the code the detectors ran from; runs from different
+  commits are scored together only with --mixed-commits.
 detections.jsonl, one line per answer that names a culprit:
     {"run": "r03", "detector": "prometheus", "t": T,
      "culprit": {"rank": 2} | {"link": ["198.18.0.1", "198.18.0.3"]},
@@ -171,6 +174,8 @@ def main(argv=None) -> int:
                    help="pairs of files: ground truth, then the detectors' namings (JSON lines); several "
                         "pairs (separate sessions) are scored together, their run ids need not differ")
     p.add_argument("--format", choices=["markdown", "json"], default="markdown")
+    p.add_argument("--mixed-commits", action="store_true",
+                   help="score runs whose detectors ran from different commits together")
     a = p.parse_args(argv)
     if len(a.files) % 2:
         p.error("give files in pairs: TRUTH DETECTIONS")
@@ -180,7 +185,12 @@ def main(argv=None) -> int:
             tag = f"{i // 2}:"   # run ids are per session
             truths += [dict(t, run=tag + t["run"]) for t in read_jsonl(a.files[i])]
             detections += [dict(d, run=tag + d["run"]) for d in read_jsonl(a.files[i + 1])]
+        commits = sorted({t.get("commit", "") for t in truths} - {""})
+        if len(commits) > 1 and not a.mixed_commits:
+            raise ValueError(f"the runs come from different commits ({', '.join(commits)}): "
+                             "their detectors may differ (--mixed-commits to score them together)")
         result = score(truths, detections)
+        result["commits"] = commits
     except (OSError, ValueError, KeyError) as e:
         print(f"score: {e}", file=sys.stderr)
         return 2
