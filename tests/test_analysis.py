@@ -8,6 +8,8 @@ Each scenario is a 4-rank simulated job (exporter/simulator) recorded by
 - lossy_into: the same, only on the way into rank 3's host;
 - starved:  ranks pinned (0, 2, 3 on CPU 0; 1 on CPU 1) and a SCHED_FIFO hog
             on CPU 1 (as tests/test_sched.py does): rank 1 starves;
+- starved_totals: the same, recorded with `--sched totals` (run's default:
+            each thread's waits per second from /proc, no per-call wait);
 - healthy:  nothing wrong;
 - late_onset: rank 2 SIGSTOPped 40 ms of every 100 ms from ONSET_S into the
             job on (bench/faults' compute straggler): its peers send
@@ -45,7 +47,8 @@ needs_root = pytest.mark.usefixtures("bpf", "netns")  # markers, root and the he
 # --- making real recordings -------------------------------------------------------
 
 def record_scenario(tmp: pathlib.Path, scenario: str, node: str = "simnode") -> pathlib.Path:
-    """Run one scenario's job under a `trace --db` recorder; returns the .db."""
+    """Run one scenario's job under a `trace --db` recorder; returns the .db. A scenario
+    named X_totals is X recorded with --sched totals."""
     from exporter.simulator.build import build_library
     from exporter.simulator.cluster import Cluster, start_job
 
@@ -54,8 +57,10 @@ def record_scenario(tmp: pathlib.Path, scenario: str, node: str = "simnode") -> 
     lib = build_library()
     db = tmp / f"{scenario}.db"
     log = open(tmp / f"{scenario}.log", "w+")
+    sched = "totals" if scenario.endswith("_totals") else "waits"
+    scenario = scenario.removesuffix("_totals")
     rec = subprocess.Popen([sys.executable, "-m", "exporter", "trace", "--db", str(db), "--node", node,
-                            "--nccl-lib", str(lib)], stdout=log, stderr=subprocess.STDOUT,
+                            "--nccl-lib", str(lib), "--sched", sched], stdout=log, stderr=subprocess.STDOUT,
                            stdin=subprocess.DEVNULL, cwd=REPO)
     hog = cycle = None
     try:
@@ -191,6 +196,7 @@ sleeping = _fixture("sleeping")
 lossy = _fixture("lossy")
 lossy_into = _fixture("lossy_into")
 starved = _fixture("starved")
+starved_totals = _fixture("starved_totals")
 healthy = _fixture("healthy")
 late_onset = _fixture("late_onset")
 
@@ -269,6 +275,20 @@ def test_cpu_starved_rank_is_named(starved):
 
 
 @needs_root
+def test_cpu_starved_rank_is_named_with_its_cause_from_per_second_totals(starved_totals):
+    """run's default --sched totals records no wait per call, only each second's per thread kind
+    (sched_intervals): enough to tell the starved rank's cause."""
+    conn = sqlite3.connect(starved_totals)
+    assert conn.execute("SELECT COUNT(*) FROM sched_events").fetchone()[0] == 0
+    rows = conn.execute("SELECT rank, SUM(runq_wait_ns) FROM sched_intervals WHERE thread IN ('caller', 'proxy') "
+                        "GROUP BY rank ORDER BY 2 DESC").fetchall()
+    assert rows and rows[0][0] == STARVED, rows
+    out = _explain(starved_totals)
+    v = out["verdict"]
+    assert f"rank {STARVED} on simnode" in v and ("CPU starvation" in v or "starved of CPU" in v), out
+    assert any("--sched totals" in e for e in out["evidence"]), out
+
+
 def test_healthy_job_has_no_straggler(healthy):
     out = _explain(healthy)
     assert out["verdict"].startswith("no straggler"), out
@@ -319,6 +339,21 @@ def _ring_ends(lags_ms, b_end_ms=0.1, shift_ms=-50):
         s = int(shift_ms * ms)
         ends[("c", "ALL_REDUCE", i)] = {"a": (a_end, a_end, t), "b": (b_end + s, b_end + s, b_start + s)}
     return ends
+
+
+def test_a_seconds_wait_is_spread_over_the_windows_it_covers():
+    """Pure logic. --sched totals' intervals (~1 s) against a collective's window (ms): the share
+    of each interval's wait that falls in the window; intervals of two thread kinds overlap."""
+    from exporter.offline.analysis.stragglers import _Spread
+
+    sp = _Spread()
+    sp.add("p", 1000, 1000, 500)     # 500 waited in [1000, 2000]
+    sp.add("p", 2000, 1000, 100)     # 100 in [2000, 3000]
+    sp.add("p", 1500, 1000, 1000)    # the other kind: 1000 in [1500, 2500]
+    assert sp.window("p", 1000, 1100) == 50                    # a tenth of the first
+    assert sp.window("p", 1900, 2100) == 50 + 10 + 200         # across a boundary, and the overlap
+    assert sp.window("p", 0, 5000) == 1600                     # all of it
+    assert sp.window("p", 3000, 4000) == 0 and sp.window("q", 0, 5000) == 0
 
 
 def test_skew_takes_the_more_precise_of_ends_and_bounds():

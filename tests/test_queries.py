@@ -412,6 +412,7 @@ def test_overload_is_counted_never_silent(rec):
     tcp = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM tcp_events")[0][0]
     sched = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM sched_events")[0][0]
     gpu = rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM gpu_intervals")[0][0]  # another job's, if any
+    gpu += rows(rec["dbs"]["tiny"], "SELECT COUNT(*) FROM sched_intervals")[0][0]  # --sched totals' rows
     # what was recorded plus what was dropped is everything that was offered ...
     assert recorded + tcp + sched + gpu + int(meta["lost_queue_full"]) == int(meta["events_offered"])
     assert int(meta["events_recorded"]) == recorded + tcp + sched + gpu

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from exporter.records.events import CallEvent
+from exporter.records.events import CallEvent, SchedInterval
 from exporter.sinks.recording import query, schema, scope, writer
 
 from conftest import REPO
@@ -40,6 +40,7 @@ def test_rows_columns_and_meta(tmp_path):
         r(ev(1))
         r(ev(2, op="COMM_INIT_RANK", kind=2))
         r(tcp(5))
+        r(SchedInterval(1_700_000_000_000_000_050, 1_000_000_000, 100, "caller", 250_000, 4))
         r.set_kernel_lost(kernel_nccl_events=3)
     c = sqlite3.connect(db)
     assert c.execute("PRAGMA user_version").fetchone()[0] == schema.SCHEMA_VERSION
@@ -50,8 +51,11 @@ def test_rows_columns_and_meta(tmp_path):
     assert row[1][-2] == "lifecycle"
     t = c.execute("SELECT event, family, seq, pid, rank FROM tcp_events").fetchall()
     assert t == [("tcp_retransmit_skb", "ipv4", None, 100, 3)]  # rank: the owner's rank in its comm
+    assert c.execute("SELECT * FROM sched_intervals").fetchall() == [
+        (1_700_000_000_000_000_050, 1_000_000_000, 100, "caller", 250_000, 4, "n1", 3)]
     meta = dict(c.execute("SELECT key, value FROM meta"))
     assert meta["node"] == "n1" and meta["lost_kernel_nccl_events"] == "3" and meta["lost_total"] == "3"
+    assert meta["sched_intervals_recorded"] == "1" and meta["events_recorded"] == "4"
     assert int(meta["end_ns"]) >= int(meta["start_ns"])
     assert c.execute("SELECT comm_id_hash, rank, nranks FROM communicators").fetchall() == [("00000000000000ab", 3, 8)]
     # closed cleanly: one self-contained file

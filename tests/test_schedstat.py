@@ -5,6 +5,7 @@ tests/test_sched.py::test_cpu_hog_raises_runqueue_delay_of_the_starved_rank_only
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +59,35 @@ def test_differences_per_process_and_kind(tmp_path):
     proc.now += 1_000
     proc.thread(10, 10, "python", 5_000 + 600_000 + 4_000_000, 101_000, 14)
     assert totals.by_process(10)["other"].offcpu_ns == 1_300_000
+
+
+def test_each_read_sends_its_waits_per_process_and_kind(tmp_path):
+    """What recordings get of --sched totals: one SchedInterval per (process, kind) and read
+    with a wait, on the wall clock, delivered by tick() (the agent's loop), not by a scrape."""
+    proc = FakeProc(tmp_path)
+    got = []
+    totals = SchedTotals(lambda: [10], lambda: {11}, proc=str(tmp_path), clock=lambda: proc.now,
+                         realtime=lambda: proc.now + 5_000)
+    totals.lock = threading.Lock()  # the agent's
+    totals.on_event(got.append)
+    proc.thread(10, 11, "python", 0, 0, 0)               # caller
+    proc.thread(10, 12, "NCCL Proxy 0", 0, 0, 0)         # proxy
+    proc.thread(10, 13, "NCCL Service 0", 0, 0, 0)       # proxy too
+    proc.thread(10, 14, "python", 0, 0, 0)               # other: no wait, no record
+    totals.tick(0.0)
+    assert got == []  # baselines only
+    start = proc.now
+    proc.now += 1_000_000_000
+    proc.thread(10, 11, "python", 10, 400_000_000, 7)
+    proc.thread(10, 12, "NCCL Proxy 0", 10, 30_000_000, 2)
+    proc.thread(10, 13, "NCCL Service 0", 10, 20_000_000, 1)
+    proc.thread(10, 14, "python", 10, 0, 3)
+    totals.stats()  # a scrape reads /proc too: its intervals wait for the loop
+    assert got == []
+    totals.tick(0.5)  # not yet due to read again: delivers what the scrape read
+    assert sorted((r.thread, r.runq_wait_ns, r.switch_ins, r.timestamp_real_ns, r.interval_ns, r.pid)
+                  for r in got) == [("caller", 400_000_000, 7, start + 5_000, 1_000_000_000, 10),
+                                    ("proxy", 50_000_000, 3, start + 5_000, 1_000_000_000, 10)]
 
 
 def test_a_renamed_thread_changes_kind_at_the_next_name_read(tmp_path, monkeypatch):

@@ -55,7 +55,7 @@ def check_nothing_lost(path) -> int:
         meta = dict(conn.execute("SELECT key, value FROM meta"))
         rows = conn.execute("SELECT COUNT(*) FROM nccl_events").fetchone()[0]
         others = sum(conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
-                     for t in ("tcp_events", "sched_events", "gpu_intervals"))
+                     for t in ("tcp_events", "sched_events", "sched_intervals", "gpu_intervals"))
     finally:
         conn.close()
     assert "end_ns" in meta, "the recording did not end cleanly"

@@ -113,7 +113,9 @@ class Pipeline:
                 self.listen(self.spans)
         if self.recorder is not None:
             recorder = self.recorder
-            recorder.note(clock_offset_ns=agent.reader.clock.offset_ns)
+            # sched: how run-queue waits were recorded (waits: sched_events; totals: sched_intervals)
+            recorder.note(clock_offset_ns=agent.reader.clock.offset_ns,
+                          sched="waits" if agent.config.sched_waits else "totals")
             recorder.identify = agent.processes.describe  # pod and library version as on /metrics
             self.listen(recorder)
         if self.queries is not None:

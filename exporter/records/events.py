@@ -205,6 +205,20 @@ class SchedEvent:
     op: str                 # the NCCL call it was inside ("" for none)
 
 
+@dataclass(frozen=True)
+class SchedInterval:
+    """`--sched totals`: what one (process, thread kind) waited runnable for a
+    CPU between two reads of /proc (sources/schedstat.py): the per-second
+    stand-in, in recordings, for SchedEvent's single waits."""
+
+    timestamp_real_ns: int  # wall clock: the interval's start (the previous read)
+    interval_ns: int        # until this read
+    pid: int
+    thread: str             # caller | proxy | other
+    runq_wait_ns: int       # summed over its threads (> 0: intervals without a wait are not sent)
+    switch_ins: int
+
+
 # --- GPU time from the profiler plugin (bpf/plugin.c) -----------------------------
 
 @dataclass(frozen=True)

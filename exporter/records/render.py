@@ -16,6 +16,7 @@ from exporter.records.events import (
     TCP_STATES,
     CallEvent,
     SchedEvent,
+    SchedInterval,
     TcpEvent,
     format_comm,
 )
@@ -28,7 +29,9 @@ TCP_FIELDS = ("timestamp_ns", "event", "family", "saddr", "daddr", "sport", "dpo
               "seq", "pid", "tid", "rank", "node")
 SCHED_FIELDS = ("timestamp_ns", "pid", "tid", "event", "duration_ns", "node", "rank", "thread",
                 "comm", "cpu", "op")
-FIELDS = {"nccl": NCCL_FIELDS, "tcp": TCP_FIELDS, "sched": SCHED_FIELDS}
+SCHED_INTERVAL_FIELDS = ("timestamp_ns", "interval_ns", "pid", "thread", "runq_wait_ns", "switch_ins", "node",
+                         "rank")
+FIELDS = {"nccl": NCCL_FIELDS, "tcp": TCP_FIELDS, "sched": SCHED_FIELDS, "sched_interval": SCHED_INTERVAL_FIELDS}
 
 _LIFECYCLE_NAMES = frozenset(contract.LIFECYCLE_OPS.values())
 _DATATYPES = {code: name for code, (name, _size) in contract.NCCL_DATATYPES.items()}
@@ -100,8 +103,11 @@ class Renderer:
         return (e.timestamp_real_ns, e.pid, e.tid, "runq_wait", e.duration_ns, self.node,
                 rank, e.thread, e.thread_name, e.cpu, e.op or None)
 
+    def sched_interval(self, e, rank=None) -> tuple:
+        return (e.timestamp_real_ns, e.interval_ns, e.pid, e.thread, e.runq_wait_ns, e.switch_ins, self.node, rank)
+
     def row(self, event, rank=None) -> tuple[str, tuple | None]:
-        """('nccl' | 'tcp' | 'sched', fields) for a record; ('', None) for anything else."""
+        """('nccl' | 'tcp' | 'sched' | 'sched_interval', fields) for a record; ('', None) for anything else."""
         what = table_of(event)
         if what == "nccl":
             return what, self.call(event)
@@ -109,6 +115,8 @@ class Renderer:
             return what, self.tcp(event, rank)
         if what == "sched":
             return what, self.sched(event, rank)
+        if what == "sched_interval":
+            return what, self.sched_interval(event, rank)
         return "", None
 
     def as_dict(self, event, rank=None) -> dict:
@@ -124,6 +132,8 @@ def table_of(event) -> str:
         return "tcp"
     if isinstance(event, SchedEvent):
         return "sched"
+    if isinstance(event, SchedInterval):
+        return "sched_interval"
     if isinstance(event, dict):
         name = str(event.get("event", ""))
         if name.startswith("tcp_"):

@@ -11,8 +11,11 @@ as bpf/sched.c's `sched_stats` — run-queue delay, switch-ins, off-CPU time
 (the wall-clock time between two reads that the thread neither ran nor
 waited runnable) — without any program at the node's context switches and
 wakeups. What it cannot give: the distribution of single waits (histogram
-buckets), each NCCL call's own wait, and wait events for recordings: those
-need `--sched waits` (bpf/sched.c). docs/sched.md, "Two modes".
+buckets), each NCCL call's own wait, and single wait events for recordings:
+those need `--sched waits` (bpf/sched.c). docs/sched.md, "Two modes".
+What recordings get instead: each read's differences as SchedInterval
+records (sched_intervals: per process and thread kind, ~1 s each, only
+those with a wait), enough for `explain` to tell a rank starved of CPU.
 
 Thread kinds as bpf/sched.c decides them: `proxy` (name starts with
 "NCCL "), `caller` (holds an NCCL call slot), `other`.
@@ -24,7 +27,7 @@ import os
 import threading
 import time
 
-from exporter.records.events import SchedStats
+from exporter.records.events import SchedInterval, SchedStats
 from exporter.sources.base import Source
 from exporter.sources.expiry import OwnerExpiry, delete_keys, sum_records
 
@@ -95,9 +98,12 @@ class SchedTotals(SchedTable, Source):
     layout = None  # no buckets (SchedSource: records/histogram.py's RUNQ)
     hot = False  # no tracepoint: nothing to attach or detach
 
-    def __init__(self, traced_pids, callers, proc: str = "/proc", clock=time.monotonic_ns):
+    def __init__(self, traced_pids, callers, proc: str = "/proc", clock=time.monotonic_ns,
+                 realtime=time.time_ns):
         self.traced_pids, self.callers = traced_pids, callers
-        self.proc, self.clock = proc, clock
+        self.proc, self.clock, self.realtime = proc, clock, realtime
+        self._callback = None  # on_event: SchedInterval records go there
+        self._pending: list[SchedInterval] = []  # made by poll(), delivered by tick()
         self.expiry = OwnerExpiry()
         self._lock = threading.Lock()  # poll() from the agent's loop and from a scrape
         self._threads: dict[int, tuple[int, int, int, int, int]] = {}  # tid -> (pid, time, run, wait, n)
@@ -109,11 +115,19 @@ class SchedTotals(SchedTable, Source):
         """No ring buffer: nothing lost; the key is in every recording's meta (docs/schema.md)."""
         return {"kernel_sched_events": 0}
 
+    def on_event(self, callback) -> None:
+        """Send each read's SchedInterval records to callback (from tick, the agent's loop)."""
+        self._callback = callback
+
     def tick(self, now: float) -> None:
         if now >= self._next_poll:
             self._next_poll = now + POLL_INTERVAL_S
             with self.lock:  # traced_pids and callers read the NCCL program's maps; a scrape polls too
                 self.poll()
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for record in pending:  # outside the locks, as a ring buffer's records
+            self._callback(record)
 
     def poll(self) -> None:
         """Read every thread of every traced process and add what each did
@@ -122,19 +136,25 @@ class SchedTotals(SchedTable, Source):
         pids, callers = list(self.traced_pids()), self.callers()
         with self._lock:
             seen = set()
+            # (pid, kind) -> [first start, last end, wait, switch-ins] of this read's intervals
+            intervals: dict[tuple[int, str], list[int]] | None = {} if self._callback else None
             for pid in pids:
                 try:
                     tids = [int(t) for t in os.listdir(f"{self.proc}/{pid}/task")]
                 except (OSError, ValueError):
                     continue
                 for tid in tids:
-                    self._read_thread(pid, tid, callers)
+                    self._read_thread(pid, tid, callers, intervals)
                     seen.add(tid)
             for tid in [t for t in self._threads if t not in seen]:
                 del self._threads[tid]  # exited (its last interval is lost)
                 self._names.pop(tid, None)
+            if intervals:
+                to_real = self.realtime() - self.clock()
+                self._pending += [SchedInterval(start + to_real, end - start, pid, kind, wait, n)
+                                  for (pid, kind), (start, end, wait, n) in intervals.items() if wait > 0]
 
-    def _read_thread(self, pid: int, tid: int, callers: set[int]) -> None:
+    def _read_thread(self, pid: int, tid: int, callers: set[int], intervals: dict | None) -> None:
         now = self.clock()
         cur = read_schedstat(f"{self.proc}/{pid}/task/{tid}/schedstat")
         if cur is None:
@@ -156,6 +176,14 @@ class SchedTotals(SchedTable, Source):
         new = SchedStats(pid=pid, thread=key[1], count=n, sum_ns=wait, offcpu_ns=offcpu, buckets=(n,))
         old = self._totals.get(key)
         self._totals[key] = sum_records(old, new) if old else new
+        if intervals is not None:
+            span = intervals.get(key)
+            if span is None:
+                intervals[key] = [prev[1], now, wait, n]
+            else:
+                span[0], span[1] = min(span[0], prev[1]), max(span[1], now)
+                span[2] += wait
+                span[3] += n
 
     def stats(self) -> list[SchedStats]:
         self.poll()

@@ -222,8 +222,10 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
         retx_excess = s.retransmits_when_last / s.last - retx_usual
         cpu = (f"its caller and proxy threads waited {_ms(s.runq_wait_when_last_ns)} for a CPU in those windows, "
                f"{_ms(s.runq_wait_when_last_ns / s.last)} per collective (the other ranks: {_ms(cpu_usual)})"
+               + (" (--sched totals: each second's wait spread over its collectives)" if s.runq_estimated else "")
                if s.runq_measured else
-               "its threads' CPU waits were not recorded (the recording was made with --sched totals)")
+               "its threads' CPU waits were not recorded (no sched_events or sched_intervals: a recording "
+               "older than schema 10 made with --sched totals)")
         if s.runq_measured and cpu_excess >= CPU_SHARE * s.median_lag_ns:
             verdict = (f"straggler: {name} is starved of CPU: it arrived last in {100 * s.last_share:.0f} % "
                        f"of {s.op} (median lag {_ms(s.median_lag_ns)}) and waited for a CPU "
@@ -239,10 +241,10 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
                        f"{100 * s.last_share:.0f} % of {s.op} on comm {s.comm[:8]}…) with no CPU wait or "
                        f"retransmits to explain it: it is busy before the call (compute, a sleep, host I/O)")
             lines = [verdict, arrived, cpu, retx]
-        else:  # --sched totals: no CPU wait per call to rule starvation in or out
+        else:  # no CPU waits recorded to rule starvation in or out
             verdict = (f"straggler: {name} arrives late (median lag {_ms(s.median_lag_ns)}, last in "
                        f"{100 * s.last_share:.0f} % of {s.op} on comm {s.comm[:8]}…) with no retransmits to "
-                       f"explain it; its CPU waits per call were not recorded (--sched totals: see its "
+                       f"explain it; its CPU waits were not recorded (see its "
                        f"nccl_runqueue_delay_seconds, NcclRankCpuStarved): busy before the call or starved of CPU")
             lines = [verdict, arrived, cpu, retx]
         return lines + [_durations(collectives, s.comm, s.op), clocks]
@@ -373,13 +375,27 @@ def _late_reader_lines(late, who, links: str) -> list[str]:
     rank = next(c.last.rank for c in mine if c.comm == comm)
     node = a.node
     lag = statistics.median(c.lag_ns for c in mine)
-    return [f"straggler: rank {rank} on {node} arrives late (comm {comm[:8]}…) and its peers retransmit to it: "
-            f"it arrived last in {len(mine)} of the {len(probed)} collectives whose windows had retransmits into "
-            f"its address (median lag {_ms(lag)}): probes of a late reader, not a lossy link",
-            f"{who(a.node, a.pid)}: last in {len(mine)} of {len(probed)} collectives with retransmits into it, "
-            f"each at least {_ms(MIN_LAG_NS)} after the median arrival; {links}",
-            "a lossy link delays data inside the calls, after its receiver arrived: its receiver is not the "
-            "late arriver"]
+    lines = [f"straggler: rank {rank} on {node} arrives late (comm {comm[:8]}…) and its peers retransmit to it: "
+             f"it arrived last in {len(mine)} of the {len(probed)} collectives whose windows had retransmits "
+             f"into its address (median lag {_ms(lag)}): probes of a late reader, not a lossy link",
+             f"{who(a.node, a.pid)}: last in {len(mine)} of {len(probed)} collectives with retransmits into it, "
+             f"each at least {_ms(MIN_LAG_NS)} after the median arrival; {links}",
+             "a lossy link delays data inside the calls, after its receiver arrived: its receiver is not the "
+             "late arriver"]
+    # Why it is late: starved of CPU when its threads waited for one beyond the other ranks (as check 1)
+    if all(c.last.runq_measured for c in mine):
+        waited = sum(c.last.runq_wait_ns for c in mine) / len(mine)
+        usual = statistics.median(statistics.median([x.runq_wait_ns for x in c.arrivals if x is not c.last])
+                                  for c in mine)
+        estimated = " (--sched totals: each second's wait spread over its collectives)" \
+            if any(c.last.runq_estimated for c in mine) else ""
+        lines.append(f"its caller and proxy threads waited {_ms(waited)} for a CPU per collective it was last in "
+                     f"(the other ranks: {_ms(usual)}){estimated}")
+        if waited - usual >= CPU_SHARE * lag:
+            lines[0] = (f"straggler: rank {rank} on {node} is starved of CPU: it arrives late (comm {comm[:8]}…, "
+                        f"median lag {_ms(lag)}) waiting {_ms(waited)} for a CPU per collective, and its peers "
+                        f"retransmit to it (probes of a late reader, not a lossy link)")
+    return lines
 
 
 def _network(slow: list) -> list[str]:

@@ -20,7 +20,10 @@ Definitions (docs/fleet.md):
   by the rank's process (same node and pid);
 - run-queue waits in a window: sched_events of the rank's process's caller
   and NCCL proxy threads that became runnable in it (the summed wait); when
-  the recording has no sched_events, the calls' own `runq_wait_ns`.
+  the recording has no sched_events, its sched_intervals (`--sched totals`:
+  each ~1 s interval's wait spread evenly over it, the share that falls in
+  the window: an estimate, `runq_estimated`); with neither, the calls' own
+  `runq_wait_ns`.
 
 Only collectives seen on at least two ranks are counted; `complete` says
 whether every rank of the communicator was in the recording (a single node's
@@ -55,7 +58,8 @@ class Arrival:
     runq_in_call: int | None
     retransmits: int = 0
     runq_wait_ns: int = 0
-    runq_measured: bool = True  # False: recorded without scheduler waits (`run --db --sched totals`)
+    runq_measured: bool = True  # False: recorded without scheduler waits
+    runq_estimated: bool = False  # spread from --sched totals' ~1 s intervals (sched_intervals)
     links: dict | None = None  # link -> retransmits in the window
 
 
@@ -104,6 +108,7 @@ class RankStats:
     runq_wait_ns: int = 0
     runq_wait_when_last_ns: int = 0
     runq_measured: bool = True
+    runq_estimated: bool = False
     links_when_last: dict = field(default_factory=lambda: defaultdict(int))
     durations: list = field(default_factory=list)
 
@@ -149,6 +154,32 @@ class _Series:
 
     def tags(self, key, i, j):
         return self._get(key)[2][i:j]
+
+
+class _Spread:
+    """Per key, amounts each spread evenly over an interval [start, start + length]:
+    the share of them that falls in a window (O(log n) plus the intervals it touches)."""
+
+    def __init__(self):
+        self._raw: dict = defaultdict(list)
+        self._ready: dict = {}
+
+    def add(self, key, start, length, amount):
+        self._raw[key].append((start, max(length, 1), amount))
+
+    def window(self, key, lo, hi) -> float:
+        ready = self._ready.get(key)
+        if ready is None:
+            rows = sorted(self._raw.get(key, ()))
+            ready = self._ready[key] = ([r[0] for r in rows], rows, max((r[1] for r in rows), default=0))
+        starts, rows, longest = ready
+        total = 0.0
+        for i in range(bisect.bisect_left(starts, lo - longest), bisect.bisect_right(starts, hi)):
+            start, length, amount = rows[i]
+            overlap = min(hi, start + length) - max(lo, start)
+            if overlap > 0:
+                total += amount * overlap / length
+        return total
 
 
 def load(rec: Recording, align: bool = True, comm: str | None = None,
@@ -211,6 +242,13 @@ def _evidence(rec: Recording, collectives: list[Collective]) -> None:
     for w in rec.waits(threads=("caller", "proxy"), order=""):
         waits.add((w.node, w.pid), w.timestamp_ns, w.duration_ns)
         have_sched = True
+    spread = _Spread()
+    # recorded with --sched totals (meta sched, schema 10 on): no row is no wait
+    have_intervals = not have_sched and rec.meta().get("sched") == "totals"
+    if not have_sched:
+        for iv in rec.wait_intervals(threads=("caller", "proxy"), order=""):
+            spread.add((iv.node, iv.pid), iv.timestamp_ns, iv.interval_ns, iv.runq_wait_ns)
+            have_intervals = True
     for c in collectives:
         for a in c.arrivals:
             key = (a.node, a.pid)
@@ -223,6 +261,9 @@ def _evidence(rec: Recording, collectives: list[Collective]) -> None:
                     a.links[link] = a.links.get(link, 0) + 1
             if have_sched:
                 a.runq_wait_ns = waits.window(key, lo, hi)[0]
+            elif have_intervals:
+                a.runq_wait_ns = round(spread.window(key, lo, hi))
+                a.runq_estimated = True
             else:
                 a.runq_wait_ns = a.runq_in_call or 0
                 a.runq_measured = a.runq_in_call is not None
@@ -256,6 +297,7 @@ def per_rank(collectives: list[Collective]) -> list[RankStats]:
             s.retransmits += a.retransmits
             s.runq_wait_ns += a.runq_wait_ns
             s.runq_measured = s.runq_measured and a.runq_measured
+            s.runq_estimated = s.runq_estimated or a.runq_estimated
             s.durations.append(a.end - a.start)
             if a is last:
                 s.last += 1

@@ -8,6 +8,7 @@ Row identity (docs/fleet.md): a UNIQUE index per event table, NULLs read as
   outermost call at a time, so start time, thread and op name a call;
 - tcp_events:   (node, timestamp_ns, event, pid, saddr, sport, daddr, dport, seq);
 - sched_events: (node, timestamp_ns, pid, tid, event);
+- sched_intervals: (node, timestamp_ns, pid, thread);
 - processes (node, pid), communicators (node, pid, comm_id_hash),
   clock_samples (node, sample_ns), nodes (node, machine_id, boot_id): their
   primary keys.
@@ -31,9 +32,11 @@ IDENTITY = {
                   "IFNULL(daddr, ''), IFNULL(dport, -1), IFNULL(seq, -1))",
     "sched_events": "CREATE UNIQUE INDEX IF NOT EXISTS merge_identity_sched ON sched_events "
                     "(node, timestamp_ns, pid, IFNULL(tid, -1), event)",
+    "sched_intervals": "CREATE UNIQUE INDEX IF NOT EXISTS merge_identity_sched_intervals ON sched_intervals "
+                       "(node, timestamp_ns, pid, thread)",
 }
-TABLES = ("nccl_events", "tcp_events", "sched_events", "processes", "communicators", "clock_samples",
-          "nccl_peer_waits")
+TABLES = ("nccl_events", "tcp_events", "sched_events", "sched_intervals", "processes", "communicators",
+          "clock_samples", "nccl_peer_waits")
 # The index the skew estimate and stragglers read; merge builds the others only when asked.
 SKEW_INDEX = "nccl_events_comm_seq"
 

@@ -84,6 +84,17 @@ class TcpEvent(NamedTuple):
     state: str | None
 
 
+class WaitInterval(NamedTuple):
+    """One sched_intervals row (`--sched totals`): what a process's threads of one kind
+    waited runnable in [timestamp_ns, timestamp_ns + interval_ns]."""
+    timestamp_ns: int
+    interval_ns: int
+    node: str
+    pid: int
+    thread: str
+    runq_wait_ns: int
+
+
 class Wait(NamedTuple):
     """One sched_events row: a thread runnable but not running."""
     timestamp_ns: int
@@ -317,6 +328,19 @@ class Recording:
         return map(Wait._make, self.conn.execute(
             f"SELECT timestamp_ns, duration_ns, node, pid, tid, {thread}, {name} FROM sched_events{where}"
             + (f" ORDER BY {order}" if order else ""), params))
+
+    def wait_intervals(self, threads: tuple[str, ...] | None = None,
+                       order: str = "node, pid, timestamp_ns") -> Iterator[WaitInterval]:
+        """sched_intervals (`--sched totals`), in `order`; threads: only these kinds of
+        thread. [] without the table (schema 9 and older)."""
+        if not self.has_table("sched_intervals"):
+            return iter(())
+        where, params = "", ()
+        if threads:
+            where, params = f" WHERE thread IN ({','.join('?' * len(threads))})", threads
+        return map(WaitInterval._make, self.conn.execute(
+            "SELECT timestamp_ns, interval_ns, node, pid, thread, runq_wait_ns FROM sched_intervals"
+            + where + (f" ORDER BY {order}" if order else ""), params))
 
     # --- the profiler plugin's view: GPU intervals and peer waits -------------------------
 

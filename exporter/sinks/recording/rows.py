@@ -65,7 +65,7 @@ class RecordRows:
 
     def _write(self, batch: list) -> None:
         rows = self._rows
-        nccl, tcp, sched, gpu, waits = [], [], [], [], []
+        nccl, tcp, sched, gpu, waits, intervals = [], [], [], [], [], []
         procs = []
         own: dict = {}  # sources' own tables' rows (Recorder.add_tables)
         seen = self._seen_pids
@@ -99,10 +99,13 @@ class RecordRows:
                 nccl.append(rows.call(event))
             elif what == "tcp":
                 tcp.append(rows.tcp(event, self._rank_of(pid)))
+            elif what == "sched_interval":
+                intervals.append(rows.sched_interval(event, self._rank_of(pid)))
             else:
                 sched.append(rows.sched(event, self._rank_of(pid)))
         comms, self._comm_rows = self._comm_rows, []
-        batches = {"nccl": nccl, "tcp": tcp, "sched": sched, "gpu": gpu, "peer_waits": waits, "processes": procs}
+        batches = {"nccl": nccl, "tcp": tcp, "sched": sched, "sched_interval": intervals, "gpu": gpu,
+                   "peer_waits": waits, "processes": procs}
         c = self.conn
         c.execute("BEGIN")
         try:
@@ -124,7 +127,7 @@ class RecordRows:
             except sqlite3.Error:
                 pass  # SQLite already rolled back (e.g. disk full): keep the first error
             raise
-        for kind in ("nccl", "tcp", "sched", "gpu"):
+        for kind in ("nccl", "tcp", "sched", "sched_interval", "gpu"):
             self.recorded[kind] += len(batches[kind])
         for table, table_rows in own.items():
             self.recorded[table.name] += len(table_rows)

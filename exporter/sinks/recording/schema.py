@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS
+from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, SCHED_INTERVAL_FIELDS, TCP_FIELDS
 
 # --- schema ---------------------------------------------------------------------
 
@@ -201,6 +201,21 @@ MIGRATIONS: list[list[str]] = [
     [
         "ALTER TABLE gpu_intervals ADD COLUMN bytes INTEGER",  # NULL: recorded before this version
     ],
+    # 9 -> 10: `--sched totals` (run's default) in recordings: what each process's threads
+    # of one kind waited for a CPU between two reads of /proc (sources/schedstat.py)
+    [
+        """CREATE TABLE sched_intervals (      -- one row per (process, thread kind, read) with a wait
+            timestamp_ns INTEGER NOT NULL,     -- CLOCK_REALTIME: the interval's start (the previous read)
+            interval_ns  INTEGER NOT NULL,     -- its length (~1 s)
+            pid          INTEGER NOT NULL,
+            thread       TEXT    NOT NULL,     -- caller | proxy | other
+            runq_wait_ns INTEGER NOT NULL,     -- runnable, not running, summed over its threads (> 0)
+            switch_ins   INTEGER NOT NULL,
+            node         TEXT    NOT NULL,
+            rank         INTEGER               -- the process's rank, as sched_events.rank
+        )""",
+        "CREATE INDEX sched_intervals_time ON sched_intervals (timestamp_ns)",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -240,6 +255,7 @@ INSERT = {
     "nccl": _insert("nccl_events", NCCL_FIELDS),
     "tcp": _insert("tcp_events", TCP_FIELDS),
     "sched": _insert("sched_events", SCHED_FIELDS),
+    "sched_interval": _insert("sched_intervals", SCHED_INTERVAL_FIELDS),
 }
 
 

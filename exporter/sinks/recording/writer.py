@@ -51,7 +51,7 @@ def _read_id(path: str) -> str:
 
 # Meta counters that add up over the sessions that recorded into one file (and lost_*).
 COUNTED_META = ("events_offered", "events_recorded", "nccl_events_recorded", "tcp_events_recorded",
-                "sched_events_recorded", "gpu_intervals_recorded", "out_of_scope")
+                "sched_events_recorded", "sched_intervals_recorded", "gpu_intervals_recorded", "out_of_scope")
 
 
 # --- the recorder -----------------------------------------------------------------
@@ -91,7 +91,8 @@ class Recorder(RecordRows):
         self.offered = 0
         self.dropped = 0
         self.out_of_scope = 0
-        self.recorded = {"nccl": 0, "tcp": 0, "sched": 0, "gpu": 0}  # gpu: gpu_intervals rows
+        # gpu: gpu_intervals rows, sched_interval: sched_intervals rows
+        self.recorded = {"nccl": 0, "tcp": 0, "sched": 0, "sched_interval": 0, "gpu": 0}
         self.kernel_lost: dict[str, int] = {}
         self.started_ns = time.time_ns()
         self.ended_ns: int | None = None
@@ -271,6 +272,7 @@ class Recorder(RecordRows):
             "nccl_events_recorded": str(self.recorded["nccl"]),
             "tcp_events_recorded": str(self.recorded["tcp"]),
             "sched_events_recorded": str(self.recorded["sched"]),
+            "sched_intervals_recorded": str(self.recorded["sched_interval"]),
             "gpu_intervals_recorded": str(self.recorded["gpu"]),
             "lost_queue_full": str(self.dropped),
             "out_of_scope": str(self.out_of_scope),
