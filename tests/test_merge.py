@@ -33,7 +33,7 @@ def synth(path, rank, *, node=None, machine=None, shift=0, collectives=200, firs
     schema.migrate(conn, version or schema.SCHEMA_VERSION)
     node = node or f"node{rank}"
     pid = 1000 + rank
-    nccl, tcp, sched = [], [], []
+    nccl, tcp, sched, intervals = [], [], [], []
     for seq in range(first, first + collectives):
         rnd = random.Random(rank * 1_000_003 + seq)  # a collective's times do not depend on the window
         base = T0 + seq * 20_000_000
@@ -55,6 +55,9 @@ def synth(path, rank, *, node=None, machine=None, shift=0, collectives=200, firs
                      node=node, rank=rank, thread="caller", comm="python", cpu=0, op=None)
             sched.append(tuple(s[f] for f in SCHED_FIELDS if version is None or version >= 3 or
                                f not in ("rank", "thread", "comm", "cpu", "op")))
+        if seq % 50 == 0:  # --sched totals' rows: a second's wait per thread kind
+            intervals += [(base + shift, 1_000_000_000, pid, kind, 2_000_000, 9, node, rank)
+                          for kind in ("caller", "proxy")]
     with conn:
         conn.executemany(schema.INSERT["nccl"] if (version or 9) >= 3 else
                          schema._insert("nccl_events", NCCL_FIELDS[:-1] if version == 2 else NCCL_FIELDS[:-2]),
@@ -62,6 +65,8 @@ def synth(path, rank, *, node=None, machine=None, shift=0, collectives=200, firs
         conn.executemany(schema.INSERT["tcp"], tcp)
         if (version or 9) >= 3:
             conn.executemany(schema.INSERT["sched"], sched)
+        if version is None:
+            conn.executemany(schema.INSERT["sched_interval"], intervals)
         conn.execute("INSERT INTO processes (pid, node, launcher, launcher_rank, world_size, command, netns, "
                      "first_seen_ns) VALUES (?, ?, 'torchrun', ?, ?, 'python train.py', 1, ?)",
                      (pid, node, rank, nranks, T0))
@@ -79,7 +84,8 @@ def counts(db) -> dict:
     conn = sqlite3.connect(db)
     try:
         return {t: conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
-                for t in ("nccl_events", "tcp_events", "sched_events", "processes", "communicators", "nodes")}
+                for t in ("nccl_events", "tcp_events", "sched_events", "sched_intervals", "processes",
+                          "communicators", "nodes")}
     finally:
         conn.close()
 
@@ -100,6 +106,7 @@ def test_merge_keeps_nodes_and_dedups_repeats_and_copies(tmp_path, nodes):
     assert p.returncode == 0, p.stderr
     once = counts(out)
     assert once["nccl_events"] == 200 * NODES and once["tcp_events"] == 20 * NODES and once["nodes"] == NODES
+    assert once["sched_intervals"] == 2 * 4 * NODES
     conn = sqlite3.connect(out)
     assert {r[0] for r in conn.execute("SELECT DISTINCT node FROM nccl_events")} == {f"node{r}" for r in range(NODES)}
     conn.close()
@@ -126,6 +133,7 @@ def test_overlapping_windows_of_one_node_collapse(tmp_path):
     got = counts(out)
     assert got["nccl_events"] == want["nccl_events"] and got["tcp_events"] == want["tcp_events"]
     assert got["sched_events"] == want["sched_events"]  # the NULL seq of tcp rows compares equal too
+    assert got["sched_intervals"] == want["sched_intervals"] > 0
 
 
 @pytest.mark.parametrize("version", [1, 2, 3])
