@@ -210,7 +210,7 @@ def build_server(targets: Targets, host: str = "127.0.0.1", port: int = 8765):
         (op, rank, comm, seq, ms). op: e.g. ALL_REDUCE (default: every op)."""
         _check_limit("limit", limit)
         op = _check_op(op)
-        out = run_everywhere(targets, read.slowest_calls_sql(limit, op), limit)
+        out = run_everywhere(targets, query.slowest_calls_sql(limit, op), limit)
         ms = out["columns"].index("ms")
         out["rows"] = sorted(out["rows"], key=lambda r: -(r[ms] or 0))[:limit]
         return out
@@ -220,7 +220,7 @@ def build_server(targets: Targets, host: str = "127.0.0.1", port: int = 8765):
         """TCP retransmits per link (owner rank, local and remote address) across every recording
         and node, most first: a lossy link stands out."""
         _check_limit("limit", limit)
-        out = run_everywhere(targets, read.retransmits_by_link_sql(limit), limit)
+        out = run_everywhere(targets, query.retransmits_by_link_sql(limit), limit)
         n = out["columns"].index("retransmits")
         out["rows"] = sorted(out["rows"], key=lambda r: -(r[n] or 0))[:limit]
         return out

@@ -40,20 +40,9 @@ The checks, in order (docs/fleet.md; thresholds below):
    LINK_RATIO times those of every other link, and MIN_LINK_RETRANSMITS: a
    link that loses packets both ways. Two such addresses (a 2-host job): the
    link between them;
-   4 and 5 only when the link's receiving end is not a late reader: a rank
-   that arrives late makes the peers sending to it retransmit (tail-loss
-   probes and timeouts while it does not read or ack), so the links into a
-   slow rank carry retransmits although nothing is lost. When the rank at
-   the receiving end arrived last, at least MIN_LAG_NS after the median, in
-   more of the collectives whose windows had retransmits into its address
-   than chance gives (1/nranks of them) by LATE_SDS binomial standard
-   deviations, and in at least MIN_LATE_READS of them, the verdict names
-   that rank, a straggler, and its links as victims. A lossy link's
-   receiver is not late to the calls (its data arrives late inside them,
-   after it arrived): it is last there as often as chance gives, or less.
-   Not half of them, as check 1 asks: a retransmit falls in the sender's
-   window, which can end before the receiver it waits for is late to the
-   next call;
+   4 and 5 only when the link's receiving end is not a late reader, a rank
+   whose peers retransmit to it because it is late (late_reader.py); then
+   the verdict names that rank, and its cause where it waited for a CPU;
 6. otherwise: no straggler.
 """
 
@@ -62,7 +51,8 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from exporter.offline.analysis import network, skew, stragglers
+from exporter.offline.analysis import late_reader, network, skew, stragglers
+from exporter.offline.analysis.words import ms as _ms
 from exporter.sinks.recording.read import Recording
 
 STRAGGLER_SHARE = 0.5
@@ -74,19 +64,6 @@ STARVE_SHARE = 0.2
 LINK_SHARE = 0.5
 LINK_RATIO = 2.0
 MIN_LINK_RETRANSMITS = 20
-# A late reader (checks 4 and 5): last (by MIN_LAG_NS) in the collectives with retransmits into its
-# address at least LATE_SDS standard deviations more often than chance (binomial, 1/nranks; the lag floor
-# makes chance rarer still: the test is conservative), one-sided p ~ 0.02 at 2; and in at least
-# MIN_LATE_READS of them, so a handful of collectives is no evidence.
-LATE_SDS = 2.0
-MIN_LATE_READS = 5
-
-
-def _ms(ns) -> str:
-    ms = ns / 1e6
-    if ms >= 1000:
-        return f"{ms / 1000:.2f} s"
-    return f"{ms:.1f} ms" if ms >= 1 else f"{ms:.2f} ms"
 
 
 def _addr_ranks(rec: Recording) -> dict[str, str]:
@@ -276,10 +253,10 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
         (node_link, top), second = ranked_links[0], (ranked_links[1][1] if len(ranked_links) > 1 else 0)
         if top >= MIN_LINK_RETRANSMITS and top >= LINK_SHARE * total_retx and top >= LINK_RATIO * max(second, 1):
             node, link = node_link
-            late = _late_reader(collectives, {link.partition("\u2192")[2]}, addr_procs)
+            late = late_reader.find(collectives, {link.partition("\u2192")[2]}, addr_procs, MIN_LAG_NS)
             if late:
-                return _late_reader_lines(late, who, f"link {link_text(link)}: {top} retransmits, "
-                                          f"{100 * top / total_retx:.0f} % of all") + [
+                return late_reader.lines(late, who, f"link {link_text(link)}: {top} retransmits, "
+                                         f"{100 * top / total_retx:.0f} % of all", MIN_LAG_NS, CPU_SHARE) + [
                     _durations(collectives, *main), clocks]
             owner = link_owner[node_link]
             with_retx = sum(1 for c in collectives if any(a.retransmits for a in c.arrivals))
@@ -293,9 +270,10 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
 
     # 5. a lossy host link: the retransmitting links share one address
     hosts = _lossy_hosts(links, total_retx)
-    late = _late_reader(collectives, set(hosts), addr_procs) if hosts else None
+    late = late_reader.find(collectives, set(hosts), addr_procs, MIN_LAG_NS) if hosts else None
     if late:
-        return _late_reader_lines(late, who, "the links of " + " and ".join(hosts) + " carry most retransmits") + [
+        return late_reader.lines(late, who, "the links of " + " and ".join(hosts) + " carry most retransmits",
+                                 MIN_LAG_NS, CPU_SHARE) + [
             _durations(collectives, *main), clocks]
     if hosts:
         named = " and ".join(f"{a} ({addr_rank.get(a, '?')})" for a in hosts)
@@ -335,67 +313,6 @@ def _late_arriver(by_comm: dict, size: dict):
         if cand:
             return max(cand, key=lambda s: sum(s.lags_when_last))
     return None
-
-
-def _late_reader(collectives, addrs: set, addr_procs: dict):
-    """The process at the receiving end (addrs) of the retransmits if it is a late reader (checks 4
-    and 5): (its arrival, the collectives it was late to, the collectives with retransmits into addrs)."""
-    # The receiving end's processes: those whose own sockets used the address. A rank that never
-    # retransmitted has no such socket in the recording: then any process but the senders.
-    procs = set().union(*(addr_procs.get(a, set()) for a in addrs))
-    probed, senders = [], set()
-    for c in collectives:
-        into = [a for a in c.arrivals if any(n and link.partition("\u2192")[2] in addrs
-                                             for link, n in (a.links or {}).items())]
-        if into:
-            probed.append(c)
-            senders |= {(a.node, a.pid) for a in into}
-    late: dict[tuple, list] = defaultdict(list)
-    for c in probed:
-        key = (c.last.node, c.last.pid)
-        if (key in procs if procs else key not in senders) and c.lag_ns >= MIN_LAG_NS:
-            late[key].append(c)
-    if not late:
-        return None
-    mine = max(late.values(), key=len)
-    p = 1 / max(2, max(c.nranks for c in probed))
-    chance = len(probed) * p
-    if len(mine) >= MIN_LATE_READS and len(mine) >= chance + LATE_SDS * (chance * (1 - p)) ** 0.5:
-        return mine[0].last, mine, probed
-    return None
-
-
-def _late_reader_lines(late, who, links: str) -> list[str]:
-    """The verdict naming a late reader, its links' retransmits the victims."""
-    a, mine, probed = late
-    comms = defaultdict(int)   # named in its largest communicator (its rank there: usually the world's)
-    for c in mine:
-        comms[(c.nranks, c.comm)] += 1
-    comm = max(comms, key=lambda k: (k[0], comms[k]))[1]
-    rank = next(c.last.rank for c in mine if c.comm == comm)
-    node = a.node
-    lag = statistics.median(c.lag_ns for c in mine)
-    lines = [f"straggler: rank {rank} on {node} arrives late (comm {comm[:8]}…) and its peers retransmit to it: "
-             f"it arrived last in {len(mine)} of the {len(probed)} collectives whose windows had retransmits "
-             f"into its address (median lag {_ms(lag)}): probes of a late reader, not a lossy link",
-             f"{who(a.node, a.pid)}: last in {len(mine)} of {len(probed)} collectives with retransmits into it, "
-             f"each at least {_ms(MIN_LAG_NS)} after the median arrival; {links}",
-             "a lossy link delays data inside the calls, after its receiver arrived: its receiver is not the "
-             "late arriver"]
-    # Why it is late: starved of CPU when its threads waited for one beyond the other ranks (as check 1)
-    if all(c.last.runq_measured for c in mine):
-        waited = sum(c.last.runq_wait_ns for c in mine) / len(mine)
-        usual = statistics.median(statistics.median([x.runq_wait_ns for x in c.arrivals if x is not c.last])
-                                  for c in mine)
-        estimated = " (--sched totals: each second's wait spread over its collectives)" \
-            if any(c.last.runq_estimated for c in mine) else ""
-        lines.append(f"its caller and proxy threads waited {_ms(waited)} for a CPU per collective it was last in "
-                     f"(the other ranks: {_ms(usual)}){estimated}")
-        if waited - usual >= CPU_SHARE * lag:
-            lines[0] = (f"straggler: rank {rank} on {node} is starved of CPU: it arrives late (comm {comm[:8]}…, "
-                        f"median lag {_ms(lag)}) waiting {_ms(waited)} for a CPU per collective, and its peers "
-                        f"retransmit to it (probes of a late reader, not a lossy link)")
-    return lines
 
 
 def _network(slow: list) -> list[str]:

@@ -48,6 +48,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from exporter.offline.analysis.words import ms as _ms
 from exporter.sinks.recording.read import Recording
 
 RATIO = 3.0        # times the communicator's median link (the alert NcclPeerNetworkWaitHigh uses the same)
@@ -234,13 +235,6 @@ def judge(links: list[Link]) -> list[Link]:
 
 
 # --- words ------------------------------------------------------------------------------
-
-def _ms(ns) -> str:
-    ms = ns / 1e6
-    if ms >= 1000:
-        return f"{ms / 1000:.2f} s"
-    return f"{ms:.1f} ms" if ms >= 1 else f"{ms:.2f} ms"
-
 
 def _times(x: float) -> str:
     return "∞×" if x == float("inf") else f"{x:.1f}×"

@@ -231,3 +231,22 @@ def first_rows(path: str, sql: str, limits: Limits = LOCAL, max_rows: int | None
                 return q.names, rows, True
             rows.append(row)
         return q.names, rows, False
+
+
+# --- questions asked of many recordings as SQL -------------------------------------
+# The nodes' query endpoints answer SQL only, so the MCP server's fixed questions
+# travel as SQL text: written here, beside the schema they read.
+
+def slowest_calls_sql(limit: int, op: str | None = None) -> str:
+    """The longest NCCL calls (op: a contract.OPS name, already checked), slowest first."""
+    where = "kind = 'call'" + (f" AND op = '{op}'" if op else "")
+    return ("SELECT op, rank, nranks, comm_id_hash, seq, duration_ns / 1e6 AS ms, timestamp_ns "
+            f"FROM nccl_events WHERE {where} ORDER BY duration_ns DESC LIMIT {int(limit)}")
+
+
+def retransmits_by_link_sql(limit: int) -> str:
+    """TCP retransmits per link and owner, most first."""
+    return ("SELECT rank, pid, saddr || ':' || sport AS local, daddr || ':' || dport AS remote, "
+            "COUNT(*) AS retransmits, (MAX(timestamp_ns) - MIN(timestamp_ns)) / 1e9 AS over_s "
+            "FROM tcp_events WHERE event = 'tcp_retransmit_skb' "
+            f"GROUP BY rank, pid, saddr, sport, daddr, dport ORDER BY retransmits DESC LIMIT {int(limit)}")
