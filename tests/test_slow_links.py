@@ -48,19 +48,24 @@ def _nccl_row(r: int, i: int, comm: str) -> tuple:
 
 
 def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA_VERSION,
-                   ranks_recorded=range(NRANKS), other_rows: bool = True, host_late: int | None = None) -> str:
+                   ranks_recorded=range(NRANKS), other_rows: bool = True, host_late: int | None = None,
+                   one_process: bool = False) -> str:
     """A recording of the synthetic job at schema `version` (peer waits from 7 on); `host_late`: that
-    rank calls every AllReduce 5 ms after the others and returns with them (a late arriver on the host)."""
+    rank calls every AllReduce 5 ms after the others and returns with them (a late arriver on the host);
+    `one_process`: every rank in process 100 on node n0 (one process driving every GPU)."""
     conn = sqlite3.connect(path, isolation_level=None)
     schema.migrate(conn, target=version)
     nccl_fields = [f for f in schema.NCCL_FIELDS if f != "proxy_runq_wait_ns" or version >= 3]
     comm = COMM if version >= 8 else AGENT_ID
     conn.execute("BEGIN")
+    pid_of = (lambda r: 100) if one_process else (lambda r: 100 + r)
+    node_of = (lambda r: "n0") if one_process else (lambda r: f"n{r}")
     for r in ranks_recorded:
-        conn.execute("INSERT INTO communicators (node, pid, comm_id_hash, nccl_comm_hash, rank, nranks, "
-                     "first_seen_ns) VALUES (?, ?, ?, ?, ?, ?, ?)", (f"n{r}", 100 + r, comm, NCCL_HASH, r, NRANKS, T0))
+        conn.execute("INSERT OR IGNORE INTO communicators (node, pid, comm_id_hash, nccl_comm_hash, rank, nranks, "
+                     "first_seen_ns) VALUES (?, ?, ?, ?, ?, ?, ?)", (node_of(r), pid_of(r), comm, NCCL_HASH, r, NRANKS, T0))
         for i in range(OPS):
             row = _nccl_row(r, i, comm)
+            row = row[:16] + (pid_of(r), pid_of(r), node_of(r)) + row[19:]
             if r == host_late:
                 row = (row[0] + 5 * MS, row[1] - 5 * MS) + row[2:]  # the last to arrive: the short call
             conn.execute(f"INSERT INTO nccl_events ({', '.join(nccl_fields)}) VALUES "
@@ -68,8 +73,8 @@ def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA
             if version >= 5:
                 gpu_fields = schema.GPU_FIELDS[:11]  # bytes: from version 9
                 conn.execute(f"INSERT INTO gpu_intervals ({', '.join(gpu_fields)}) VALUES ({', '.join('?' * 11)})",
-                             (100 + r, NCCL_HASH, "ALL_REDUCE", i, "coll", r, None, row[0], row[0] + MS, 50 * MS,
-                              f"n{r}"))
+                             (pid_of(r), NCCL_HASH, "ALL_REDUCE", i, "coll", r, None, row[0], row[0] + MS, 50 * MS,
+                              node_of(r)))
             if version < 7:
                 continue
             src, dst = (r - 1) % NRANKS, (r + 1) % NRANKS
@@ -80,11 +85,11 @@ def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA
                       ("recv", src, "recv_gpu_wait", MS // 2, 0), ("send", dst, "send_gpu_wait", gpu_wait, 0),
                       ("send", dst, "send_peer_wait", MS // 2, 0), ("send", dst, "send_wait", send_wait, 4096)]
             for direction, peer, phase, wall, nbytes in phases:
-                conn.execute(schema.INSERT["peer_waits"], (100 + r, NCCL_HASH, "ALL_REDUCE", i, "coll", r, peer,
-                                                           direction, phase, wall, 3 * wall, nbytes, f"n{r}"))
+                conn.execute(schema.INSERT["peer_waits"], (pid_of(r), NCCL_HASH, "ALL_REDUCE", i, "coll", r, peer,
+                                                           direction, phase, wall, 3 * wall, nbytes, node_of(r)))
             if other_rows:  # the peers beyond the top K, summed: never a link of their own
-                conn.execute(schema.INSERT["peer_waits"], (100 + r, NCCL_HASH, "ALL_REDUCE", i, "coll", r, None,
-                                                           "recv", "recv_wait", 40 * MS, 40 * MS, 0, f"n{r}"))
+                conn.execute(schema.INSERT["peer_waits"], (pid_of(r), NCCL_HASH, "ALL_REDUCE", i, "coll", r, None,
+                                                           "recv", "recv_wait", 40 * MS, 40 * MS, 0, node_of(r)))
     tcp = [(2, 3, 3), (2, 1, 1), (3, 0, 1)] if scenario == "slow_link" else [(3, 0, 1)]
     for sender, receiver, n in tcp:
         for k in range(n):
@@ -131,6 +136,15 @@ def test_slow_link_is_named_by_both_ends(tmp_path):
     assert [k for k, v in links.items() if v.verdict] == [(2, 3)]
     assert network.headline(lk) == ("rank 3 \u2190 rank 2: recv_wait 6.0× the comm's median pair, and rank 2's "
                                     "send_wait to 3 as high (7.0×); 3 retransmits on 198.18.0.6\u2192198.18.0.7")
+
+
+def test_one_process_driving_every_gpu_gives_each_rank_its_own_gpu_time(tmp_path):
+    """Several ranks of one communicator in one process (ncclCommInitAll): a receiver's time is
+    its own operations' GPU time, not every rank's of that process (the share would shrink)."""
+    links = judged(make_recording(tmp_path / "r.db", "gpu", one_process=True))
+    lk = links[(2, 3)]
+    assert lk.receiver_time_ns == OPS * 50 * MS and lk.share == pytest.approx(30 / 50)
+    assert lk.verdict == network.GPU_STRAGGLER
 
 
 def test_late_gpu_is_not_a_slow_link(tmp_path):

@@ -366,6 +366,8 @@ class Recording:
             f"nccl_comm_hash, op, seq, kind, rank FROM nccl_peer_waits {opf}) AS w JOIN gpu_intervals AS g "
             "ON g.pid = w.pid AND g.nccl_comm_hash = w.nccl_comm_hash AND g.op = w.op AND g.seq = w.seq "
             "AND g.kind = w.kind AND (g.node IS w.node OR g.node IS NULL OR w.node IS NULL) "
+            # one process driving several GPUs holds several ranks of one communicator
+            "AND (g.rank IS w.rank OR g.rank IS NULL OR w.rank IS NULL) "
             "GROUP BY w.nccl_comm_hash, w.rank", (op,) if op else ())}
 
     # --- clocks (merge) ---------------------------------------------------------
