@@ -47,8 +47,11 @@ def test_simulated_run_passes_part_a_and_reports_every_part(tmp_path):
             assert any(l.strip().startswith(f"{world} ranks, rank {r}/{world}: PASS") for l in lines), verdicts
     assert sum("control rank" in l and "PASS" in l for l in lines) == 2
     assert [l.split(" - ")[0] for l in lines if l.startswith("part ")] == \
-        ["part a: PASS", "part d: SKIP", "part c: SKIP", "part e: SKIP"]
-    assert lines[-1] == "bench/gpu verdict: PARTIAL (a PASS, d SKIP, c SKIP, e SKIP)"
+        ["part a: PASS", "part d: PASS", "part c: SKIP", "part e: SKIP"]
+    # part d's GPU straggler (NCCL_SIM_SLOW_GPU on rank 1), named by the product's network-wait analysis
+    assert any(l.strip().startswith("straggler: PASS - rank 1 of 2 busy 2 ms a network step") and
+               "named: rank 0 \u2190 rank 1" in l for l in lines), verdicts
+    assert lines[-1] == "bench/gpu verdict: PARTIAL (a PASS, d PASS, c SKIP, e SKIP)"
     assert p.stdout.rstrip().splitlines()[-1] == lines[-1]
     with tarfile.open(tmp_path / "out" / "part-a.tar.gz") as t:
         names = t.getnames()
@@ -86,7 +89,7 @@ def test_help_and_bad_parts_need_no_torch():
 
 
 def test_device_side_scripts_compile(tmp_path):
-    for f in ("workload.py", "simworkload.py", "__main__.py", "checks.py"):
+    for f in ("workload.py", "simworkload.py", "__main__.py", "checks.py", "straggler.py"):
         py_compile.compile(str(REPO / "bench" / "gpu" / f), cfile=str(tmp_path / (f + "c")), doraise=True)
 
 
@@ -239,6 +242,49 @@ def test_graph_interval_longer_than_any_replay_fails():
 
 
 # --- parts e, b and the run's line ---------------------------------------------------
+
+def _waits(rank, peer, direction, seq, **wall):
+    phases = {"send": ("send_gpu_wait", "send_peer_wait", "send_wait"),
+              "recv": ("recv_wait", "recv_flush_wait", "recv_gpu_wait")}[direction]
+    w = {"event": "peer_wait", "op": "AllReduce", "comm": "0x00000000000000aa", "rank": str(rank), "seq": str(seq),
+         "id": str(100 * rank + seq), "peer": str(peer), "direction": direction, "bytes": "1048576", "pid": str(PID)}
+    for ph in phases:
+        w[f"{ph}_wall_ns"] = w[f"{ph}_step_ns"] = str(wall.get(ph, 100_000))
+    return w
+
+
+def straggler_log(late_gpu_ms: float = 0.0, slow_net_ms: float = 0.0) -> list[dict]:
+    """A 2-rank ring's plugin log, 10 AllReduces of 20 ms GPU time: rank 1's GPU late, or its
+    link to rank 0 slow."""
+    out = []
+    for seq in range(10):
+        for rank in (0, 1):
+            r = rec("AllReduce", seq, 1 << 20, 1_000 + seq, 2_000 + seq, 20_002_000 + seq)
+            r.update(rank=str(rank), id=str(100 * rank + seq), gpu_ns="20000000", gpu_start_mono_ns=str(5_000 + seq))
+            out.append(r)
+        late = late_gpu_ms + slow_net_ms
+        out += [_waits(0, 1, "recv", seq, recv_wait=int((1 + late) * 1e6)),
+                _waits(1, 0, "recv", seq, recv_wait=1_000_000),
+                _waits(1, 0, "send", seq, send_gpu_wait=int(late_gpu_ms * 1e6) or 100_000,
+                       send_wait=int(slow_net_ms * 1e6) or 500_000),
+                _waits(0, 1, "send", seq, send_wait=500_000)]
+    return out
+
+
+@pytest.mark.parametrize("late_gpu_ms, slow_net_ms, status, says", [
+    (8.0, 0.0, "PASS", "named: rank 0 \u2190 rank 1"),
+    (0.0, 0.0, "FAIL", "no verdict, not a GPU straggler at rank 1"),
+    (0.0, 8.0, "FAIL", "the analysis says slow link 1 \u2192 0"),
+])
+def test_straggler_verdicts(late_gpu_ms, slow_net_ms, status, says):
+    from bench.gpu import straggler
+
+    v = straggler.check(straggler_log(late_gpu_ms, slow_net_ms), 1, 2, "8.0 ms")
+    assert v.status == status and says in v.lines[0], v.text()
+    assert v.lines[0].startswith("rank 1 of 2 busy 8.0 ms on its GPU before each AllReduce: 10 operations"), v.text()
+    assert len(v.lines) == 3, "each link's figures"
+    assert straggler.check([], 1, 2, "?").status == "FAIL"
+
 
 def test_cost_summary_ratios_against_none():
     lines = checks.summarize_cost({"none": [0.010, 0.012], "plugin": [0.0101, 0.0126]})

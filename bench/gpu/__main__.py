@@ -10,8 +10,9 @@ The last line printed (and written) is the one verdict line.
 
 On a GPU it needs only the working tree, python3 with torch (NCCL backend)
 and gcc: the plugin is built with gcc from plugin/. --simulate runs part a
-on the simulator's GPU-like mode instead (no torch, no GPU), and part b's
-checks of this kernel; d, c and e need torch on a GPU.
+on the simulator's GPU-like mode instead (no torch, no GPU), part d's GPU
+straggler too, and part b's checks of this kernel; c, e and d's killed rank
+need torch on a GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import ctypes
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -78,7 +80,8 @@ def free_port() -> int:
 class Job:
     """One torch.distributed job (or, simulated, one process holding all ranks)."""
 
-    def __init__(self, ctx: Ctx, tag: str, mode: str, world: int, plugin: bool, env: dict | None = None):
+    def __init__(self, ctx: Ctx, tag: str, mode: str, world: int, plugin: bool, env: dict | None = None,
+                 log: bool = True):
         self.dir = ctx.work / tag
         self.dir.mkdir(parents=True)
         self.tag, self.mode, self.world, self.plugin = tag, mode, world, plugin
@@ -88,12 +91,14 @@ class Job:
         base.update(kv.split("=", 1) for kv in os.environ.get("BENCH_GPU_ENV", "").split(",") if "=" in kv)
         if plugin:
             base["NCCL_PROFILER_PLUGIN"] = str(ctx.plugin)
-            base["NCCL_EXPORTER_PROFILER_LOG"] = str(self.dir / "plugin.%p.log")
+            if log:  # logging mode: a line per record (what the checks read); without, as under the agent
+                base["NCCL_EXPORTER_PROFILER_LOG"] = str(self.dir / "plugin.%p.log")
         self.procs: list[subprocess.Popen] = []
         if ctx.simulate:
             e = dict(base, NCCL_SIM_GPU="1", NCCL_SIM_TRUTH=str(self.dir / "truth.jsonl"))
             self.procs.append(subprocess.Popen([sys.executable, str(HERE / "simworkload.py"), str(ctx.lib),
-                                                str(self.dir), str(world)], env=e,
+                                                str(self.dir), str(world), *([mode] if mode == "straggler" else [])],
+                                               env=e,
                                                stdout=open(self.dir / "sim.out", "w"), stderr=subprocess.STDOUT,
                                                start_new_session=True))
             return
@@ -167,7 +172,33 @@ def part_a(ctx: Ctx) -> Verdict:
 
 
 def part_d(ctx: Ctx) -> Verdict:
-    """Faults: the last of 2 ranks killed mid-collective, with and without the plugin (side by side)."""
+    """Faults, as bench/faults injects them, those that run on ranks of one GPU: a GPU
+    straggler, then a killed rank. Simulated: the straggler only."""
+    found = [part_d_straggler(ctx)]
+    if not ctx.simulate:
+        found.append(part_d_killed(ctx))
+    return checks.worst("d", found, "; ".join(f"{v.part} {v.status}" for v in found))
+
+
+def part_d_straggler(ctx: Ctx, world: int = 2, delay_ms: float = 20.0) -> Verdict:
+    """The last of `world` ranks a GPU straggler (bench/gpu/straggler.py), on the Socket
+    transport with Ring/Simple (as part p: ProxyOp/ProxyStep events, per-peer waits).
+    Simulated: NCCL_SIM_SLOW_GPU delays that rank's data 2 ms a network step."""
+    env = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "BENCH_GPU_STRAGGLER_MS": str(delay_ms)}
+    if ctx.simulate:
+        env["NCCL_SIM_SLOW_GPU"] = f"{world - 1}:2000"
+    run = Job(ctx, "d-straggler", "straggler", world, True, env).wait(ctx)
+    failed = [r for r in run["results"] if r.get("error")]
+    if failed or not run["results"]:
+        return Verdict("straggler", "FAIL", [f"the straggler job failed: {failed[:2] or run['rcs']}"])
+    busy = next((f"{r['busy_ms']:.1f} ms" for r in run["results"] if "busy_ms" in r),
+                "2 ms a network step (NCCL_SIM_SLOW_GPU)" if ctx.simulate else "?")
+    from bench.gpu import straggler
+    return straggler.check(run["records"], world - 1, world, busy)
+
+
+def part_d_killed(ctx: Ctx) -> Verdict:
+    """The last of 2 ranks killed mid-collective, with and without the plugin (side by side)."""
     env = {"BENCH_GPU_PG_TIMEOUT_S": "30", "TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
     jp, jc = Job(ctx, "d-plugin", "fault", 2, True, env), Job(ctx, "d-control", "fault", 2, False, env)
     rp, rc = jp.wait(ctx), jc.wait(ctx)
@@ -183,7 +214,9 @@ def part_d(ctx: Ctx) -> Verdict:
             out.append({"rank": 0, "rc": run["rcs"][0], "outcome": "hung" if run["rcs"][0] == "hung" else "crashed"})
         return out
 
-    return checks.check_faults(survivors(rp), survivors(rc), rp["records"])
+    v = checks.check_faults(survivors(rp), survivors(rc), rp["records"])
+    v.part = "killed"
+    return v
 
 
 def part_p(ctx: Ctx) -> Verdict:
@@ -214,24 +247,43 @@ def part_c(ctx: Ctx) -> Verdict:
     return v
 
 
+# Part e's conditions: no plugin, then the plugin with each activation mask it can ask NCCL for
+# (NCCL_EXPORTER_PROFILER_MASK, docs/plugin.md "The activation mask"): counts = Coll|P2p, gpu = +KernelCh
+# (NCCL_EXPORTER_PROFILER_PROXY=0's mask), net = +ProxyOp|ProxyStep (the default)
+COST_CONDITIONS = ("none", "counts", "gpu", "net")
+
+
 def part_e(ctx: Ctx) -> Verdict:
-    """Cost: the 2-rank job without and with the plugin, alternating (ABBA), then the CPU benches."""
-    rows: dict[str, list[float]] = {"none": [], "plugin": []}
-    spreads = []
+    """Cost: the 2-rank job without the plugin and with each activation mask, in ABBA order
+    (none counts gpu net net gpu counts none) while the part's time lasts, then the CPU benches."""
+    rows: dict[str, list[float]] = {c: [] for c in COST_CONDITIONS}
+    spreads, masks = [], {}
     dev = "?"
-    for cond in ("none", "plugin", "plugin", "none"):
-        if ctx.left() < 20:
+    longest = None  # s the slowest job took so far: another starts only if one more fits
+    for cond in COST_CONDITIONS + COST_CONDITIONS[::-1]:
+        if ctx.left() < 1.5 * (longest or 10.0) + 5:
             break
-        run = Job(ctx, f"e-{cond}-{len(rows[cond])}", "cost", 2, cond == "plugin").wait(ctx)
+        t0 = time.monotonic()
+        env = {"NCCL_EXPORTER_PROFILER_MASK": cond} if cond != "none" else None
+        job = Job(ctx, f"e-{cond}-{len(rows[cond])}", "cost", 2, cond != "none", env, log=False)
+        run = job.wait(ctx)
+        longest = max(longest or 0.0, time.monotonic() - t0)
         r0 = next((r for r in run["results"] if r["rank"] == 0 and "p50_s" in r), None)
         if r0 is None:
             return Verdict("e", "FAIL", [f"the {cond} job failed: {run['results'] or run['rcs']}"])
         rows[cond].append(r0["p50_s"])
         dev = r0.get("device", dev)
+        # the plugin's INFO line at its first init, in NCCL's debug file: the mask NCCL then had
+        seen = sorted({m for f in job.dir.glob("nccl.*.log")
+                       for m in re.findall(r"nccl-exporter profiler: v\d+, mask (0x[0-9a-f]+)", f.read_text())})
+        if seen:
+            masks[cond] = "/".join(seen)
         spreads.append(f"{cond}: p10 {r0['p10_s'] * 1e3:.3f} / p50 {r0['p50_s'] * 1e3:.3f} / "
                        f"p90 {r0['p90_s'] * 1e3:.3f} ms over {r0['iters']} iterations")
-    lines = [f"2 ranks on one {dev} (time-sliced: noisy), 1 MB AllReduce, median host time per iteration",
-             *checks.summarize_cost(rows), *spreads]
+    asked = ", ".join(f"{c} (mask {masks.get(c, '?')})" for c in COST_CONDITIONS[1:])
+    lines = [f"2 ranks on one {dev} (time-sliced: noisy), 1 MB AllReduce, median host time per iteration; "
+             f"the plugin without its log (as under the agent) asking NCCL for {asked}",
+             *checks.summarize_cost({c: v for c, v in rows.items() if v}), *spreads]
     for name, argv, limit in (
             ("plugin_cost", [sys.executable, str(REPO / "bench/plugin_cost.py"), "--no-agent", "--n", "50000",
                              "--reps", "3"], 40),
@@ -384,7 +436,7 @@ def bcc_from_debs(work: Path) -> str | None:
 
 
 PARTS = {"a": part_a, "d": part_d, "c": part_c, "e": part_e, "b": part_b, "p": part_p}
-NEEDS_TORCH = {"d", "c", "e"}
+NEEDS_TORCH = {"c", "e"}
 
 
 def pack(ctx: Ctx, part: str) -> None:
@@ -404,7 +456,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="adceb", help="parts to run, in this order (default adceb)")
     ap.add_argument("--budget-s", type=float, default=240, help="wall time for all parts (default 240)")
     ap.add_argument("--simulate", action="store_true",
-                    help="no GPU: part a on the simulator's GPU-like mode, part b's kernel checks; d, c, e skipped")
+                    help="no GPU: parts a and d's straggler on the simulator's GPU-like mode, part b's kernel "
+                         "checks; c, e skipped")
     ap.add_argument("--proxy", action="store_true",
                     help="only part p (network time per peer: real ProxyOp/ProxyStep events on the Socket "
                          "transport, ring AllReduce bytes and phases; <= 60 s); the same as --parts p")

@@ -2,7 +2,10 @@
 for machines without a GPU: the same calls as bench/gpu/workload.py's
 `correctness` mode, the same output, so the same checks run on it.
 
-    python3 bench/gpu/simworkload.py LIBNCCL DIR WORLD
+    python3 bench/gpu/simworkload.py LIBNCCL DIR WORLD [straggler]
+
+`straggler` (part d): BENCH_GPU_STRAGGLER_ITERS (default 20) 1 MB AllReduces
+instead, the last rank's GPU slowed by the job's NCCL_SIM_SLOW_GPU.
 
 All ranks of the world run in this one process (ncclCommInitAll over
 localhost; the plugin's log tells them apart by rank). The simulator's
@@ -53,6 +56,8 @@ def main() -> int:
     nccl.simStreamSynchronize.argtypes = [c_p]
     comms = (c_p * world)()
     assert nccl.ncclCommInitAll(comms, world, None) == 0
+    if sys.argv[4:] == ["straggler"]:
+        return straggler(nccl, comms, d, world)
 
     def group(fn):
         assert nccl.ncclGroupStart() == 0
@@ -149,6 +154,26 @@ def main() -> int:
         (d / f"result.{r}.json").write_text(json.dumps({
             "kind": "result", "rank": r, "world": world, "pid": os.getpid(), "shared_pid": True,
             "nccl_version": None, "calls": len(calls[r])}))
+    return 0
+
+
+def straggler(nccl, comms, d: Path, world: int) -> int:
+    n = MB // 4
+    b = [buf(n, 1.0) for _ in range(world)]
+    iters = int(os.environ.get("BENCH_GPU_STRAGGLER_ITERS", "20"))
+    for _ in range(iters):
+        assert nccl.ncclGroupStart() == 0
+        for r in range(world):
+            nccl.ncclAllReduce(b[r][1], b[r][1], n, F32, SUM, comms[r], None)
+        assert nccl.ncclGroupEnd() == 0
+        for r in range(world):
+            assert nccl.simStreamSynchronize(comms[r]) == 0
+    for r in range(world):
+        assert nccl.ncclCommDestroy(comms[r]) == 0
+    for r in range(world):
+        (d / f"result.{r}.json").write_text(json.dumps({
+            "kind": "result", "rank": r, "world": world, "pid": os.getpid(), "shared_pid": True,
+            "iters": iters, "straggler": world - 1}))
     return 0
 
 

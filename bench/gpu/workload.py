@@ -17,6 +17,11 @@ DIR/result.<rank>.json. Modes:
                replayed BENCH_GPU_REPLAYS times (default 50)
   cost         BENCH_GPU_ITERS (default 300) 1 MB AllReduces, synchronized,
                host time per iteration
+  straggler    BENCH_GPU_STRAGGLER_ITERS (default 20) 4 MB AllReduces; before
+               each the last rank keeps its GPU busy BENCH_GPU_STRAGGLER_MS
+               (default 20) with a spinning kernel on the same stream
+               (torch.cuda._sleep): a GPU straggler; its measured busy time
+               goes into the result
 
 BENCH_GPU_DEVICE=cpu runs the same calls on the CPU with the gloo backend
 (host clock instead of CUDA events, no graph mode): for checking this file's
@@ -182,6 +187,40 @@ def cost(rank: int, world: int, dev, d: Path, res: dict) -> None:
                p50_s=times[len(times) // 2], p90_s=times[9 * len(times) // 10])
 
 
+def straggler(rank: int, world: int, dev, d: Path, res: dict) -> None:
+    iters = int(os.environ.get("BENCH_GPU_STRAGGLER_ITERS", "20"))
+    delay_ms = float(os.environ.get("BENCH_GPU_STRAGGLER_MS", "20"))
+    t = torch.ones(4 * MB // 4, device=dev)
+    for _ in range(3):
+        dist.all_reduce(t)
+    sync()
+    late = rank == world - 1
+    cycles = 0
+    if late and not CPU:  # the spin kernel's cycles per ms, measured alone on this GPU
+        cycles = 1_000_000
+        el = timed(lambda: torch.cuda._sleep(cycles))
+        cycles = max(1, int(cycles * delay_ms * 1e6 / max(el, 1.0)))
+    dist.barrier()
+    busy = []
+    for _ in range(iters):
+        spin = None
+        if late and CPU:
+            busy.append(timed(lambda: time.sleep(delay_ms / 1e3)))
+        elif late:  # queued, not waited for: the host enqueues its AllReduce on time, its GPU starts it late
+            spin = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            spin[0].record()
+            torch.cuda._sleep(cycles)
+            spin[1].record()
+        dist.all_reduce(t)
+        sync()
+        if spin is not None:
+            busy.append(spin[0].elapsed_time(spin[1]) * 1e6)
+    res.update(iters=iters, straggler=world - 1, delay_ms=delay_ms)
+    if busy:
+        busy.sort()
+        res["busy_ms"] = busy[len(busy) // 2] / 1e6  # median, CUDA events around the spin kernel
+
+
 def main() -> int:
     mode, d = sys.argv[1], Path(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -213,6 +252,8 @@ def main() -> int:
             graph(rank, world, dev, d, res)
         elif mode == "cost":
             cost(rank, world, dev, d, res)
+        elif mode == "straggler":
+            straggler(rank, world, dev, d, res)
         sync()
     except Exception as e:  # noqa: BLE001 - the error goes into the result file
         res["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
