@@ -280,6 +280,7 @@ def test_cpu_starved_rank_is_named_with_its_cause_from_per_second_totals(starved
     (sched_intervals): enough to tell the starved rank's cause."""
     conn = sqlite3.connect(starved_totals)
     assert conn.execute("SELECT COUNT(*) FROM sched_events").fetchone()[0] == 0
+    assert dict(conn.execute("SELECT key, value FROM meta"))["sched"] == "totals"
     rows = conn.execute("SELECT rank, SUM(runq_wait_ns) FROM sched_intervals WHERE thread IN ('caller', 'proxy') "
                         "GROUP BY rank ORDER BY 2 DESC").fetchall()
     assert rows and rows[0][0] == STARVED, rows
