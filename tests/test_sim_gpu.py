@@ -23,6 +23,7 @@ from exporter.simulator.cluster import Cluster, run_job
 from exporter.simulator.truth import calls, gpu_events, gpu_kernels, load_truth
 
 from conftest import REPO
+from tests.fixtures.libraries import sim_job_prelude
 HELPERS = REPO / "tests" / "plugin"
 F_START_LATE, F_FINALIZED = 0x1, 0x20
 
@@ -45,20 +46,8 @@ def parse_log(paths) -> list[dict]:
 
 
 # --------------------------------------------------------------- in-process --
-INPROC = r"""
-import ctypes, os, sys, time
-L = ctypes.CDLL(sys.argv[1])
-c_p, c_i, c_sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-L.ncclAllReduce.argtypes = [c_p, c_p, c_sz, c_i, c_i, c_p, c_p]
-L.ncclSend.argtypes = [c_p, c_sz, c_i, c_i, c_p, c_p]
-L.ncclRecv.argtypes = [c_p, c_sz, c_i, c_i, c_p, c_p]
-L.ncclCommInitAll.argtypes = [ctypes.POINTER(c_p), c_i, ctypes.POINTER(c_i)]
-L.ncclCommDestroy.argtypes = [c_p]; L.ncclCommAbort.argtypes = [c_p]
-L.simStreamSynchronize.argtypes = [c_p]
-n, iters, end = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-comms = (c_p * n)()
-assert L.ncclCommInitAll(comms, n, None) == 0
-keep = []
+INPROC = sim_job_prelude("int(sys.argv[2])") + r"""
+iters, end = int(sys.argv[3]), sys.argv[4]
 for it in range(iters):
     bufs = [(ctypes.c_float * 256)(*[float(i + r + it) for i in range(256)]) for r in range(n)]
     keep.append(bufs)
