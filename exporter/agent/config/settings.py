@@ -243,8 +243,9 @@ class Config:
 
     # recording and the node query endpoint
     db: str | None = setting(
-        "--db", "also record every NCCL call and TCP retransmit/reset (and, with --sched waits, scheduler "
-                "wait) to this SQLite file (docs/schema.md; read it with 'query')",
+        "--db", "also record every NCCL call and TCP retransmit/reset, and the job's threads' CPU waits (each "
+                "second's per thread kind; with --sched waits each wait), to this SQLite file (docs/schema.md; "
+                "read it with 'query')",
         shown="off", metavar="PATH", group="recording", commands=BOTH,
         trace={"help": "record every NCCL call, TCP retransmit/reset and scheduler wait to this SQLite file "
                        "instead of printing (docs/schema.md; read it with 'query')", "group": "tracing"})
