@@ -70,9 +70,10 @@ plugin-aarch64: venv
 lint: venv
 	@$(VENV)/bin/ruff check --quiet .
 
-## test: everything needed, then lint and the whole suite (what CI runs; ~16 min here)
+## test: everything needed, then lint and the whole suite (what CI runs; ~18.5 min of its 20 here);
+## the 25 slowest tests are listed at the end (what to look at first when it grows)
 test: deps venv nccl-wheel plugin lint
-	$(PY) -m pytest -v tests/
+	$(PY) -m pytest -v --durations=25 tests/
 
 # The kinds of test conftest marks from the fixtures they use (tests/conftest.py).
 HEAVY_MARKS := bpf or netns or real_nccl or prometheus or slow or require_root
