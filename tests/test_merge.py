@@ -18,6 +18,7 @@ import pytest
 
 from exporter.records.render import NCCL_FIELDS, SCHED_FIELDS, TCP_FIELDS
 from exporter.sinks.recording import schema
+from exporter.sinks.recording.read import Recording
 from exporter.offline.fleet import merge
 
 from conftest import REPO
@@ -26,7 +27,7 @@ NODES = 4
 SHIFT = {0: 0, 1: 50_000_000, 2: -50_000_000, 3: 7_250_000}
 
 
-def synth(path, rank, *, node=None, machine=None, shift=0, collectives=200, first=1, version=None,
+def synth(path, rank, *, node=None, machine=None, shift=0, collectives=200, first=1, version=None, sched_mode=None,
           nranks=NODES, straggler=2) -> pathlib.Path:
     """One node's recording: rank `rank` of an nranks-rank job, its clock `shift` ns ahead."""
     conn = sqlite3.connect(path)
@@ -73,6 +74,8 @@ def synth(path, rank, *, node=None, machine=None, shift=0, collectives=200, firs
         conn.execute("INSERT INTO communicators VALUES (?, ?, '3f00aa00bb00cc00', 'x', ?, ?, ?)",
                      (node, pid, rank, nranks, T0))
         meta = {"node": node, "start_ns": str(T0), "end_ns": str(T0 + 10**10)}
+        if sched_mode:
+            meta["sched"] = sched_mode
         if machine is not False:
             meta.update(machine_id=machine or f"machine-{node}", boot_id=f"boot-{node}")
         conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", meta.items())
@@ -119,6 +122,22 @@ def test_merge_keeps_nodes_and_dedups_repeats_and_copies(tmp_path, nodes):
     again = tmp_path / "again.db"
     assert cli("merge", "--db", again, out, nodes[0]).returncode == 0
     assert counts(again) == once
+
+
+def test_merged_meta_says_how_the_inputs_kept_cpu_waits(tmp_path):
+    """explain reads a recording's missing sched_intervals rows as no wait only where meta
+    sched says totals: a merge of such recordings says so too, a mix says mixed."""
+    def merged_sched(*scheds):
+        d = tmp_path / "-".join(scheds)
+        d.mkdir()
+        out = d / "merged.db"
+        ins = [synth(d / f"{i}.db", i, sched_mode=s) for i, s in enumerate(scheds)]
+        merge.merge(str(out), [str(p) for p in ins])
+        with Recording.open(str(out)) as rec:
+            return rec.meta()["sched"]
+
+    assert merged_sched("totals", "totals") == "totals"
+    assert merged_sched("totals", "waits") == "mixed"
 
 
 def test_overlapping_windows_of_one_node_collapse(tmp_path):

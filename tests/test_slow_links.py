@@ -61,8 +61,9 @@ def make_recording(path, scenario: str = "healthy", version: int = schema.SCHEMA
     pid_of = (lambda r: 100) if one_process else (lambda r: 100 + r)
     node_of = (lambda r: "n0") if one_process else (lambda r: f"n{r}")
     for r in ranks_recorded:
-        conn.execute("INSERT OR IGNORE INTO communicators (node, pid, comm_id_hash, nccl_comm_hash, rank, nranks, "
-                     "first_seen_ns) VALUES (?, ?, ?, ?, ?, ?, ?)", (node_of(r), pid_of(r), comm, NCCL_HASH, r, NRANKS, T0))
+        conn.execute("INSERT OR IGNORE INTO communicators (node, pid, comm_id_hash, nccl_comm_hash, rank, "
+                     "nranks, first_seen_ns) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                     (node_of(r), pid_of(r), comm, NCCL_HASH, r, NRANKS, T0))
         for i in range(OPS):
             row = _nccl_row(r, i, comm)
             row = row[:16] + (pid_of(r), pid_of(r), node_of(r)) + row[19:]

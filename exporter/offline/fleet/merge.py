@@ -130,9 +130,14 @@ def merge(out: str, inputs: list[str], renames=(), align: bool = True, query_ind
             from exporter.offline.analysis import skew
 
             rep.skew = list(skew.estimate(Recording(conn, work)).values())
+        # how the inputs kept run-queue waits (meta sched): one way, or 'mixed'
+        scheds = {combine.meta_value(path, "sched") for _, path, _ in plan}
+        if not fresh:
+            scheds.add(combine.meta_value(work, "sched"))
         combine.store_skew_and_meta(conn, [o.row() for o in rep.skew], {
             "node": "(merged)", "schema_version": str(SCHEMA_VERSION),
-            "merged_ns": str(time.time_ns()), "aligned": "1" if align else "0"})
+            "merged_ns": str(time.time_ns()), "aligned": "1" if align else "0",
+            "sched": scheds.pop() if len(scheds) == 1 else "mixed"})
         rep.phases["skew"] = time.monotonic() - t0 - sum(rep.phases.values())
         combine.close_output(conn, fresh)
         conn = None

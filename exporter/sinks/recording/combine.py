@@ -159,6 +159,15 @@ def identities(path: str, label: str) -> list[Identity]:
             for n in sorted(names)]
 
 
+def meta_value(path: str, key: str) -> str:
+    """One meta value of a checked input ('' when it has none)."""
+    conn = sqlite3.connect(_uri(path) + "?mode=ro", uri=True)
+    try:
+        return Recording(conn, path).meta().get(key, "")
+    finally:
+        conn.close()
+
+
 # --- the output -------------------------------------------------------------------
 
 def open_output(work: str, fresh: bool) -> tuple[sqlite3.Connection, list[tuple[str, str]]]:
