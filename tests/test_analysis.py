@@ -290,6 +290,7 @@ def test_cpu_starved_rank_is_named_with_its_cause_from_per_second_totals(starved
     assert any("--sched totals" in e for e in out["evidence"]), out
 
 
+@needs_root
 def test_healthy_job_has_no_straggler(healthy):
     out = _explain(healthy)
     assert out["verdict"].startswith("no straggler"), out
