@@ -43,6 +43,37 @@ def test_loader_files_are_found_and_probed_once(loader):
     assert loader.attach_loaders([os.getpid()]) == []  # once per file
 
 
+@pytest.mark.skipif(not (shutil.which("qemu-aarch64") and shutil.which("aarch64-linux-gnu-gcc")),
+                    reason="qemu-user and gcc-aarch64-linux-gnu missing (make deps)")
+def test_an_emulated_process_loader_is_never_probed(loader, tmp_path):
+    """qemu-user maps its guest's ld-linux-aarch64.so.1 like any file: an x86 uprobe's int3
+    written into it made every aarch64 program under emulation die of SIGILL at start."""
+    src, exe = tmp_path / "hello.c", tmp_path / "hello"
+    src.write_text('#include <stdio.h>\nint main(void) { getchar(); puts("hello"); return 0; }\n')
+    subprocess.run(["aarch64-linux-gnu-gcc", "-o", str(exe), str(src)], check=True)
+    run = ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu", str(exe)]
+
+    def seen():
+        return [p for p in [*loader.failed, *loader.probed.values()] if "aarch64" in p]
+
+    child = subprocess.Popen(run, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not seen() and time.monotonic() < deadline:
+            loader.attach_loaders([child.pid])   # what an exec event makes the agent do
+            time.sleep(0.05)
+        out, _ = child.communicate("\n", timeout=30)
+        assert child.returncode == 0 and out == "hello\n"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert seen(), "the guest's loader never showed in the emulator's maps"
+    assert not any("aarch64" in p for p in loader.probed.values()), loader.probed
+    p = subprocess.run(run, input="\n", capture_output=True, text=True, timeout=30)   # the file is intact
+    assert p.returncode == 0 and p.stdout == "hello\n", p.stderr
+
+
 def test_a_dlopen_is_reported_with_its_pid_and_the_library_found(loader, tmp_path):
     from exporter.simulator.build import build_library
     from exporter.sources.bpf import RingWaiter

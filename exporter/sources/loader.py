@@ -8,8 +8,11 @@ libraries, and around every dlopen/dlclose), and sched_process_exec when a
 process starts a new program. Each event is a pid; the agent then reads that
 one process's /proc/<pid>/maps. Loader files (`ld-linux-x86-64.so.2`, a
 container's own copy, musl's `ld-musl-*.so.1`) are probed once per file:
-those mapped at start, and any new one seen in an exec'd process's maps.
-This program shares no map with the others and loads on its own.
+those mapped at start, and any new one seen in an exec'd process's maps;
+never another architecture's (qemu-user maps its guest's loader: the
+uprobe's x86 int3 in that file would break every emulated program, as
+for NCCL libraries and plugins, elf.runs_here). This program shares no
+map with the others and loads on its own.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from exporter.records import contract
 from exporter.sources.base import Source
 from exporter.sources.bpf import Program
+from exporter.sources.nccl import elf
 
 LOADER_PATTERNS = ("ld-linux*.so*", "ld-*.so*", "ld-musl-*.so*")
 LOADER_FUNCTION = "_dl_debug_state"
@@ -90,6 +94,9 @@ class LoaderSource(Program, Source):
         new = []
         for key, path in mapped_loaders(pids).items():
             if key in self.probed or path in self.failed:
+                continue
+            if not elf.runs_here(path):
+                self.failed[path] = "another architecture's loader (an emulated process's): never probed"
                 continue
             try:
                 self.bpf.attach_uprobe(name=path, sym=LOADER_FUNCTION, fn_name="on_link_map_change")
