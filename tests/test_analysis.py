@@ -358,6 +358,48 @@ def test_a_seconds_wait_is_spread_over_the_windows_it_covers():
     assert sp.window("p", 3000, 4000) == 0 and sp.window("q", 0, 5000) == 0
 
 
+def _late_reader_job(late_wait_ms: float, usual_wait_ms: float, estimated: bool = False):
+    """Pure logic. 20 collectives of 4 ranks; rank 3 arrives 40 ms late to each, its peers'
+    sockets retransmit into its address 198.18.0.7; its threads waited late_wait_ms for a CPU
+    per collective, the others usual_wait_ms."""
+    from exporter.offline.analysis.stragglers import Arrival, Collective
+
+    ms, out = 1_000_000, []
+    for seq in range(20):
+        t = seq * 200 * ms
+        arr = []
+        for r in range(4):
+            start = t + (40 * ms if r == 3 else r * ms // 10)
+            a = Arrival(r, "n", 100 + r, 100 + r, start, t + 60 * ms, t - 100 * ms, start, (t - 100 * ms, t + 60 * ms),
+                        4096, None, runq_wait_ns=int((late_wait_ms if r == 3 else usual_wait_ms) * ms),
+                        runq_estimated=estimated)
+            if r == 2:
+                a.retransmits, a.links = 1, {"198.18.0.6\u2192198.18.0.7": 1}
+            arr.append(a)
+        out.append(Collective("c0ffee00", "ALL_REDUCE", seq, 4, arr))
+    return out
+
+
+@pytest.mark.parametrize("late_wait_ms, estimated, starved", [(30.0, True, True), (30.0, False, True),
+                                                               (1.0, True, False)])
+def test_a_late_reader_starved_of_cpu_is_said_so(late_wait_ms, estimated, starved):
+    """Pure logic. The late reader's verdict names CPU starvation when its threads waited
+    for a CPU beyond the others by CPU_SHARE of its lag (40 ms: 12 ms), and says when the
+    waits were spread from --sched totals' seconds."""
+    from exporter.offline.analysis import explain, late_reader
+
+    found = late_reader.find(_late_reader_job(late_wait_ms, 1.0, estimated), {"198.18.0.7"},
+                             {"198.18.0.7": {("n", 103)}}, explain.MIN_LAG_NS)
+    assert found is not None and found[0].rank == 3 and len(found[1]) == 20
+    lines = late_reader.lines(found, lambda node, pid: f"rank {pid - 100} on {node}", "links", explain.MIN_LAG_NS,
+                              explain.CPU_SHARE)
+    assert lines[0].startswith("straggler: rank 3 on n is starved of CPU" if starved else
+                               "straggler: rank 3 on n arrives late"), lines
+    assert f"waited {late_wait_ms:.1f} ms for a CPU per collective it was last in (the other ranks: 1.0 ms)" \
+        in lines[-1], lines
+    assert ("--sched totals" in lines[-1]) == estimated
+
+
 def test_skew_takes_the_more_precise_of_ends_and_bounds():
     """Pure logic. A straggler's far bound is loose (~30 ms away): when the ends' median breaks
     the tight lower bound, the estimate is that bound, not the middle of the interval."""
