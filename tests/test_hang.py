@@ -265,6 +265,21 @@ def test_desync_is_named():
                                                   "bytes": None}]
 
 
+def test_a_rank_stopped_a_seq_behind_is_stopped_not_desynchronized():
+    """Rank 1 stopped (SIGSTOP) late in AllReduce #8: ranks 0, 2, 3 finished their part and
+    wait in #9. The stopped rank is named stopped inside, never a desync."""
+    from exporter.offline.analysis import hang
+
+    lines = [info(C, r, 4, 100 + r) for r in range(4)]
+    lines += [inflight(C, "ALL_REDUCE", r, 88 if r == 1 else 87) for r in range(4)]
+    lines += [last_seq(C, "ALL_REDUCE", r, 7 if r == 1 else 8) for r in range(4)]
+    lines += ['nccl_inflight_stopped_seconds{node="n",op="ALL_REDUCE",comm="%s",rank="1"} 88' % C]
+    a = hang.analyse(page_read(lines), None, 60)
+    h = a.as_dict()["hangs"][0]
+    assert a.hung and h["desync"] == [] and [s["rank"] for s in h["stopped"]] == [1], a.verdict
+    assert "desync" not in a.verdict and "rank 1 (n) stopped inside AllReduce #8:" in a.verdict, a.verdict
+
+
 def inflight_bytes(comm, op, rank, size, node="n"):
     return f'nccl_inflight_bytes{{node="{node}",op="{op}",comm="{comm}",rank="{rank}"}} {size}'
 

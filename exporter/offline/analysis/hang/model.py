@@ -192,6 +192,10 @@ class Model:
             if size is not None:
                 desync += [c for c in waiting if c.nbytes is not None and c.nbytes != size]
                 waiting = [c for c in waiting if c.nbytes is None or c.nbytes == size]
+            # A rank whose calling thread is stopped is stuck where it was stopped: late in a
+            # collective, a seq behind peers that finished their part of it. Stopped, no desync.
+            behind = [c for c in desync if c.stopped]
+            desync = [c for c in desync if not c.stopped]
             n = self.nranks.get(comm)
             if comm == "unknown" or comm.startswith("local-"):
                 # Made before the agent started: each rank has its own id here, so the
@@ -213,7 +217,7 @@ class Model:
                 previous = (sq, max(0.0, self.now - t))
             # stopped ranks are the culprits only while a peer in the call runs (a pause of
             # every rank at once stops them all)
-            stopped = [c for c in waiting if c.stopped] if any(not c.stopped for c in waiting) else []
+            stopped = [c for c in waiting + behind if c.stopped] if any(not c.stopped for c in waiting) else []
             out.append(Hang(comm, n, op, seq, sorted(waiting, key=lambda c: c.rank),
                             sorted(desync, key=lambda c: c.rank), missing, unknown_members=not n,
                             unseen=unseen, previous=previous, stopped=sorted(stopped, key=lambda c: c.rank),

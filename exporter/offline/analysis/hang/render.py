@@ -85,9 +85,10 @@ def verdict(h: Hang) -> str:
             parts.append(f"desync: {ranks_text([c.rank for c in cs])} in {call_name(op, seq)} instead "
                          f"(for {max(c.age_s for c in cs):.1f} s)")
     if h.stopped:
+        where = {"it" if (c.op, c.seq) == (h.op, h.seq) else call_name(c.op, c.seq) for c in h.stopped}
         parts.append(f"{ranks_text([c.rank for c in h.stopped])} "
-                     f"({', '.join(c.node for c in h.stopped[:3])}) stopped inside it: its calling thread is "
-                     f"stopped (SIGSTOP, a debugger), the others wait for it")
+                     f"({', '.join(c.node for c in h.stopped[:3])}) stopped inside {', '.join(sorted(where))}: "
+                     f"its calling thread is stopped (SIGSTOP, a debugger), the others wait for it")
     for i, m in enumerate(h.missing):
         parts.append(missing_text(h, m, i == 0))
     if h.unseen:
