@@ -64,6 +64,9 @@ SETS = {
 # Random onset after the job's start: the culprit alerts' 15 s rates, and the medians over the
 # job's ranks, have two windows of calls by 30 s.
 WARMUP_S = (30, 40)
+# Between runs, at most this long for the previous run's alerts to resolve (Prometheus.cool_down);
+# the slowest, NcclLinkRetransmits, needs its 30 s window and an evaluation or two
+COOL_DOWN_S = 90
 SUITE_TIMING = {"warmup": (5, 10), "wait": 30}
 
 
@@ -121,6 +124,22 @@ class Prometheus:
         alert resolves only some evaluations after it ended (a link's addresses repeat between runs)."""
         data = json.loads(get(f"{self.api}/alerts"))["data"]["alerts"]
         return [a["labels"] for a in data if a.get("state") == "firing" and _unix(a["activeAt"]) >= since]
+
+    def carried_over(self) -> list[dict]:
+        """Alerts firing or pending that the next job would be named by: a link (its hosts'
+        addresses are the same every run) or a process's rank (the launcher's RANK, the same
+        every run). Those with a communicator name the previous job's: its id is new each job."""
+        data = json.loads(get(f"{self.api}/alerts"))["data"]["alerts"]
+        return [a["labels"] for a in data if a.get("state") in ("firing", "pending")
+                and ("saddr" in a["labels"] or ("rank" in a["labels"] and "comm" not in a["labels"]))]
+
+    def cool_down(self, limit_s: float = COOL_DOWN_S) -> float:
+        """Wait until no alert would carry over to the next job (at most limit_s): the previous
+        run's resolve a window after its fault ended. Returns the wait."""
+        t0 = time.monotonic()
+        while self.carried_over() and time.monotonic() - t0 < limit_s:
+            time.sleep(1)
+        return time.monotonic() - t0
 
     def close(self) -> None:
         stop_proc(self.proc, signal.SIGTERM)
@@ -422,6 +441,10 @@ def main(argv=None) -> int:
         prom = Prometheus(work, f"127.0.0.1:{agent.port}")
         with open(truth_path, "w") as truth_out, open(det_path, "w") as det_out:
             for i, name in enumerate(plan, 1):
+                if i > 1:
+                    waited = prom.cool_down()
+                    if waited >= 2:
+                        log(f"cool-down: {waited:.0f} s until the previous run's alerts resolved")
                 log(f"run {i} of {len(plan)}: {name} (about {expected_s(plan[i - 1:]) / 60 + 0.5:.0f} min left)")
                 one_run(f"r{first + i:03d}", name, lib, work, agent, prom, truth_out, det_out, rng,
                         warmup=warmup, wait_s=timing.get("wait"), commit=commit)
