@@ -136,8 +136,12 @@ class Prometheus:
     def cool_down(self, limit_s: float = COOL_DOWN_S) -> float:
         """Wait until no alert would carry over to the next job (at most limit_s): the previous
         run's resolve a window after its fault ended. Returns the wait."""
-        t0 = time.monotonic()
-        while self.carried_over() and time.monotonic() - t0 < limit_s:
+        t0 = quiet = time.monotonic()
+        while time.monotonic() - t0 < limit_s:
+            if self.carried_over():
+                quiet = time.monotonic()
+            elif time.monotonic() - quiet >= 6:  # quiet for an evaluation (5 s): not a flicker
+                break
             time.sleep(1)
         return time.monotonic() - t0
 
@@ -443,7 +447,7 @@ def main(argv=None) -> int:
             for i, name in enumerate(plan, 1):
                 if i > 1:
                     waited = prom.cool_down()
-                    if waited >= 2:
+                    if waited >= 8:
                         log(f"cool-down: {waited:.0f} s until the previous run's alerts resolved")
                 log(f"run {i} of {len(plan)}: {name} (about {expected_s(plan[i - 1:]) / 60 + 0.5:.0f} min left)")
                 one_run(f"r{first + i:03d}", name, lib, work, agent, prom, truth_out, det_out, rng,
