@@ -103,7 +103,7 @@ test-image: deps venv plugin
 push-image: image
 	@$(SHELL) scripts/build-image.sh --push
 
-## bench-faults: the fault-injection benchmark, full set (~4.6 h; docs/benchmark.md), under the heavy lock;
+## bench-faults: the fault-injection benchmark, full set (~4.8 h; docs/benchmark.md), under the heavy lock;
 ## in two sittings: make bench-faults SEED=1 PART=1/2, then PART=2/2 (results in build/bench-faults-part1of2, ...)
 PART ?= 1/1
 SEED ?=
@@ -111,7 +111,7 @@ bench-faults: deps venv plugin
 	flock /tmp/nccl-heavy.lock $(PY) -m bench.faults.run --set full --part $(PART) $(if $(SEED),--seed $(SEED)) \
 		--out build/bench-faults$(if $(filter-out 1/1,$(PART)),-part$(subst /,of,$(PART)))
 
-## bench-faults-quick: each fault type and healthy control once (~28 min)
+## bench-faults-quick: each fault type and healthy control once (~29 min)
 bench-faults-quick: deps venv plugin
 	flock /tmp/nccl-heavy.lock $(PY) -m bench.faults.run --set quick
 

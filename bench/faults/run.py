@@ -16,7 +16,7 @@ bench/faults/score.py scores the two files.
 As root, from the repository root, under the heavy lock:
 
     flock /tmp/nccl-heavy.lock .venv/bin/python -m bench.faults.run --set quick
-    make bench-faults                      # --set full, ~4.6 h
+    make bench-faults                      # --set full, ~4.8 h
 
 Sets: quick (each fault and healthy control once), full (each 10 times: 40
 healthy runs and 140 warm-ups, over 2 h healthy), or --faults a,b --repeat N. Ctrl-C stops
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=None, help="random onsets and culprits (default: from the clock)")
     p.add_argument("--part", default="1/1", metavar="K/N",
                    help="run only the K-th of N equal slices of the set's shuffled plan (the full set takes "
-                        "~4.6 h: in two sittings, --seed S --part 1/2 then --part 2/2, each to its own --out); "
+                        "~4.8 h: in two sittings, --seed S --part 1/2 then --part 2/2, each to its own --out); "
                         "score the parts together with python -m bench.faults.score T1 D1 T2 D2")
     a = p.parse_args(argv)
     try:
@@ -433,8 +433,8 @@ def main(argv=None) -> int:
     warmup = timing.get("warmup", WARMUP_S)
 
     def expected_s(names: list[str]) -> float:
-        """A run: its mean warm-up, its wait, ~8 s to start the job and clean up."""
-        return sum(sum(warmup) / 2 + timing.get("wait", FAULTS[n]().wait_s) + 8 for n in names)
+        """A run: its mean warm-up, its wait, ~8 s to start the job and clean up, ~6 s of cool-down."""
+        return sum(sum(warmup) / 2 + timing.get("wait", FAULTS[n]().wait_s) + 14 for n in names)
 
     commit = source_commit()
     log(f"bench-faults: {len(plan)} runs ({a.set if not a.faults else 'custom'}, seed {seed}, part {a.part}, "
