@@ -192,6 +192,36 @@ def test_in_a_ring_every_receiver_waits_and_the_sender_names_the_slow_link():
     assert [(lk.sender, lk.verdict) for lk in network.judge(links)] == [(1, network.GPU_STRAGGLER)]
 
 
+def test_one_stalled_operation_is_no_slow_link_nor_gpu_straggler():
+    """A receiver stopped a moment (SIGSTOP, a debugger) makes its sender wait in one operation:
+    most of the link's send_wait in that one is a stall, not a link that slows every operation.
+    The same for a sender's GPU that paused once."""
+    links = [network.Link("h", "h", s, (s + 1) % 4, recv={"recv_wait": 40 * MS},
+                          send={"send_wait": 1 * MS, "send_gpu_wait": 1 * MS}, receiver_time_ns=100 * MS)
+             for s in range(4)]
+    links[1].send["send_wait"], links[1].send_worst["send_wait"] = 35 * MS, 30 * MS   # 30 of 35 ms in one
+    assert network.judge(links) == []
+    links[1].send_worst["send_wait"] = 10 * MS                                       # spread: a slow link
+    assert [(lk.sender, lk.verdict) for lk in network.judge(links)] == [(1, network.SLOW_LINK)]
+    links[1].send["send_wait"], links[1].send["send_gpu_wait"] = 1 * MS, 35 * MS
+    links[1].send_worst["send_gpu_wait"] = 34 * MS                                   # the GPU paused once
+    assert network.judge(links) == []
+
+
+def test_a_stall_in_a_recording_is_read_from_its_largest_operation(tmp_path):
+    """The worst single operation comes from the recording (nccl_peer_waits' MAX per link)."""
+    db = make_recording(tmp_path / "r.db", "slow_link")
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE nccl_peer_waits SET wall_ns = 1 WHERE rank = 2 AND phase = 'send_wait' AND seq > 0")
+    conn.execute("UPDATE nccl_peer_waits SET wall_ns = ? WHERE rank = 2 AND phase = 'send_wait' AND seq = 0",
+                 (OPS * 28 * MS,))
+    conn.commit()
+    conn.close()
+    lk = judged(db)[(2, 3)]
+    assert lk.send_worst["send_wait"] == OPS * 28 * MS and lk.send_wait_ns == OPS * 28 * MS + OPS - 1
+    assert lk.verdict == network.UNEXPLAINED, "the receiver waited 6×: said, but no slow link named"
+
+
 def test_two_ranks_compare_the_two_directions():
     """A 2-rank communicator (a pipeline stage's pair): each link against the other way; one
     link alone is compared with nothing."""

@@ -27,6 +27,11 @@ stand out; with 3 or more and one outlier the two medians agree.)
 - GPU straggler: the same recv_wait, but the sender's send_wait is not high
   while its send_gpu_wait to that receiver is (RATIO times the median, and
   SHARE of the time): the receiver waited for the sender's GPU;
+- neither slow link nor GPU straggler when at least STALL_SHARE of the
+  sender's figure fell in one operation: one stall (its receiver stopped a
+  moment, its GPU paused once), not a link or GPU that slows every
+  operation it carries (a rank stopped for good leaves no finished
+  operation after the stall: `hang` names it);
 - unexplained: the receiver's recv_wait is at least RATIO times the
   communicator's median link and SHARE of its time, and neither of the
   sender's figures is high, or the sender's side is not in the recording
@@ -54,6 +59,7 @@ from exporter.sinks.recording.read import Recording
 RATIO = 3.0        # times the communicator's median link (the alert NcclPeerNetworkWaitHigh uses the same)
 SHARE = 0.10       # of the receiver's time in the operations (the alert: of wall time)
 MIN_PAIRS = 2      # links measured on the receiving side, per communicator (2: a 2-rank one)
+STALL_SHARE = 0.5  # of a sender's wait in one operation: a stall, no verdict (_stall)
 
 SLOW_LINK = "slow link"
 GPU_STRAGGLER = "GPU straggler"
@@ -68,6 +74,7 @@ class Link:
     receiver: int
     recv: dict = field(default_factory=dict)   # receiver's recv phases from sender: phase -> wall ns
     send: dict = field(default_factory=dict)   # sender's send phases to receiver: phase -> wall ns
+    send_worst: dict = field(default_factory=dict)  # phase -> the largest one operation's wall ns
     send_bytes: int = 0        # transSize the sender reported sending to the receiver
     recv_bytes: int = 0        # transSize the receiver reported receiving from the sender
     operations: int = 0        # operations with figures for this link on the receiving side
@@ -124,7 +131,7 @@ def load(rec: Recording, comm: str | None = None, op: str | None = None) -> list
             links[key] = Link(c, labels.get(c, c), sender, receiver)
         return links[key]
 
-    for c, rank, peer, direction, phase, wall, nbytes, ops, node, pid in rec.peer_waits(op):
+    for c, rank, peer, direction, phase, wall, nbytes, ops, node, pid, worst in rec.peer_waits(op):
         if rank is None or (comm and not (c.startswith(comm) or labels.get(c, "").startswith(comm))):
             continue
         at[(c, rank)] = (node, pid)
@@ -136,6 +143,7 @@ def load(rec: Recording, comm: str | None = None, op: str | None = None) -> list
         else:
             lk = link(c, rank, peer)
             lk.send[phase] = lk.send.get(phase, 0) + (wall or 0)
+            lk.send_worst[phase] = max(lk.send_worst.get(phase, 0), worst or 0)
             lk.send_bytes += nbytes or 0
     for lk in links.values():
         lk.receiver_at = at.get((lk.comm, lk.receiver))
@@ -192,6 +200,13 @@ def _median_without(lk: Link, links: list[Link], figure) -> float:
     return statistics.median(others) if others else 0.0
 
 
+def _stall(lk: Link, phase: str) -> bool:
+    """Most of the sender's wait in `phase` fell in one operation (at least STALL_SHARE): one
+    stall (a receiver stopped a moment, a GPU paused once), not a slow link or GPU, which
+    slows every operation it carries."""
+    return lk.send_worst.get(phase, 0) >= STALL_SHARE * lk.send.get(phase, 0) > 0
+
+
 def judge(links: list[Link]) -> list[Link]:
     """Set each link's ratios to its communicator's median link and its verdict; returns the
     links with a verdict, the largest recv_wait excess first."""
@@ -221,9 +236,9 @@ def judge(links: list[Link]) -> list[Link]:
             # not stand out; the slow link's sender waits for the network, the slow GPU's for its GPU.
             # Its wait must be a real share too: SHARE of the receiver's time in the operations.
             floor = SHARE * lk.receiver_time_ns if lk.receiver_time_ns else 0
-            if lk.send and lk.send_x >= RATIO and lk.send_wait_ns >= floor:
+            if lk.send and lk.send_x >= RATIO and lk.send_wait_ns >= floor and not _stall(lk, "send_wait"):
                 lk.verdict = SLOW_LINK
-            elif lk.send and lk.gpu_x >= RATIO and lk.send_gpu_wait_ns >= floor:
+            elif lk.send and lk.gpu_x >= RATIO and lk.send_gpu_wait_ns >= floor and not _stall(lk, "send_gpu_wait"):
                 lk.verdict = GPU_STRAGGLER
             elif lk.recv_x >= RATIO:
                 lk.verdict = UNEXPLAINED

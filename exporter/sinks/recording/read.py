@@ -118,6 +118,7 @@ class PeerWaits(NamedTuple):
     operations: int      # distinct operations (op, seq, kind)
     node: str | None
     pid: int
+    worst_wall_ns: int   # the largest one operation's wall_ns
 
 
 # --- the reader -------------------------------------------------------------------
@@ -352,7 +353,7 @@ class Recording:
         where, params = "peer IS NOT NULL" + (" AND op = ?" if op else ""), (op,) if op else ()
         return map(PeerWaits._make, self.conn.execute(
             "SELECT nccl_comm_hash, rank, peer, direction, phase, SUM(wall_ns), SUM(bytes), "
-            "COUNT(DISTINCT op || ':' || seq || ':' || kind), MIN(node), MIN(pid) FROM nccl_peer_waits "
+            "COUNT(DISTINCT op || ':' || seq || ':' || kind), MIN(node), MIN(pid), MAX(wall_ns) FROM nccl_peer_waits "
             f"WHERE {where} GROUP BY nccl_comm_hash, rank, peer, direction, phase", params))
 
     def gpu_time_of_peer_waits(self, op: str | None = None) -> dict[tuple[str, int], int]:
