@@ -235,11 +235,13 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
                 name = who(*key)
                 mine = [st for st in stats if (st.node, st.pid) == key]
                 lasts = ", ".join(f"{100 * st.last_share:.0f} % of {st.op} on comm {st.comm[:8]}…" for st in mine)
+                estimated = (" (--sched totals: each second's wait spread over its collectives)"
+                             if any(st.runq_estimated for st in mine) else "")
                 return [f"CPU starvation: {name} waited for a CPU {_ms(wait)} of its {_ms(proc_time[key])} "
                         f"in collectives ({wait / max(med, 1):.1f}× the other ranks' median): every collective waits "
                         f"for it inside the call",
-                        f"{name}: caller and proxy threads runnable but not running {_ms(wait)}; the other "
-                        f"ranks' median {_ms(med)}",
+                        f"{name}: caller and proxy threads runnable but not running {_ms(wait)} (summed over "
+                        f"its threads); the other ranks' median {_ms(med)}" + estimated,
                         f"it arrived last in {lasts or 'none'}: it stalls inside the calls, not before them",
                         _durations(collectives, *main),
                         f"retransmits: {total_retx} on all links in the collectives' windows", clocks]
