@@ -53,6 +53,9 @@ def test_wrong_culprit_lowers_precision_and_an_early_naming_is_a_false_alarm():
     # healthy time: run a's 100 s before its onset + run h's 160 s
     assert healthy["false_alarms"] == 2 and healthy["hours"] == round(260 / 3600, 3)
     assert r["healthy"]["hang"]["false_alarms"] == 0
+    # all faults together: the right rank (once, however often named) and the wrong one
+    assert r["namings"]["prometheus"] == {"right": 1, "wrong": 1, "precision": 0.5}
+    assert r["namings"]["hang"] == {"right": 0, "wrong": 0, "precision": None}
 
 
 def test_a_run_counts_once_for_the_cause_and_twice_for_precision():
@@ -169,6 +172,7 @@ def test_score_cli_table_and_bad_input(tmp_path):
                        capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0, p.stderr
     assert "| straggler | prometheus | 1 | 1 | 12.0 | 12.0 | 1.0 | 1 | 12.0 |" in p.stdout
+    assert "| prometheus | 1 | 1 | 1.0 | 0.028 | 0 | 0.0 |" in p.stdout
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     p = subprocess.run([sys.executable, "-m", "bench.faults.score", tmp_path / "bad.jsonl", tmp_path / "d.jsonl"],
                        capture_output=True, text=True, cwd=REPO)

@@ -89,6 +89,7 @@ class Cell:
         return {"runs": self.runs, "detected": len(self.latencies),
                 "median_s": _r(statistics.median(self.latencies)) if self.latencies else None,
                 "p90_s": _r(quantile(self.latencies, 0.9)),
+                "right": self.right, "wrong": self.wrong,
                 "precision": _r(self.right / named) if named else None,
                 "cause_right": self.cause_right,
                 "cause_median_s": _r(statistics.median(self.cause_latencies)) if self.cause_latencies else None}
@@ -146,9 +147,14 @@ def score(truths: list[dict], detections: list[dict], detectors: list[str] | Non
                     cell.cause_right += 1
                     cell.cause_latencies.append(min(with_cause) - t["onset"])
     hours = healthy_s / 3600
+    totals = {det: (sum(c[det].right for c in faults.values() if det in c),
+                    sum(c[det].wrong for c in faults.values() if det in c)) for det in detectors}
     return {"faults": {f: {det: c.row() for det, c in cells.items()} for f, cells in faults.items()},
             "healthy": {det: {"hours": round(hours, 3), "false_alarms": n,
-                              "per_hour": round(n / hours, 2) if hours else None} for det, n in alarms.items()}}
+                              "per_hour": round(n / hours, 2) if hours else None} for det, n in alarms.items()},
+            # every naming in the fault runs' windows, all faults together: how often the culprit named is right
+            "namings": {det: {"right": r, "wrong": w, "precision": round(r / (r + w), 3) if r + w else None}
+                        for det, (r, w) in totals.items()}}
 
 
 def table(result: dict) -> str:
@@ -161,9 +167,12 @@ def table(result: dict) -> str:
             lines.append(f"| {fault} | {det} | {r['runs']} | {r['detected']} | {dash(r['median_s'])} | "
                          f"{dash(r['p90_s'])} | {dash(r['precision'])} | {r['cause_right']} | "
                          f"{dash(r.get('cause_median_s'))} |")
-    lines += ["", "| detector | healthy hours | false alarms | per hour |", "|---|---|---|---|"]
+    lines += ["", "| detector | namings in fault runs | right | precision | healthy hours | false alarms | per hour |",
+              "|---|---|---|---|---|---|---|"]
     for det, h in sorted(result["healthy"].items()):
-        lines.append(f"| {det} | {h['hours']} | {h['false_alarms']} | {dash(h['per_hour'])} |")
+        n = result["namings"][det]
+        lines.append(f"| {det} | {n['right'] + n['wrong']} | {n['right']} | {dash(n['precision'])} | "
+                     f"{h['hours']} | {h['false_alarms']} | {dash(h['per_hour'])} |")
     return "\n".join(lines)
 
 
