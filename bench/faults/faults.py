@@ -285,6 +285,7 @@ FAULTS = {
     "desync": Desync,
     "healthy_jitter": Jitter,
     "healthy_checkpoint": Checkpoint,
+    "healthy_gpu_checkpoint": lambda: Checkpoint(gpu=True),
     "healthy_agent_restart": AgentRestart,
     "healthy_long_collective": LongCollective,
 }

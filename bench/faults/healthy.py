@@ -16,6 +16,7 @@ from bench.faults.base import (
     FaultsFile,
     send_signal,
     agent_samples,
+    gpu_job_env,
 )
 
 
@@ -38,11 +39,17 @@ class Jitter(Fault):
 
 class Checkpoint(Fault):
     """Healthy control: every rank paused 45 s at once (a checkpoint), SIGSTOP
-    and SIGCONT of all at the same instant."""
+    and SIGCONT of all at the same instant. gpu: the job in the GPU-like mode
+    with the plugin, where the pause also stops network steps mid-way (their
+    waits end after it with the pause in them)."""
 
-    def __init__(self, wait_s=WAIT_HEALTHY_LONG_S):
-        super().__init__("healthy_checkpoint", None, wait_s, culprit=None, healthy=True)
-        self.timer = None
+    def __init__(self, wait_s=WAIT_HEALTHY_LONG_S, gpu: bool = False):
+        super().__init__("healthy_gpu_checkpoint" if gpu else "healthy_checkpoint", None, wait_s,
+                         culprit=None, healthy=True)
+        self.timer, self.gpu = None, gpu
+
+    def job_env(self, work):
+        return gpu_job_env() if self.gpu else {}
 
     def inject(self, ctx, rank):
         for p in ctx.pids:
