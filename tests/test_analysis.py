@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import signal
 import sqlite3
 import subprocess
@@ -297,6 +298,47 @@ def test_healthy_job_has_no_straggler(healthy):
     p = _cli("stragglers", healthy, "--collectives", "--op", "ALL_REDUCE", "--format", "csv")
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("comm,op,seq,ranks,complete,first_arrival_ns,last_rank")
+
+
+def _add_retransmits(src, dst, host: int, n: int) -> None:
+    """Copy a recording and add n retransmits on host's links, alternately out of it (owned by
+    its rank) and into it from its ring predecessor, each in the middle of one of the owner's
+    ALL_REDUCE calls (spread over the job)."""
+    import shutil
+
+    shutil.copy(src, dst)
+    conn = sqlite3.connect(dst)
+    pid = dict(conn.execute("SELECT launcher_rank, pid FROM processes"))
+    prev = (host - 1) % NRANKS
+    for i in range(n):
+        owner, saddr, daddr = ((host, _addr(host), _addr(0)) if i % 2 == 0 else
+                               (prev, _addr(prev), _addr(host)))
+        calls = conn.execute("SELECT timestamp_ns + duration_ns / 2 FROM nccl_events WHERE pid = ? AND "
+                             "op = 'ALL_REDUCE' ORDER BY timestamp_ns", (pid[owner],)).fetchall()
+        t = calls[(i * len(calls)) // n][0]
+        conn.execute("INSERT INTO tcp_events (timestamp_ns, event, family, saddr, daddr, sport, dport, state, pid, "
+                     "tid, rank, node) VALUES (?, 'tcp_retransmit_skb', 'ipv4', ?, ?, 40000, 50000, "
+                     "'ESTABLISHED', ?, ?, ?, 'simnode')", (t, saddr, daddr, pid[owner], pid[owner], owner))
+    conn.commit()
+    conn.close()
+
+
+@needs_root
+def test_probes_gathered_on_one_host_are_not_a_lossy_link(healthy, tmp_path):
+    """A healthy job's tail-loss probes once gathered on one host's links in CI (21, 68 % of all):
+    explain named that host's link lossy. The count and share are no proof of loss; the rate is: the
+    same healthy recording with 30 more retransmits on rank 3's links (under one per 20 collectives)
+    stays healthy, with one per 3 collectives it is that host's link."""
+    n = int(re.search(r"in the (\d+) collectives' windows", " ".join(_explain(healthy)["evidence"])).group(1))
+    few, many = tmp_path / "few.db", tmp_path / "many.db"
+    _add_retransmits(healthy, few, LOSSY, 30)
+    assert 30 < n / 20, n  # the premise: 30 is under the rate bar
+    out = _explain(few)
+    assert out["verdict"].startswith("no straggler"), out
+    assert any("tail-loss probes, not loss" in e for e in out["evidence"]), out
+    _add_retransmits(healthy, many, LOSSY, n // 3)
+    v = _explain(many)["verdict"]
+    assert v.startswith("network:") and f"the link of {_addr(LOSSY)} (rank {LOSSY}), both ways" in v, v
 
 
 SHIFT = {0: 0, 1: 50_000_000, 2: -50_000_000, 3: 20_000_000}
