@@ -400,10 +400,10 @@ def test_a_seconds_wait_is_spread_over_the_windows_it_covers():
     assert sp.window("p", 3000, 4000) == 0 and sp.window("q", 0, 5000) == 0
 
 
-def _late_reader_job(late_wait_ms: float, usual_wait_ms: float, estimated: bool = False):
+def _late_reader_job(late_wait_ms: float, usual_wait_ms: float, estimated: bool = False, leaves_ms: int = 0):
     """Pure logic. 20 collectives of 4 ranks; rank 3 arrives 40 ms late to each, its peers'
     sockets retransmit into its address 198.18.0.7; its threads waited late_wait_ms for a CPU
-    per collective, the others usual_wait_ms."""
+    per collective, the others usual_wait_ms; it leaves each leaves_ms after the others."""
     from exporter.offline.analysis.stragglers import Arrival, Collective
 
     ms, out = 1_000_000, []
@@ -412,7 +412,8 @@ def _late_reader_job(late_wait_ms: float, usual_wait_ms: float, estimated: bool 
         arr = []
         for r in range(4):
             start = t + (40 * ms if r == 3 else r * ms // 10)
-            a = Arrival(r, "n", 100 + r, 100 + r, start, t + 60 * ms, t - 100 * ms, start, (t - 100 * ms, t + 60 * ms),
+            end = t + (60 + (leaves_ms if r == 3 else 0)) * ms
+            a = Arrival(r, "n", 100 + r, 100 + r, start, end, t - 100 * ms, start, (t - 100 * ms, t + 60 * ms),
                         4096, None, runq_wait_ns=int((late_wait_ms if r == 3 else usual_wait_ms) * ms),
                         runq_estimated=estimated)
             if r == 2:
@@ -440,6 +441,19 @@ def test_a_late_reader_starved_of_cpu_is_said_so(late_wait_ms, estimated, starve
     assert f"waited {late_wait_ms:.1f} ms for a CPU per collective it was last in (the other ranks: 1.0 ms)" \
         in lines[-1], lines
     assert ("--sched totals" in lines[-1]) == estimated
+
+
+@pytest.mark.parametrize("leaves_ms, named", [(45, False), (40, False), (39, False), (37, True), (0, True)])
+def test_a_rank_late_only_as_late_as_it_left_is_no_late_reader(leaves_ms, named):
+    """Pure logic. A lossy link's receiver gets its data late, leaves the call late and arrives
+    late at the next by as much: the link's doing, not a late reader (the fault benchmark once
+    named one). Rank 3, 40 ms late to each call, counts only where that is 2 ms (MIN_LAG_NS) more
+    than it left its previous call late."""
+    from exporter.offline.analysis import explain, late_reader
+
+    found = late_reader.find(_late_reader_job(1.0, 1.0, leaves_ms=leaves_ms), {"198.18.0.7"},
+                             {"198.18.0.7": {("n", 103)}}, explain.MIN_LAG_NS)
+    assert (found is not None) == named, found
 
 
 def test_skew_takes_the_more_precise_of_ends_and_bounds():

@@ -20,6 +20,7 @@ SLEEP_SYSCALLS = {35, 230}  # x86_64 nanosleep, clock_nanosleep: Python's time.s
 # collective (exporter/simulator/nccl_sim/bootstrap.c, netsteps.c). A rank stopped elsewhere than in its
 # sleep may be in Python between two calls, not inside one.
 TRANSPORT_SYSCALLS = {7, 271, 44, 45, 46, 47}
+FUTEX = 202  # x86_64 futex: a pthread_cond_wait, where the GPU-like mode's idle threads wait
 
 # How long after the onset a culprit may still be named (a later answer is a miss), from the
 # goals, not from any run: a slowed rank or link twice its 30 s p90 goal; a hang, a rank that
@@ -50,6 +51,26 @@ def in_sleep(pid: int, inside: bool = False) -> bool | None:
     except (OSError, IndexError):
         return None
     return nr.lstrip("-").isdigit() and int(nr) in (TRANSPORT_SYSCALLS if inside else SLEEP_SYSCALLS)
+
+
+def gpu_idle(pid: int) -> bool | None:
+    """Whether a (stopped) rank in the simulator's GPU-like mode had nothing on its "GPU": its
+    stream and proxy threads ("NCCL Stream N", "NCCL Proxy N": exporter/simulator/nccl_sim/gpu.c,
+    p2p.c) all waiting on their condition variables. A real GPU finishes the kernels it was given
+    while the host process is stopped; the simulated one is a thread, stopped with it. None if gone."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if not f.read().startswith(("NCCL Stream", "NCCL Proxy")):
+                    continue
+            with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+                if f.read().split()[0] != str(FUTEX):
+                    return False
+    except FileNotFoundError:
+        return None if not os.path.exists(f"/proc/{pid}") else False  # a thread gone: ask again
+    except (OSError, IndexError):
+        return None
+    return True
 
 
 class DutyCycle:

@@ -19,6 +19,7 @@ from bench.faults.base import (
     Fault,
     FaultsFile,
     send_signal,
+    gpu_idle,
     gpu_job_env,
     in_sleep,
 )
@@ -228,7 +229,11 @@ class Stopped(Fault):
     a random few ms, SIGSTOP) until /proc/PID/syscall says where it stopped.
     gpu: the job in the GPU-like mode with the plugin, where the peers' calls
     return once enqueued and their wait is on the "GPU" (the rank never joins
-    only: inside a call of that mode the host does not wait)."""
+    only: inside a call of that mode the host does not wait). There the stop
+    also waits until the rank's own "GPU" is idle: its stream is a thread
+    that SIGSTOP stops too, where a real GPU would finish its last kernel
+    (two early runs stopped one mid-kernel: every rank then had an operation
+    in flight, and none was missing)."""
 
     def __init__(self, inside: bool, wait_s=WAIT_HANG_S, gpu: bool = False):
         super().__init__(("gpu_" if gpu else "") + ("stopped_inside" if inside else "stopped_between"),
@@ -248,6 +253,8 @@ class Stopped(Fault):
             send_signal(pid, signal.SIGSTOP)
             time.sleep(0.02)
             where = in_sleep(pid, self.inside)
+            if where and self.gpu and not self.inside:
+                where = gpu_idle(pid)
             if where is None or where:
                 return {"mechanism": "SIGSTOP " + ("inside a collective" if self.inside else "between collectives"),
                         "attempts": attempt}

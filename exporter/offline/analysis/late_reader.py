@@ -15,6 +15,15 @@ is last there as often as chance gives, or less. Not half of them, as check
 1 asks: a retransmit falls in the sender's window, which can end before the
 receiver it waits for is late to the next call.
 
+A collective counts only where the rank is late by its own time between
+calls: its lag there less how late it left its previous call (its end
+after that collective's median end) is still at least the lag floor. A
+lossy link's receiver gets its data late, leaves the call late and so
+arrives late at the next one by as much; that is the link's doing (the
+fault benchmark once named a lossy link's receiver a late reader, last in
+36 of ~100 such collectives). A straggler leaves with the others (they
+waited for it) and is late again by its own work.
+
 Its cause, as in check 1: starved of CPU when its caller and proxy threads
 waited runnable, per collective it was last in, at least CPU_SHARE of the
 median lag more than the other ranks' threads did in the same collectives.
@@ -22,6 +31,7 @@ median lag more than the other ranks' threads did in the same collectives.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import defaultdict
 
@@ -49,10 +59,11 @@ def find(collectives, addrs: set, addr_procs: dict, min_lag_ns: int):
         if into:
             probed.append(c)
             senders |= {(a.node, a.pid) for a in into}
+    left_late = _left_late(collectives)
     late: dict[tuple, list] = defaultdict(list)
     for c in probed:
         key = (c.last.node, c.last.pid)
-        if (key in procs if procs else key not in senders) and c.lag_ns >= min_lag_ns:
+        if (key in procs if procs else key not in senders) and c.lag_ns - left_late(c.last) >= min_lag_ns:
             late[key].append(c)
     if not late:
         return None
@@ -62,6 +73,24 @@ def find(collectives, addrs: set, addr_procs: dict, min_lag_ns: int):
     if len(mine) >= MIN_LATE_READS and len(mine) >= chance + LATE_SDS * (chance * (1 - p)) ** 0.5:
         return mine[0].last, mine, probed
     return None
+
+
+def _left_late(collectives):
+    """f(arrival) -> how late (ns, >= 0) its process left its previous call: that call's end
+    after its collective's median end; 0 where the previous call is not in the collectives."""
+    calls: dict[tuple, list] = defaultdict(list)   # process -> [(start, late leaving)], sorted
+    for c in collectives:
+        med_end = statistics.median(a.end for a in c.arrivals)
+        for a in c.arrivals:
+            calls[(a.node, a.pid)].append((a.start, max(0, int(a.end - med_end))))
+    for v in calls.values():
+        v.sort()
+
+    def left_late(a) -> int:
+        mine = calls.get((a.node, a.pid), [])
+        i = bisect.bisect_left(mine, (a.start, -1)) - 1
+        return mine[i][1] if i >= 0 else 0
+    return left_late
 
 
 def lines(late, who, links: str, min_lag_ns: int, cpu_share: float) -> list[str]:
