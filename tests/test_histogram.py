@@ -153,7 +153,7 @@ def test_classic_buckets_are_derived_at_powers_of_two_seconds():
     counts = [0] * d.slots
     counts[0], counts[1], counts[8], counts[9], counts[d.slots - 1] = 2, 3, 5, 7, 11
     hist = Histograms(metrics.COLLECTIVE_DURATION, d, h.CLASSIC["coarse"])
-    hist.add(("n", "ALL_REDUCE", "c", "0"), counts, 1.5)
+    hist.add(("n", "ALL_REDUCE", "c", "0"), counts, 1_500_000_000)
     samples = hist.family().samples
     pairs = [(s.labels["le"], s.value) for s in samples if s.name.endswith("_bucket")]
     assert len(pairs) == 29
@@ -281,3 +281,49 @@ def test_scrape_size_budget():
     assert scrape_bench.measure(node_series, "protobuf", reps=1)["plain"] <= 60e3
     k1 = scrape_bench.make_series(10, 10, 10, random.Random(1))
     assert scrape_bench.measure(k1, "protobuf", reps=1)["plain"] <= 400e3
+
+
+# --- sums over processes ------------------------------------------------------------
+
+
+# Three processes' run-queue delays (ns) whose float sums in seconds differ with their
+# order: 12.750356015000001 s added in this order, 12.750356015 s with the first added last.
+THREE_NS = (5_743_465_891, 3_860_265_803, 3_146_624_321)
+
+
+def test_a_sum_over_processes_is_the_same_in_any_order():
+    # A label set sums several processes (the same launcher rank in two jobs, one
+    # of them ended); when the ended one expires its totals move to the retired
+    # list, so the order of the addends changes. A float sum then came out one
+    # ulp lower: Prometheus's rate() reads any decrease as a counter reset and
+    # counted the whole 11 s again (a rank seen waiting 1.1 s per second for a
+    # CPU, NcclRankCpuStarved pending, in a benchmark run where nothing waited).
+    from exporter.records.events import SchedStats
+    from exporter.sinks.prometheus import sched_families
+
+    class Table:
+        layout = None   # SchedTotals: a count and a sum only
+
+        def __init__(self, order):
+            self.pairs = [(("2", "caller"), SchedStats(pid, "caller", 1, ns, ns, (1,)))
+                          for pid, ns in order]
+
+        def labelled(self, rank_label):
+            return self.pairs
+
+    procs = list(enumerate(THREE_NS))
+    sums = set()
+    for order in (procs, procs[1:] + procs[:1], procs[::-1]):
+        for f in sched_families("n", Table(order), lambda pid: "2"):
+            sums |= {(s.name, s.value) for s in f.samples if s.name.endswith(("_sum", "_total"))}
+    assert sums == {("nccl_runqueue_delay_seconds_sum", sum(THREE_NS) / 1e9),
+                    ("nccl_offcpu_seconds_total", sum(THREE_NS) / 1e9)}
+
+
+def test_histogram_sums_are_exact_in_the_layouts_unit():
+    for layout in (h.DURATION, h.SRTT):
+        hist = Histograms(metrics.TCP_SRTT if layout is h.SRTT else metrics.COLLECTIVE_DURATION, layout)
+        for ns in THREE_NS[1:] + THREE_NS[:1]:
+            hist.add(("n", "x", "y", "z"), [1], ns)
+        (_, _, total_s, _), = hist.family().series
+        assert total_s == sum(THREE_NS) / layout.per_second

@@ -24,7 +24,7 @@ class _Families:
 
     def collect(self):
         hist = Histograms(metrics.COLLECTIVE_DURATION, h.DURATION)
-        hist.add(("n", "ALL_REDUCE", "c", "0"), list(self.counts), 0.5)
+        hist.add(("n", "ALL_REDUCE", "c", "0"), list(self.counts), 500_000_000)
         return [hist.family(), family_of(metrics.COLLECTIVE_BYTES, {("n", "ALL_REDUCE", "c", "0"): self.bytes})]
 
 

@@ -48,7 +48,7 @@ class _Families:
 def _registry(series: dict[tuple, list[int]]):
     hist = Histograms(metrics.COLLECTIVE_DURATION, h.DURATION)
     for labels, counts in series.items():
-        hist.add(labels, counts, 0.25)
+        hist.add(labels, counts, 250_000_000)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families([hist.family(),
                                  family_of(metrics.COLLECTIVE_BYTES, {("n", "ALL_REDUCE", "c", "0"): 7})]))

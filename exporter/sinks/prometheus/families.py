@@ -37,9 +37,11 @@ def empty_family(name: str):
     return make(m.name, m.help, labels=list(m.labels))
 
 
-def family_of(name: str, values: dict[tuple, float]):
-    """A counter or gauge family with one sample per label tuple, in sorted order."""
+def family_of(name: str, values: dict[tuple, float], per_second: int | None = None):
+    """A counter or gauge family with one sample per label tuple, in sorted order.
+    per_second: the values are integer totals in a unit of which this many make a
+    second (ns: 10**9), summed exactly and divided here, once (Histograms says why)."""
     f = empty_family(name)
     for label_values, v in sorted(values.items()):
-        f.add_metric(list(label_values), v)
+        f.add_metric(list(label_values), v / per_second if per_second else v)
     return f

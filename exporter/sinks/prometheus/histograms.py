@@ -62,22 +62,30 @@ class Histograms:
     """The one histogram builder: sums the slot counts of series that land on
     the same label set (a layout's slots: records/histogram.py), and gives a
     family that text scrapes read as classic buckets (`classic`: coarse or
-    fine) and protobuf scrapes as native histograms."""
+    fine) and protobuf scrapes as native histograms.
+
+    The sums are added as integers in the layout's unit (ns, or us for srtt;
+    ns without a layout) and turned into seconds once, in family():
+    a float sum over processes would depend on their order, which changes as
+    processes expire, and a counter one ulp lower is a reset to rate()
+    (docs/architecture.md, "Counters are summed in integers")."""
 
     def __init__(self, name: str, layout, classic=None):
         self.spec = metrics.spec(name)
         self.layout = layout
         self.classic = classic or histogram.CLASSIC[histogram.DEFAULT_CLASSIC]
+        self.per_second = layout.per_second if layout else 10**9
         self.buckets: dict[tuple, list[int]] = {}
-        self.sums: dict[tuple, float] = defaultdict(float)
+        self.sums: dict[tuple, int] = defaultdict(int)
 
-    def add(self, labels: tuple, counts, sum_seconds: float) -> None:
+    def add(self, labels: tuple, counts, total: int) -> None:
+        """counts: the series' slot counts; total: its sum in the layout's unit (int)."""
         size = self.layout.slots if self.layout else 1
         acc = self.buckets.setdefault(labels, [0] * size)
         for i, n in enumerate(counts[:size]):
             acc[i] += n
         acc[-1] += sum(counts[size:])  # anything past the layout is overflow
-        self.sums[labels] += sum_seconds
+        self.sums[labels] += total
 
     def family(self, exemplars: dict | None = None) -> ExponentialHistogramFamily:
         """exemplars: labels -> (trace id, duration ns, unix time): the latest slow
@@ -85,5 +93,6 @@ class Histograms:
         f = ExponentialHistogramFamily(self.spec.name, self.spec.help, list(self.spec.labels),
                                        self.layout, self.classic)
         for labels in sorted(self.buckets):
-            f.series.append((labels, self.buckets[labels], self.sums[labels], (exemplars or {}).get(labels)))
+            f.series.append((labels, self.buckets[labels], self.sums[labels] / self.per_second,
+                             (exemplars or {}).get(labels)))
         return f

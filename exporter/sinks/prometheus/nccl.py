@@ -49,7 +49,7 @@ class NcclCollector(SourceCollector):
             if s.op in contract.COLLECTIVE_OPS.values():
                 scrape.made_collectives.add((s.comm, s.rank))
                 key = (node, s.op, format_comm(s.comm), rank_label(s.rank))
-                durations.add(key, s.buckets, s.sum_ns / 1e9)
+                durations.add(key, s.buckets, s.sum_ns)
                 nbytes[key] += s.bytes
                 if s.calls and s.comm != contract.SERIES_OVERFLOW_COMM:
                     last_seq[key] = max(last_seq.get(key, -1), s.last_seq)
@@ -57,7 +57,7 @@ class NcclCollector(SourceCollector):
                         t = reader.clock.to_realtime(s.last_ns) / 1e9
                         last_return[key] = max(last_return.get(key, 0.0), t)
             else:
-                lifecycle.add((node, s.op), s.buckets, s.sum_ns / 1e9)
+                lifecycle.add((node, s.op), s.buckets, s.sum_ns)
         exemplars = {}
         if scrape.spans is not None:
             for (op, comm, rank), ex in list(scrape.spans.exemplars.items()):

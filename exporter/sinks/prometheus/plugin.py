@@ -89,7 +89,7 @@ def gpu_families(node: str, plugin, comms, traced_pids, is_alive=None, identity=
     if plugin is not None:
         for s in plugin.series():
             durations.add((node, s.op, format_comm(s.comm), rank_label(s.rank)),
-                          s.buckets, s.sum_ns / 1e9)
+                          s.buckets, s.sum_ns)
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC) if now_ns is None else now_ns
         for f in plugin.inflight():
             if not is_alive(f.pid):
@@ -120,9 +120,9 @@ def network_families(node: str, plugin, comm_of, is_alive, named_peers: dict | N
     peer once named stays named, new ones are named while there is room (the
     most waited first), so no counter moves between series."""
     named = named_peers if named_peers is not None else {}
-    wait: dict[tuple, float] = defaultdict(float)
-    steps: dict[tuple, float] = defaultdict(float)
-    nbytes: dict[tuple, float] = defaultdict(float)
+    wait: dict[tuple, int] = defaultdict(int)    # ns, exact (Histograms says why)
+    steps: dict[tuple, int] = defaultdict(int)
+    nbytes: dict[tuple, int] = defaultdict(int)
     foreign: dict[tuple, float] = {}
     if plugin is not None:
         series = plugin.network()
@@ -144,8 +144,9 @@ def network_families(node: str, plugin, comm_of, is_alive, named_peers: dict | N
             base = (node, comm_of(s.comm), rank_label(s.rank), peer, s.direction)
             nbytes[base] += s.bytes
             for phase, w, st in zip(contract.NETWORK_PHASES[s.direction], s.wall_ns, s.step_ns):
-                wait[(*base, phase)] += w / 1e9
-                steps[(*base, phase)] += st / 1e9
+                wait[(*base, phase)] += w
+                steps[(*base, phase)] += st
         foreign = {(node, str(pid)): n for pid, n in plugin.foreign_proxy_ops().items() if is_alive(pid)}
-    return [family_of(metrics.NETWORK_WAIT, wait), family_of(metrics.NETWORK_STEP_WAIT, steps),
+    return [family_of(metrics.NETWORK_WAIT, wait, per_second=10**9),
+            family_of(metrics.NETWORK_STEP_WAIT, steps, per_second=10**9),
             family_of(metrics.NETWORK_BYTES, nbytes), family_of(metrics.NETWORK_FOREIGN_OPS, foreign)]

@@ -34,9 +34,9 @@ def sched_families(node: str, sched, rank_of, classic=None) -> list:
     rank, thread}; processes with the same rank and kind are summed (with the
     retired totals of expired processes: `labelled`)."""
     runq = Histograms(metrics.RUNQUEUE_DELAY, sched.layout, classic)
-    offcpu: dict[tuple, float] = defaultdict(float)
+    offcpu: dict[tuple, int] = defaultdict(int)   # ns, exact: the sum must not depend on the order
     for lset, s in sched.labelled(lambda pid: owner_rank_label(rank_of, pid)):
         labels = (node, *lset)
-        runq.add(labels, s.buckets, s.sum_ns / 1e9)
-        offcpu[labels] += s.offcpu_ns / 1e9
-    return [runq.family(), family_of(metrics.OFFCPU, offcpu)]
+        runq.add(labels, s.buckets, s.sum_ns)
+        offcpu[labels] += s.offcpu_ns
+    return [runq.family(), family_of(metrics.OFFCPU, offcpu, per_second=10**9)]

@@ -53,6 +53,6 @@ def tcp_families(node: str, tcp, rank_of, classic=None) -> list:
             resets[(node, "received", *lset)] += link.resets_received
     srtt = Histograms(metrics.TCP_SRTT, histogram.SRTT, classic)
     for lset, s in srtt_recs:
-        srtt.add((node, *lset), s.buckets, s.sum_us * 1e-6)
+        srtt.add((node, *lset), s.buckets, s.sum_us)
     return [family_of(metrics.TCP_RETRANSMITS, retrans), family_of(metrics.TCP_RETRANSMIT_FAILURES, failures),
             family_of(metrics.TCP_RESETS, resets), srtt.family()]
