@@ -220,6 +220,13 @@ def test_two_fault_set_writes_truth_first_scores_it_and_cleans_up(tmp_path):
         t = next(t for t in truths if t["run"] == d["run"])
         assert t["start"] <= d["t"] <= t["onset"] + t["wait_s"] + 15, d
         assert set(d["culprit"]) <= {"rank", "link"} and d["detector"] in ("prometheus", "hang", "explain"), d
+    # every alert that named a culprit is in its run's alert timeline, firing by the time it was seen
+    spans = scoring.read_jsonl(tmp_path / "alerts.jsonl")
+    for d in dets:
+        if d["detector"] == "prometheus":
+            t = next(t for t in truths if t["run"] == d["run"])
+            assert any(s["run"] == d["run"] and s["alert"] == d["what"] and s["state"] == "firing"
+                       and s["from_s"] <= d["t"] - t["onset"] + 1 for s in spans), (d, spans)
     result = json.loads((tmp_path / "result.json").read_text())
     rescored = scoring.score(truths, dets, ["prometheus", "hang", "explain"])
     assert result["faults"] == rescored["faults"] and result["healthy"] == rescored["healthy"]

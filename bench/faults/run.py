@@ -11,7 +11,9 @@ onset) to truth.jsonl, injects the fault, and watches three detectors for up
 to the fault's stated wait: Prometheus's firing alerts (its API), `nccl-exporter
 hang` on the agent's /metrics, `nccl-exporter explain --nodes` on its query
 endpoint. Every answer that names a culprit goes to detections.jsonl;
-bench/faults/score.py scores the two files.
+bench/faults/score.py scores the two files. alerts.jsonl keeps each run's
+alert timeline (pending and firing spans, from the onset) to tell why a
+culprit came late.
 
 As root, from the repository root, under the heavy lock:
 
@@ -147,6 +149,29 @@ class Prometheus:
                 break
             time.sleep(1)
         return time.monotonic() - t0
+
+    def timeline(self, t0: float, t1: float, onset: float, comms: set[str]) -> list[dict]:
+        """Each alert's pending and firing spans between t0 and t1 (Unix s), in seconds from
+        the onset, from the ALERTS series (one sample per evaluation): why a culprit was named
+        late or not at all (pending too late, or pending that reset). As for the detectors, a span
+        already active at t0 (the job's start), or on a communicator not in comms (this job's), is
+        an earlier job's and left out."""
+        got = json.loads(get(f"{self.api}/query_range?query=ALERTS&start={t0:.3f}&end={t1:.3f}&step=1"))
+        spans = []
+        for s in got["data"]["result"]:
+            labels = {k: v for k, v in s["metric"].items() if k not in ("__name__", "alertname", "alertstate")}
+            if "comm" in labels and not any(c.startswith(labels["comm"]) for c in comms):
+                continue
+            ts = [float(t) for t, _ in s["values"]]
+            begin = ts[0]
+            for prev, t in zip(ts, ts[1:] + [None]):
+                if t is None or t - prev > 1.5:   # a gap: the alert resolved (or reset) in between
+                    if begin > t0 + 0.5:
+                        spans.append({"alert": s["metric"]["alertname"], "state": s["metric"]["alertstate"],
+                                      "from_s": round(begin - onset, 1), "to_s": round(prev - onset, 1),
+                                      "labels": labels})
+                    begin = t
+        return sorted(spans, key=lambda x: (x["from_s"], x["alert"]))
 
     def close(self) -> None:
         stop_proc(self.proc, signal.SIGTERM)
@@ -315,7 +340,7 @@ def job_map(agent: Agent, pids: list[int]) -> dict:
 
 
 def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmup=WARMUP_S,
-            wait_s: float | None = None, commit: str = "") -> None:
+            wait_s: float | None = None, commit: str = "", alerts_out=None) -> None:
     from exporter.simulator.cluster import Cluster, start_job
 
     fault = FAULTS[name]()
@@ -356,6 +381,13 @@ def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmu
                 extra = fault.inject(ctx, culprit_rank)
                 log(f"{run_id}   injected: {extra}")
                 time.sleep(fault.wait_s)
+                if alerts_out is not None:
+                    try:
+                        for span in prom.timeline(start, time.time(), truth["onset"], {c for c, _ in ranks_of}):
+                            alerts_out.write(json.dumps({"run": run_id, **span}) + "\n")
+                        alerts_out.flush()
+                    except (OSError, ValueError, KeyError) as e:
+                        log(f"{run_id}   alert timeline not written: {e}")
             finally:
                 det.stop()
                 fault.clear(ctx)
@@ -446,7 +478,8 @@ def main(argv=None) -> int:
         agent = Agent(work, lib)
         agent.start()
         prom = Prometheus(work, f"127.0.0.1:{agent.port}")
-        with open(truth_path, "w") as truth_out, open(det_path, "w") as det_out:
+        with open(truth_path, "w") as truth_out, open(det_path, "w") as det_out, \
+                open(a.out / "alerts.jsonl", "w") as alerts_out:
             for i, name in enumerate(plan, 1):
                 if i > 1:
                     waited = prom.cool_down()
@@ -454,7 +487,7 @@ def main(argv=None) -> int:
                         log(f"cool-down: {waited:.0f} s until the previous run's alerts resolved")
                 log(f"run {i} of {len(plan)}: {name} (about {expected_s(plan[i - 1:]) / 60 + 0.5:.0f} min left)")
                 one_run(f"r{first + i:03d}", name, lib, work, agent, prom, truth_out, det_out, rng,
-                        warmup=warmup, wait_s=timing.get("wait"), commit=commit)
+                        warmup=warmup, wait_s=timing.get("wait"), commit=commit, alerts_out=alerts_out)
     except KeyboardInterrupt:
         log("interrupted: cleaning up (the runs so far are scored)")
     finally:
