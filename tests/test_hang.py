@@ -389,6 +389,26 @@ def test_a_communicator_made_before_the_agent_says_what_cannot_be_told():
                                            "for 80.0 s; which rank did not join cannot be told"), a.verdict
 
 
+def test_a_rank_stopped_in_a_call_its_peer_returned_from_is_stopped():
+    """(The fault benchmark's run r095.) Rank 1 of C (pid 101) is stopped inside AllReduce on its
+    pair communicator P, as P's rank 0; its pair peer (pid 103) got its data, returned, and waits
+    with ranks 0 and 2 in C's AllReduce #9, which pid 101 never joins. It is named stopped
+    inside, on P; a pause of every rank (all stopped) names no one."""
+    from exporter.offline.analysis import hang
+
+    pair = "77aa00000000beef"
+    stop = 'nccl_inflight_stopped_seconds{node="n",op="ALL_REDUCE",comm="%s",rank="%d"} %s'
+    lines = [info(C, r, 4, 100 + r) for r in range(4)] + [info(pair, 0, 2, 101), info(pair, 1, 2, 103)]
+    lines += [inflight(C, "ALL_REDUCE", r, 66) for r in (0, 2, 3)] + [inflight(pair, "ALL_REDUCE", 0, 67)]
+    lines += [last_seq(C, "ALL_REDUCE", r, 8) for r in range(4)]
+    lines += [last_seq(pair, "ALL_REDUCE", 0, 4), last_seq(pair, "ALL_REDUCE", 1, 5)]
+    a = hang.analyse(page_read(lines + [stop % (pair, 0, 67)]), None, 60)
+    named = {(h["comm"], s["rank"]) for h in a.as_dict()["hangs"] for s in h["stopped"]}
+    assert named == {(pair, 0)}, a.verdict
+    paused = lines + [stop % (pair, 0, 67)] + [stop % (C, r, 66) for r in (0, 2, 3)]
+    assert not any(h["stopped"] for h in hang.analyse(page_read(paused), None, 60).as_dict()["hangs"])
+
+
 def test_missing_rank_in_a_call_on_another_communicator():
     """The issue's 2:47 AM line: rank 0 never entered AllReduce #812; it is in Broadcast #96 elsewhere."""
     from exporter.offline.analysis import hang

@@ -215,15 +215,24 @@ class Model:
             if done:
                 sq, t = max(done, key=lambda x: x[1])
                 previous = (sq, max(0.0, self.now - t))
-            # stopped ranks are the culprits only while a peer in the call runs (a pause of
-            # every rank at once stops them all)
-            stopped = [c for c in waiting + behind if c.stopped] if any(not c.stopped for c in waiting) else []
+            # stopped ranks are the culprits only while a peer waits for them, running: in the
+            # call, or (its peers there got their data and returned) in their next collective on
+            # another communicator of its process. A pause of every rank at once stops them all.
+            peer_runs = any(not c.stopped for c in waiting)
+            stopped = [c for c in waiting + behind if c.stopped and (peer_runs or self.waited_for_elsewhere(c))]
             out.append(Hang(comm, n, op, seq, sorted(waiting, key=lambda c: c.rank),
                             sorted(desync, key=lambda c: c.rank), missing, unknown_members=not n,
                             unseen=unseen, previous=previous, stopped=sorted(stopped, key=lambda c: c.rank),
                             nbytes=size))
         out.sort(key=lambda h: -h.age_s)
         return out
+
+    def waited_for_elsewhere(self, c: Call, min_age_s: float = 10.0) -> bool:
+        """Whether a call on another communicator of c's process has been in flight min_age_s,
+        its thread running (NcclRankStopped's second condition)."""
+        w = self.info.get((c.comm, c.rank))
+        others = {cm for cm, _r in self.proc_comms.get(w, []) if cm != c.comm} if w else set()
+        return any(o.comm in others and not o.stopped and o.age_s >= min_age_s for o in self.calls())
 
     def missing(self, comm: str, op: str, rank: int) -> Missing:
         w = self.info.get((comm, rank))
