@@ -219,7 +219,8 @@ class Model:
             # call, or (its peers there got their data and returned) in their next collective on
             # another communicator of its process. A pause of every rank at once stops them all.
             peer_runs = any(not c.stopped for c in waiting)
-            stopped = [c for c in waiting + behind if c.stopped and (peer_runs or self.waited_for_elsewhere(c))]
+            stopped = [c for c in waiting + behind
+                       if c.stopped and (peer_runs or self.waited_for_elsewhere(c, threshold_s))]
             out.append(Hang(comm, n, op, seq, sorted(waiting, key=lambda c: c.rank),
                             sorted(desync, key=lambda c: c.rank), missing, unknown_members=not n,
                             unseen=unseen, previous=previous, stopped=sorted(stopped, key=lambda c: c.rank),
@@ -227,9 +228,10 @@ class Model:
         out.sort(key=lambda h: -h.age_s)
         return out
 
-    def waited_for_elsewhere(self, c: Call, min_age_s: float = 10.0) -> bool:
-        """Whether a call on another communicator of c's process has been in flight min_age_s,
-        its thread running (NcclRankStopped's second condition)."""
+    def waited_for_elsewhere(self, c: Call, min_age_s: float) -> bool:
+        """Whether a call on another communicator of c's process has been in flight min_age_s
+        (hang's threshold; NcclRankStopped's 10 s), its thread running (that alert's second
+        condition)."""
         w = self.info.get((c.comm, c.rank))
         others = {cm for cm, _r in self.proc_comms.get(w, []) if cm != c.comm} if w else set()
         return any(o.comm in others and not o.stopped and o.age_s >= min_age_s for o in self.calls())
