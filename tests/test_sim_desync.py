@@ -1,12 +1,22 @@
-"""The simulator's desync fault (docs/simulator.md, "Desync"): NCCL_SIM_DESYNC=RANK in
-NCCL_SIM_FAULTS_FILE, written mid-job, makes that rank of the `train` workload call
-ncclBroadcast where its peers call ncclAllReduce; every rank then waits inside its
-call (the job hangs, as NCCL's ranks wait for steps their peers never post), none
-returns an error or a result."""
+"""The simulator's desync faults (docs/simulator.md, "Desync"), switched on mid-job in
+NCCL_SIM_FAULTS_FILE and read by the `train` workload at each iteration:
+
+- NCCL_SIM_DESYNC=RANK: that rank calls ncclBroadcast where its peers call
+  ncclAllReduce; every rank then waits inside its call (the job hangs, as NCCL's
+  ranks wait for steps their peers never post), none returns an error or a result;
+- NCCL_SIM_DESYNC_COUNT=RANK[:COUNT]: that rank calls ncclAllReduce with another
+  count, by default one ring loop longer. The ranks finish the loops they share, step
+  by step (each ring step is one frame, whatever its size, as NCCL matches steps by
+  counters): with a count of as many loops every rank returns, with wrong data;
+  with one more loop the peers return with wrong data (the workload's result check
+  catches it) and, when nothing checks (NCCL_SIM_NO_CHECK, a training job), go on
+  to their next calls while that rank waits for the steps of its second loop: the
+  job hangs."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,13 +28,14 @@ from exporter.simulator.build import build_library
 from conftest import REPO
 
 
-@pytest.mark.slow  # ~15 s of a running job
-def test_desync_hangs_every_rank(tmp_path):
+def run_job(tmp_path, fault: str, env: dict) -> tuple[list, list[str]]:
+    """4 ranks of `train` for 6 s; `fault` (NAME=VALUE) written to the faults file after 2 s.
+    The ranks' return codes 9 s later (None: still running, then killed) and outputs."""
     lib = build_library(tmp_path / "lib")
     faults = tmp_path / "faults"
-    faults.write_text("NCCL_SIM_DESYNC=\n")
+    faults.write_text(fault.split("=")[0] + "=\n")
     (tmp_path / "rdv").mkdir()
-    env = dict(os.environ, NCCL_SIM_FAULTS_FILE=str(faults))
+    env = dict(os.environ, NCCL_SIM_FAULTS_FILE=str(faults), **env)
     procs = [subprocess.Popen([sys.executable, "-m", "exporter.simulator.rank", "--lib", str(lib), "--rank", str(r),
                                "--nranks", "4", "--rendezvous", str(tmp_path / "rdv"), "--workload", "train",
                                "--iterations", "100000000", "--duration-s", "6", "--count", "1024",
@@ -35,15 +46,69 @@ def test_desync_hangs_every_rank(tmp_path):
         time.sleep(2)
         assert all(p.poll() is None for p in procs), "a rank ended before the fault"
         tmp = faults.with_suffix(".tmp")
-        tmp.write_text("NCCL_SIM_DESYNC=2\n")
+        tmp.write_text(fault + "\n")
         os.replace(tmp, faults)
-        # Without the fault the job ends by itself after 6 s; with it no rank ends.
+        # Without the fault the job ends by itself after 6 s.
         time.sleep(9)
-        assert [p.poll() for p in procs] == [None] * 4, "a rank returned from the desynced calls"
+        codes = [p.poll() for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    outs = [p.communicate(timeout=30)[0].decode() for p in procs]
+    return codes, [p.communicate(timeout=30)[0].decode() for p in procs]
+
+
+@pytest.mark.slow  # ~15 s of a running job
+def test_desync_hangs_every_rank(tmp_path):
+    codes, outs = run_job(tmp_path, "NCCL_SIM_DESYNC=2", {})
+    assert codes == [None] * 4, f"a rank returned from the desynced calls: {codes}"
     assert "rank 2: iteration" in outs[2] and "ncclBroadcast instead of ncclAllReduce" in outs[2], outs[2][-500:]
     assert not any("FAIL" in o for o in outs), [o[-300:] for o in outs]
+
+
+@pytest.mark.slow  # ~15 s of a running job
+def test_a_count_of_as_many_loops_returns_wrong_data_everywhere(tmp_path):
+    """2048 elements where the peers have 1024: one loop on every rank, which all
+    complete step by step (on a byte stream rank 2 would wait for bytes never sent)."""
+    codes, outs = run_job(tmp_path, "NCCL_SIM_DESYNC_COUNT=2:2048", {"NCCL_SIM_NO_CHECK": ""})
+    assert codes[2] not in (None, 0) and "FAIL" in outs[2] and "the desync returned" in outs[2], outs[2][-500:]
+    for r in (0, 1, 3):
+        assert codes[r] not in (None, 0) and "wrong result in ncclAllReduce" in outs[r], (r, codes, outs[r][-300:])
+
+
+@pytest.mark.slow  # ~15 s of a running job
+def test_a_longer_count_returns_wrong_data_to_the_peers(tmp_path):
+    """The loop every rank has is completed by all: the peers return, with wrong data."""
+    codes, outs = run_job(tmp_path, "NCCL_SIM_DESYNC_COUNT=2", {"NCCL_SIM_NO_CHECK": ""})
+    assert "ncclAllReduce of 2098176 elements where its peers' have 1024" in outs[2], outs[2][-500:]
+    for r in (0, 1, 3):
+        assert codes[r] not in (None, 0) and "wrong result in ncclAllReduce" in outs[r], (r, codes, outs[r][-300:])
+
+
+@pytest.mark.slow  # ~15 s of a running job
+def test_a_longer_count_hangs_a_job_that_checks_nothing(tmp_path):
+    codes, outs = run_job(tmp_path, "NCCL_SIM_DESYNC_COUNT=2", {"NCCL_SIM_NO_CHECK": "1"})
+    assert codes == [None] * 4, f"a rank returned: {codes}"
+    assert "ncclAllReduce of 2098176 elements where its peers' have 1024" in outs[2], outs[2][-500:]
+    assert not any("FAIL" in o for o in outs[:2] + outs[3:]), [o[-300:] for o in outs]
+
+
+def test_desync_count_reads_rank_and_count(monkeypatch):
+    """RANK: one ring loop longer (NCCL_SIM_RING_CHUNK bytes per rank, float32); RANK:COUNT: that count."""
+    from exporter.simulator.faults import desync_count
+    monkeypatch.delenv("NCCL_SIM_FAULTS_FILE", raising=False)
+    monkeypatch.setenv("NCCL_SIM_DESYNC_COUNT", "2")
+    monkeypatch.setenv("NCCL_SIM_RING_CHUNK", "4096")
+    assert (desync_count(2, 4, 1024), desync_count(1, 4, 1024)) == (1024 + 4 * 1024, None)
+    monkeypatch.setenv("NCCL_SIM_DESYNC_COUNT", "2:2048")
+    assert desync_count(2, 4, 1024) == 2048
+    monkeypatch.setenv("NCCL_SIM_DESYNC_COUNT", "")
+    assert desync_count(2, 4, 1024) is None
+
+
+def test_the_ring_chunk_default_is_the_simulated_libraries():
+    """faults.py's loop length must be the one collectives.c loops over."""
+    from exporter.simulator.faults import RING_CHUNK_DEFAULT
+    src = (REPO / "exporter/simulator/nccl_sim/collectives.c").read_text()
+    m = re.search(r"#define RING_CHUNK_DEFAULT \((\d+) << (\d+)\)", src)
+    assert m and int(m[1]) << int(m[2]) == RING_CHUNK_DEFAULT

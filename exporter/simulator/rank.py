@@ -1,4 +1,4 @@
-"""One simulated training rank: NCCL workloads, every result checked.
+"""One simulated training rank: NCCL workloads, every result checked (unless --no-check).
 
 The workloads call libnccl.so.2 the way PyTorch's ProcessGroupNCCL would
 (ncclUniqueId passed by value) through binding.py, and check each result
@@ -7,7 +7,7 @@ against numerics.py.
     python -m exporter.simulator.rank --lib build/sim/libnccl.so.2 \
         --rank 0 --nranks 4 --rendezvous /tmp/rdv --workload mixed
 
-Exit status 0 only if every NCCL call succeeded and every result was correct.
+Exit status 0 only if every NCCL call succeeded and every checked result was correct.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from ctypes import c_int, c_void_p
 
-from exporter.simulator.faults import desync_due
+from exporter.simulator.faults import desync_call
 from exporter.simulator.binding import Nccl, NcclError, publish_or_fetch
 from exporter.simulator.numerics import (AVG, BF16, DTYPES, FLOAT16, FLOAT32, FLOAT64, INT8, INT32, INT64,
                                          INT_DTYPES, MAX, MIN, PROD, SUM, UINT8, UINT32, UINT64,
@@ -238,14 +238,15 @@ class Rank:
             stop = 1.0 if (deadline is not None and time.monotonic() >= deadline) or it >= self.a.iterations else 0.0
             ctypes.memmove(ctypes.addressof(sb) + vote_off, struct.pack("<f", stop), 4)
             self.delay()
-            if desync_due(r):  # another collective than its peers' (docs/simulator.md, "Desync")
-                print(f"rank {r}: iteration {it}: ncclBroadcast instead of ncclAllReduce", flush=True)
-                self.nccl("ncclBroadcast", sb, rb, cnt, FLOAT32, 1 if r == 0 else 0, world, self.nccl.stream)
-                raise NcclError(f"ncclBroadcast of the desync returned (iteration {it})")
+            call = desync_call(r, n, cnt, sb, rb)
+            if call:  # another collective, or count, than its peers' (docs/simulator.md, "Desync")
+                print(f"rank {r}: iteration {it}: {call[0]}", flush=True)
+                self.nccl(*call[1], world, self.nccl.stream)
+                raise NcclError(f"the desync returned: {call[0]} (iteration {it})")
             self.nccl("ncclAllReduce", sb, rb, cnt, FLOAT32, SUM, world, self.nccl.stream)
             raw = rb.raw
             self.checks += 1
-            if raw[:vote_off] != want:
+            if raw[:vote_off] != want and not self.a.no_check:
                 raise NcclError(f"wrong result in ncclAllReduce (train iteration {it})")
             self.allreduce(half, hrank.value, hcount.value, FLOAT32, SUM, it, max(1, cnt // 8))
             if struct.unpack("<f", raw[vote_off:vote_off + 4])[0] > 0:
@@ -368,8 +369,9 @@ def parse_args(argv=None):
     p.add_argument("--finish", choices=["destroy", "abort"], default="destroy",
                    help="gpu: end with sync + ncclCommDestroy, or ncclCommAbort with work still pending")
     p.add_argument("--finish-delay-ms", type=float, default=0.0, help="gpu: sleep before --finish abort")
-    p.add_argument("--no-check", action="store_true",
-                   help="gpu: zero-filled buffers, no result checks, no Send/Recv (benches)")
+    p.add_argument("--no-check", action="store_true", default=bool(os.environ.get("NCCL_SIM_NO_CHECK")),
+                   help="gpu: zero buffers, no checks or Send/Recv (benches); train: go on past a wrong result "
+                        "(a training job checks none; default: $NCCL_SIM_NO_CHECK)")
     p.add_argument("--truth", default=None, help="append ground truth (JSON lines) to this file")
     a = p.parse_args(argv)
     if not (0 <= a.rank < a.nranks):

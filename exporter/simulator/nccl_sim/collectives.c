@@ -9,15 +9,11 @@
 #define NEXT(r) (((r) + 1) % n)
 #define MOD(x) ((((x) % n) + n) % n)
 
-static ncclResult_t do_allreduce(ncclComm_t c, const void *sb, void *rb, size_t count, int dt, int op) {
+/* One loop of the ring AllReduce over buf's `count` elements (NCCL's runRing, one
+ * channel): reduce-scatter then all-gather, n-1 steps each, in chunks of count/n. */
+static ncclResult_t allreduce_loop(ncclComm_t c, char *buf, size_t count, int dt, int op, char *tmp) {
   int n = c->nranks, r = c->rank;
   size_t es = dt_size(dt);
-  if (sb != rb) memmove(rb, sb, count * es);
-  if (n == 1 || count == 0) { if (op == ncclAvg) divide_by(rb, count, dt, n); return ncclSuccess; }
-  char *buf = rb;
-  size_t maxch = count / n + 1;
-  char *tmp = malloc(maxch * es);
-  if (!tmp) return ncclSystemError;
   ncclResult_t res = ncclSuccess;
   /* reduce-scatter ring */
   for (int s = 0; s < n - 1 && res == ncclSuccess; s++) {
@@ -36,6 +32,30 @@ static ncclResult_t do_allreduce(ncclComm_t c, const void *sb, void *rb, size_t 
     size_t slo = CH_LO(sc), shi = CH_LO(sc + 1), rlo = CH_LO(rc), rhi = CH_LO(rc + 1);
     res = sendrecv(c, NEXT(r), buf + slo * es, (shi - slo) * es, PREV(r), buf + rlo * es, (rhi - rlo) * es);
   }
+  return res;
+}
+
+/* NCCL's ring moves at most chunkSize bytes per rank and channel in one loop
+ * (v2.28.9-1 src/enqueue.cc:2023-2026: stepSize = buffSize / NCCL_STEPS, chunkSize =
+ * stepSize * chunkSteps; 4 MiB (src/init.cc:699), 8 (src/include/device.h:24) and 4
+ * for AllReduce (src/include/collectives.h:18): 2 MiB); nLoops = DIVUP(nBytes,
+ * loopSize) (enqueue.cc:2129). Each rank loops over its own count, so a rank whose
+ * count takes more loops waits for steps its peers never post (docs/simulator.md,
+ * "Desync"). NCCL_SIM_RING_CHUNK sets the bytes per rank and loop. */
+#define RING_CHUNK_DEFAULT (2 << 20)  /* also exporter/simulator/faults.py */
+
+static ncclResult_t do_allreduce(ncclComm_t c, const void *sb, void *rb, size_t count, int dt, int op) {
+  int n = c->nranks;
+  size_t es = dt_size(dt);
+  if (sb != rb) memmove(rb, sb, count * es);
+  if (n == 1 || count == 0) { if (op == ncclAvg) divide_by(rb, count, dt, n); return ncclSuccess; }
+  size_t chunk = (size_t)env_int("NCCL_SIM_RING_CHUNK", RING_CHUNK_DEFAULT) / es;
+  size_t loop = (chunk ? chunk : 1) * (size_t)n;
+  char *tmp = malloc(((count < loop ? count : loop) / n + 1) * es);
+  if (!tmp) return ncclSystemError;
+  ncclResult_t res = ncclSuccess;
+  for (size_t lo = 0; lo < count && res == ncclSuccess; lo += loop)
+    res = allreduce_loop(c, (char *)rb + lo * es, count - lo < loop ? count - lo : loop, dt, op, tmp);
   free(tmp);
   return res;
 }

@@ -192,6 +192,9 @@ typedef struct {
   size_t moved;             /* bytes of the current step moved */
   void *parent;             /* the Coll/P2p profiler handle (NULL: the stream thread's current op) */
   int okind; uint64_t oseq; /* the operation, for the per-step truth */
+  /* host mode's framed ring steps (sendrecv in p2p.c) only: a receive that takes one
+   * frame, its 8-byte length hdr then hdr bytes, and keeps the first len of them */
+  int framed; uint64_t hdr; size_t hoff, fgot;
 } p2p_t;
 
 #define COMM_ONLY(FN, OP, BODY)                                     \

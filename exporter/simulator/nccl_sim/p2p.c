@@ -4,6 +4,31 @@
 
 /* ---------------------------------------------------- p2p progress engine -- */
 
+/* Whether op o still has bytes to move. A framed receive is done once its frame's
+ * header and its whole body arrived, whatever its own length. */
+static int pending(const p2p_t *o) {
+  return o->framed ? o->hoff < sizeof(o->hdr) || o->fgot < o->hdr : o->off < o->len;
+}
+
+/* Receive the next bytes of a framed receive: its header, then the frame's body, of
+ * which the first o->len bytes go to o->buf and the rest is dropped (as NCCL's
+ * receiver reads its own size from a step's slot, whatever the sender wrote). */
+static ssize_t recv_framed(int fd, p2p_t *o) {
+  if (o->hoff < sizeof(o->hdr)) {
+    ssize_t r = recv(fd, (char *)&o->hdr + o->hoff, sizeof(o->hdr) - o->hoff, MSG_DONTWAIT);
+    if (r > 0) o->hoff += (size_t)r;
+    return r;
+  }
+  size_t keep = o->hdr < o->len ? o->hdr : o->len;
+  char sink[16384];
+  size_t rest = o->hdr - o->fgot;
+  ssize_t r = o->fgot < keep ? recv(fd, o->buf + o->fgot, keep - o->fgot, MSG_DONTWAIT)
+                             : recv(fd, sink, rest < sizeof(sink) ? rest : sizeof(sink), MSG_DONTWAIT);
+  if (r > 0) o->fgot += (size_t)r;
+  if (!pending(o)) o->off = o->len;
+  return r;
+}
+
 /* Move bytes of ops[] (dir 1: only the sends, 0: only the receives, -1: all)
  * until they are complete. Per peer and direction, ops go in order. */
 static ncclResult_t progress(ncclComm_t c, p2p_t *ops, int n, int dir) {
@@ -14,11 +39,11 @@ static ncclResult_t progress(ncclComm_t c, p2p_t *ops, int n, int dir) {
   for (;;) {
     int np = 0;
     for (int i = 0; i < n; i++) {
-      if (ops[i].off >= ops[i].len) continue;
+      if (!pending(&ops[i])) continue;
       if (dir >= 0 && ops[i].is_send != dir) continue;
       int blocked = 0;
       for (int j = 0; j < i; j++)
-        if (ops[j].peer == ops[i].peer && ops[j].is_send == ops[i].is_send && ops[j].off < ops[j].len) { blocked = 1; break; }
+        if (ops[j].peer == ops[i].peer && ops[j].is_send == ops[i].is_send && pending(&ops[j])) { blocked = 1; break; }
       if (blocked) continue;
       pfds[np].fd = c->fds[ops[i].peer];
       pfds[np].events = ops[i].is_send ? POLLOUT : POLLIN;
@@ -32,13 +57,14 @@ static ncclResult_t progress(ncclComm_t c, p2p_t *ops, int n, int dir) {
       if (!pfds[k].revents) continue;
       p2p_t *o = &ops[idx[k]];
       ssize_t r = o->is_send ? send(pfds[k].fd, o->buf + o->off, o->len - o->off, MSG_NOSIGNAL | MSG_DONTWAIT)
+                : o->framed  ? recv_framed(pfds[k].fd, o)
                              : recv(pfds[k].fd, o->buf + o->off, o->len - o->off, MSG_DONTWAIT);
       if (r < 0) {
         if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
         res = ncclRemoteError;
       } else if (r == 0) {
         res = ncclRemoteError; /* peer closed */
-      } else {
+      } else if (!o->framed) {
         o->off += (size_t)r;
       }
     }
@@ -137,7 +163,7 @@ ncclResult_t run_p2p(ncclComm_t c, p2p_t *ops, int n) {
   for (int i = 0; i < n; i++) if (ops[i].peer == c->rank && ops[i].off != ops[i].len) return ncclInvalidUsage;
   int sends = 0, recvs = 0;
   for (int i = 0; i < n; i++) {
-    if (ops[i].off >= ops[i].len) continue;
+    if (!pending(&ops[i])) continue;
     if (ops[i].is_send) sends++; else recvs++;
   }
   int steps = gpu_net_steps() && (sends || recvs);
@@ -169,7 +195,19 @@ ncclResult_t run_p2p(ncclComm_t c, p2p_t *ops, int n) {
   return res;
 }
 
+/* One step of a ring: sl bytes to rank `to`, rl bytes from rank `from`. NCCL matches
+ * a ring's steps by their counters, not by their sizes (docs/simulator.md, "Desync"):
+ * here, in host mode, each step is one frame (its length, then its bytes) and the
+ * receiver keeps what fits its own rl, so ranks that disagree on a count stay in step
+ * as NCCL's do. The GPU-like mode's steps (netsteps.c) are not framed. */
 ncclResult_t sendrecv(ncclComm_t c, int to, const void *sb, size_t sl, int from, void *rb, size_t rl) {
-  p2p_t ops[2] = {{to, 1, (char *)sb, sl, 0}, {from, 0, (char *)rb, rl, 0}};
-  return run_p2p(c, ops, 2);
+  if (gpu_net_steps()) {
+    p2p_t ops[2] = {{to, 1, (char *)sb, sl, 0}, {from, 0, (char *)rb, rl, 0}};
+    return run_p2p(c, ops, 2);
+  }
+  p2p_t ops[3] = {{to, 1, NULL, sizeof(uint64_t), 0}, {to, 1, (char *)sb, sl, 0}, {from, 0, (char *)rb, rl, 0}};
+  ops[0].hdr = sl;
+  ops[0].buf = (char *)&ops[0].hdr;  /* the frame's header: sent before its body (same peer, in order) */
+  ops[2].framed = 1;
+  return run_p2p(c, ops, 3);
 }
