@@ -12,8 +12,8 @@ The checks, in order (docs/fleet.md; thresholds below):
    than its late launch;
 1. a late arriver: on the communicator with the most ranks first, a rank
    that arrived last in at least STRAGGLER_SHARE of the collectives (and at
-   least twice what chance gives, 1/nranks), with a median lag of at least
-   MIN_LAG_NS. Its cause, from its windows when it was last: CPU (its
+   least twice what chance gives, one over the ranks that arrived), with a
+   median lag of at least MIN_LAG_NS. Its cause, from its windows when it was last: CPU (its
    threads waited runnable, per collective, at least CPU_SHARE of the median
    lag more than the other ranks' threads usually do), network (its own
    sockets retransmitted, per collective, at least 0.5 times more than the
@@ -313,12 +313,12 @@ def explain(rec: Recording, align: bool = True) -> list[str]:
 
 def _late_arriver(by_comm: dict, size: dict):
     """Check 1's rank: on the largest communicators first, one last in STRAGGLER_SHARE of the
-    collectives (and twice chance) with a median lag of MIN_LAG_NS; None if none."""
+    collectives (and twice chance, among the ranks that arrived: where a rank never came,
+    one of three is last a third of the time) with a median lag of MIN_LAG_NS; None if none."""
     for key in sorted(by_comm, key=lambda k: (-size[k], -by_comm[k][0].collectives, k)):
         group = by_comm[key]
-        n = max(size[key], len(group))
         cand = [s for s in group if s.collectives >= MIN_COLLECTIVES and s.last_share >= STRAGGLER_SHARE
-                and s.last_share >= min(0.9, 2.0 / n) and s.median_lag_ns >= MIN_LAG_NS]
+                and s.last_share >= min(0.9, 2.0 * s.chance_last) and s.median_lag_ns >= MIN_LAG_NS]
         if cand:
             return max(cand, key=lambda s: sum(s.lags_when_last))
     return None

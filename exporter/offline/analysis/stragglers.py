@@ -100,6 +100,7 @@ class RankStats:
     node: str
     pid: int
     collectives: int = 0
+    arrivals: int = 0       # ranks that arrived, summed over its collectives
     last: int = 0
     lags_when_last: list = field(default_factory=list)
     offsets: list = field(default_factory=list)      # own arrival - median arrival, every collective
@@ -115,6 +116,12 @@ class RankStats:
     @property
     def last_share(self) -> float:
         return self.last / self.collectives if self.collectives else 0.0
+
+    @property
+    def chance_last(self) -> float:
+        """How often it would be last by chance: one over the ranks arriving in its collectives
+        (fewer than the communicator's where a rank is missing from them)."""
+        return self.collectives / self.arrivals if self.arrivals else 1.0
 
     @property
     def median_lag_ns(self) -> int:
@@ -293,6 +300,7 @@ def per_rank(collectives: list[Collective]) -> list[RankStats]:
             if s is None:
                 s = stats[(c.comm, c.op, a.rank)] = RankStats(c.comm, c.op, a.rank, a.node, a.pid)
             s.collectives += 1
+            s.arrivals += len(c.arrivals)
             s.offsets.append(a.start - med)
             s.retransmits += a.retransmits
             s.runq_wait_ns += a.runq_wait_ns
