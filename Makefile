@@ -103,7 +103,7 @@ test-image: deps venv plugin
 push-image: image
 	@$(SHELL) scripts/build-image.sh --push
 
-## bench-faults: the fault-injection benchmark, full set (~5.2 h; docs/benchmark.md), under the heavy lock;
+## bench-faults: the fault-injection benchmark, full set (~5.4 h; docs/benchmark.md), under the heavy lock;
 ## in two sittings: make bench-faults SEED=1 PART=1/2, then PART=2/2 (results in build/bench-faults-part1of2, ...)
 PART ?= 1/1
 SEED ?=

@@ -204,19 +204,27 @@ class Desync(Fault):
     """7. Desync: the rank's program calls ncclBroadcast where its peers call
     ncclAllReduce (NCCL_SIM_DESYNC=RANK in the simulator's NCCL_SIM_FAULTS_FILE,
     read by the `train` workload at each iteration; docs/simulator.md,
-    "Desync"). Every rank then waits inside its call: the job hangs."""
+    "Desync"). Every rank then waits inside its call: the job hangs.
+    count: instead, the rank calls ncclAllReduce with a count one ring loop
+    longer (NCCL_SIM_DESYNC_COUNT=RANK). Its peers return from the loop they
+    share with wrong data and go on, as a training job's do (NCCL_SIM_NO_CHECK:
+    the workload checks no result), while it waits for its second loop's
+    steps: the job hangs, that rank one AllReduce behind."""
 
-    def __init__(self, wait_s=WAIT_HANG_S):
-        super().__init__("desync", "desync", wait_s)
+    def __init__(self, wait_s=WAIT_HANG_S, count=False):
+        super().__init__("desync_count" if count else "desync", "desync", wait_s)
+        self.var = "NCCL_SIM_DESYNC_COUNT" if count else "NCCL_SIM_DESYNC"
         self.file = None
 
     def job_env(self, work):
-        self.file = FaultsFile(work, "NCCL_SIM_DESYNC")
-        return self.file.env()
+        self.file = FaultsFile(work, self.var)
+        return {**self.file.env(), **({"NCCL_SIM_NO_CHECK": "1"} if self.name == "desync_count" else {})}
 
     def inject(self, ctx, rank):
         self.file.set(str(rank))
-        return {"mechanism": f"NCCL_SIM_DESYNC={rank}: ncclBroadcast where the other ranks call ncclAllReduce"}
+        what = ("ncclAllReduce with a count one ring loop longer than the other ranks'"
+                if self.name == "desync_count" else "ncclBroadcast where the other ranks call ncclAllReduce")
+        return {"mechanism": f"{self.var}={rank}: {what}"}
 
     def clear(self, ctx):
         if self.file is not None:
@@ -290,6 +298,7 @@ FAULTS = {
     "gpu_straggler": GpuStraggler,
     "gpu_slow_link": GpuSlowLink,
     "desync": Desync,
+    "desync_count": lambda: Desync(count=True),
     "healthy_jitter": Jitter,
     "healthy_checkpoint": Checkpoint,
     "healthy_gpu_checkpoint": lambda: Checkpoint(gpu=True),

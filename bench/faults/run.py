@@ -18,7 +18,7 @@ culprit came late.
 As root, from the repository root, under the heavy lock:
 
     flock /tmp/nccl-heavy.lock .venv/bin/python -m bench.faults.run --set quick
-    make bench-faults                      # --set full, ~5.2 h
+    make bench-faults                      # --set full, ~5.4 h
 
 Sets: quick (each fault and healthy control once), full (each 10 times, and
 the checkpoint in the GPU-like mode: 50 healthy runs and 150 warm-ups, over
@@ -55,7 +55,7 @@ NRANKS = 4
 COMPUTE_MS = 20       # each rank's compute between collectives
 COUNT = 16384         # elements per collective
 EVERY = ["straggler", "lossy_link", "stopped_between", "stopped_inside", "killed", "cpu_starvation",
-         "desync", "gpu_straggler", "gpu_slow_link", "gpu_stopped_between",
+         "desync", "desync_count", "gpu_straggler", "gpu_slow_link", "gpu_stopped_between",
          "healthy_jitter", "healthy_checkpoint", "healthy_agent_restart", "healthy_long_collective"]
 SETS = {
     "quick": (EVERY, 1),
@@ -425,7 +425,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=None, help="random onsets and culprits (default: from the clock)")
     p.add_argument("--part", default="1/1", metavar="K/N",
                    help="run only the K-th of N equal slices of the set's shuffled plan (the full set takes "
-                        "~5.2 h: in two sittings, --seed S --part 1/2 then --part 2/2, each to its own --out); "
+                        "~5.4 h: in sittings, --seed S --part 1/2 then --part 2/2, each to its own --out); "
                         "score the parts together with python -m bench.faults.score T1 D1 T2 D2")
     a = p.parse_args(argv)
     try:
