@@ -5,13 +5,13 @@ NCCL_SIM_FAULTS_FILE and read by the `train` workload at each iteration:
   ncclAllReduce; every rank then waits inside its call (the job hangs, as NCCL's
   ranks wait for steps their peers never post), none returns an error or a result;
 - NCCL_SIM_DESYNC_COUNT=RANK[:COUNT]: that rank calls ncclAllReduce with another
-  count, by default one ring loop longer. The ranks finish the loops they share, step
-  by step (each ring step is one frame, whatever its size, as NCCL matches steps by
-  counters): with a count of as many loops every rank returns, with wrong data;
-  with one more loop the peers return with wrong data (the workload's result check
-  catches it) and, when nothing checks (NCCL_SIM_NO_CHECK, a training job), go on
-  to their next calls while that rank waits for the steps of its second loop: the
-  job hangs."""
+  count, by default one ring loop longer. With NCCL_SIM_RING_FRAMES=1 (set here) the
+  ranks finish the loops they share, step by step (each ring step is one frame,
+  whatever its size, as NCCL matches steps by counters): with a count of as many
+  loops every rank returns, with wrong data; with one more loop the peers return
+  with wrong data (the workload's result check catches it) and, when nothing
+  checks (NCCL_SIM_NO_CHECK, a training job), go on to their next calls while that
+  rank waits for the steps of its second loop: the job hangs."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def run_job(tmp_path, fault: str, env: dict) -> tuple[list, list[str]]:
     faults = tmp_path / "faults"
     faults.write_text(fault.split("=")[0] + "=\n")
     (tmp_path / "rdv").mkdir()
-    env = dict(os.environ, NCCL_SIM_FAULTS_FILE=str(faults), **env)
+    env = {**os.environ, "NCCL_SIM_FAULTS_FILE": str(faults), "NCCL_SIM_RING_FRAMES": "1", **env}
     procs = [subprocess.Popen([sys.executable, "-m", "exporter.simulator.rank", "--lib", str(lib), "--rank", str(r),
                                "--nranks", "4", "--rendezvous", str(tmp_path / "rdv"), "--workload", "train",
                                "--iterations", "100000000", "--duration-s", "6", "--count", "1024",
@@ -67,11 +67,17 @@ def test_desync_hangs_every_rank(tmp_path):
 
 
 @pytest.mark.slow  # ~15 s of a running job
-def test_a_count_of_as_many_loops_returns_wrong_data_everywhere(tmp_path):
+@pytest.mark.parametrize("frames", ["1", "0"])
+def test_a_count_of_as_many_loops_returns_wrong_data_everywhere(tmp_path, frames):
     """2048 elements where the peers have 1024: one loop on every rank, which all
-    complete step by step (on a byte stream rank 2 would wait for bytes never sent)."""
-    codes, outs = run_job(tmp_path, "NCCL_SIM_DESYNC_COUNT=2:2048", {"NCCL_SIM_NO_CHECK": ""})
-    assert codes[2] not in (None, 0) and "FAIL" in outs[2] and "the desync returned" in outs[2], outs[2][-500:]
+    complete step by step with framed steps; on the default byte stream rank 2 waits
+    for bytes never sent and gets ncclRemoteError when its peers exit."""
+    codes, outs = run_job(tmp_path, "NCCL_SIM_DESYNC_COUNT=2:2048", {"NCCL_SIM_NO_CHECK": "",
+                                                                     "NCCL_SIM_RING_FRAMES": frames})
+    if frames == "1":
+        assert codes[2] not in (None, 0) and "the desync returned" in outs[2], outs[2][-500:]
+    else:
+        assert codes[2] not in (None, 0) and "remote process exited" in outs[2], outs[2][-500:]
     for r in (0, 1, 3):
         assert codes[r] not in (None, 0) and "wrong result in ncclAllReduce" in outs[r], (r, codes, outs[r][-300:])
 

@@ -206,10 +206,11 @@ class Desync(Fault):
     read by the `train` workload at each iteration; docs/simulator.md,
     "Desync"). Every rank then waits inside its call: the job hangs.
     count: instead, the rank calls ncclAllReduce with a count one ring loop
-    longer (NCCL_SIM_DESYNC_COUNT=RANK). Its peers return from the loop they
-    share with wrong data and go on, as a training job's do (NCCL_SIM_NO_CHECK:
-    the workload checks no result), while it waits for its second loop's
-    steps: the job hangs, that rank one AllReduce behind."""
+    longer (NCCL_SIM_DESYNC_COUNT=RANK), the ring's steps framed as NCCL's
+    (NCCL_SIM_RING_FRAMES=1). Its peers return from the loop they share with
+    wrong data and go on, as a training job's do (NCCL_SIM_NO_CHECK: the
+    workload checks no result), while it waits for its second loop's steps:
+    the job hangs, that rank one AllReduce behind."""
 
     def __init__(self, wait_s=WAIT_HANG_S, count=False):
         super().__init__("desync_count" if count else "desync", "desync", wait_s)
@@ -218,7 +219,8 @@ class Desync(Fault):
 
     def job_env(self, work):
         self.file = FaultsFile(work, self.var)
-        return {**self.file.env(), **({"NCCL_SIM_NO_CHECK": "1"} if self.name == "desync_count" else {})}
+        count = {"NCCL_SIM_NO_CHECK": "1", "NCCL_SIM_RING_FRAMES": "1"} if self.name == "desync_count" else {}
+        return {**self.file.env(), **count}
 
     def inject(self, ctx, rank):
         self.file.set(str(rank))

@@ -197,11 +197,18 @@ ncclResult_t run_p2p(ncclComm_t c, p2p_t *ops, int n) {
 
 /* One step of a ring: sl bytes to rank `to`, rl bytes from rank `from`. NCCL matches
  * a ring's steps by their counters, not by their sizes (docs/simulator.md, "Desync"):
- * here, in host mode, each step is one frame (its length, then its bytes) and the
- * receiver keeps what fits its own rl, so ranks that disagree on a count stay in step
- * as NCCL's do. The GPU-like mode's steps (netsteps.c) are not framed. */
+ * with NCCL_SIM_RING_FRAMES=1, in host mode, each step is one frame (its length, then
+ * its bytes) and the receiver keeps what fits its own rl, so ranks that disagree on a
+ * count stay in step as NCCL's do. Off by default: one byte stream per step, the
+ * timing the suite's scenarios were measured with. GPU-like mode: never framed. */
+static int ring_frames(void) {
+  static int v = -1;
+  if (v < 0) v = env_int("NCCL_SIM_RING_FRAMES", 0) ? 1 : 0;
+  return v;
+}
+
 ncclResult_t sendrecv(ncclComm_t c, int to, const void *sb, size_t sl, int from, void *rb, size_t rl) {
-  if (gpu_net_steps()) {
+  if (gpu_net_steps() || !ring_frames()) {
     p2p_t ops[2] = {{to, 1, (char *)sb, sl, 0}, {from, 0, (char *)rb, rl, 0}};
     return run_p2p(c, ops, 2);
   }
