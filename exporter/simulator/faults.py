@@ -55,9 +55,9 @@ def desync_call(rank: int, nranks: int, count: int, sb, rb) -> tuple[str, tuple]
     """The call a desync fault makes rank's `train` workload call instead of its float32
     sum ncclAllReduce of `count` elements from sb to rb: (what it is, the NCCL function's
     name and arguments before its communicator and stream); None when no fault is on."""
-    big = desync_count(rank, nranks, count)
     if desync_due(rank):
         return "ncclBroadcast instead of ncclAllReduce", ("ncclBroadcast", sb, rb, count, FLOAT32, int(rank == 0))
+    big = desync_count(rank, nranks, count)
     if big is not None:
         buf = ctypes.create_string_buffer(big * 4)
         return (f"ncclAllReduce of {big} elements where its peers' have {count}",
