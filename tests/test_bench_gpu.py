@@ -37,6 +37,7 @@ def run_check(tmp_path, *args, env=None):
 
 # --- end to end on the simulator ------------------------------------------------------
 
+@pytest.mark.slow  # runs the whole simulated bench/gpu script (~6 s): `make test`, not test-quick
 def test_simulated_run_passes_part_a_and_reports_every_part(tmp_path):
     p, verdicts = run_check(tmp_path, "--simulate", "--parts", "adce")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -58,6 +59,7 @@ def test_simulated_run_passes_part_a_and_reports_every_part(tmp_path):
     assert any(n.startswith("a-4/plugin.") for n in names) and "a-2/calls.0.jsonl" in names
 
 
+@pytest.mark.slow  # runs the whole simulated bench/gpu script (~6 s): `make test`, not test-quick
 def test_simulated_broadcast_desync_fails_part_a(tmp_path):
     """NCCL >= 2.29's Broadcast habit (NCCL_SIM_GPU_BCAST_DESYNC): no Coll record for
     the Broadcasts, later intervals judged implausible: part a says so and fails."""
@@ -314,6 +316,7 @@ def test_final_line_is_the_worst_part():
     assert w.status == "FAIL" and w.lines == ["a: PASS", "x: FAIL - broke", "  detail"]
 
 
+@pytest.mark.slow  # runs the whole simulated bench/gpu script (~6 s): `make test`, not test-quick
 def test_a_part_without_time_left_is_skipped_and_the_run_says_partial(tmp_path):
     p, verdicts = run_check(tmp_path, "--simulate", "--parts", "ab", "--budget-s", "1")
     assert p.returncode == 0
@@ -325,6 +328,7 @@ def test_a_part_without_time_left_is_skipped_and_the_run_says_partial(tmp_path):
 
 # --- part p (network time per peer) -----------------------------------------------------
 
+@pytest.mark.slow  # runs the whole simulated bench/gpu script (~6 s): `make test`, not test-quick
 def test_simulated_proxy_part_passes(tmp_path):
     """--proxy on the simulator, whose proxy thread sends ProxyOp/ProxyStep as
     NCCL's does: ring AllReduce bytes per direction and wall phases check out."""
