@@ -430,10 +430,11 @@ static void net(void *dl, int n, int nch, int steps, int spin) {
         void *sh[64];
         for (int ch = 0; ch < nch; ch++) sh[ch] = proxy_step(c.ctx, po[ch][dir], st);
         for (int ph = 0; ph < 3; ph++) {
-          uint64_t t = mono();
           int carries = (dir == 0 && ph == 2) || (dir == 1 && ph == 1); /* transSize with SendWait / RecvFlushWait */
           for (int ch = 0; ch < nch; ch++) proxy_record_args(sh[ch], NET_STATES[dir][ph], carries ? NET_CHUNK : 0);
-          if (spin) spin_until(t + NET_D[dir][ph]);
+          /* spin from after the last channel entered the phase: every channel then
+           * spends at least D in it, even when this thread is preempted mid-loop */
+          if (spin) spin_until(mono() + NET_D[dir][ph]);
         }
         for (int ch = 0; ch < nch; ch++) stop(sh[ch]);
         events += 5 * nch;
