@@ -10,6 +10,10 @@ histograms"), so the same questions are asked differently:
     rate(X_bucket[w]) ... by (..., le)   ->  rate(X[w]) ... by (...)
     rate(X_sum[w])                       ->  histogram_sum(rate(X[w]))
     rate(X_count[w]), increase(...)      ->  histogram_count(rate(X[w]))
+    irate(X_sum[w]), irate(X_count[w])   ->  histogram_sum(rate(X[w])), ... : Prometheus
+        2.42 has no irate() of a native histogram (3.3 brought it); over 10 s at
+        5 s scrapes rate() has the same last two scrapes, unless a third falls
+        exactly on the window's start
     histogram_quantile(q, nccl:collective_time_seconds_bucket:rate5m ...) -> taken
         from the scraped histograms directly (_inline_time_histogram says why)
     label_values(X_count{...}, l)        ->  label_values(X{...}, l)   (template variables)
@@ -68,7 +72,7 @@ def native_expr(expr: str) -> str:
     def moment(fn: str, suffix: str):
         def sub(m: re.Match) -> str:
             sel, rng = m[2] or "", m[3]
-            native = f"histogram{suffix}({fn}({m[1]}{sel}{rng}))"
+            native = f"histogram{suffix}({'rate' if fn == 'irate' else fn}({m[1]}{sel}{rng}))"
             if m[1] in BUCKETLESS:  # classic in one mode, native in the other
                 return f"({native} or {fn}({m[1]}{suffix}{sel}{rng}))"
             return native
