@@ -68,6 +68,8 @@ def _register(c: "Cluster") -> None:
             _atexit_registered = True
         if len(_open) == 1 and threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(s) == signal.SIG_IGN:
+                    continue  # ignored (a background job's SIGINT): tearing down would not stop us
                 try:
                     _saved_handlers[s] = signal.signal(s, _on_signal)
                 except (ValueError, OSError):
