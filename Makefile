@@ -70,10 +70,14 @@ plugin-aarch64: venv
 lint: venv
 	@$(VENV)/bin/ruff check --quiet .
 
-## test: everything needed, then lint and the whole suite (what CI runs; ~18.5 min of its 20 here);
-## the 25 slowest tests are listed at the end (what to look at first when it grows)
+## test: everything needed, then lint and the whole suite (what CI runs; budget 20 min here) in
+## two passes: test-quick's tests on three workers as there, then the heavy ones (bpf, netns,
+## real NCCL, Prometheus, slow) one at a time, the 25 slowest listed at the end (what to look
+## at first when it grows); both passes always run, and either failing fails the target
 test: deps venv nccl-wheel plugin lint
-	$(PY) -m pytest -v --durations=25 tests/
+	@$(PY) -m pytest -q -n 3 --dist loadfile -m "not ($(HEAVY_MARKS))" tests/; light=$$?; \
+	$(PY) -m pytest -v --durations=25 -m "$(HEAVY_MARKS)" tests/; heavy=$$?; \
+	echo "make test: quick pass rc=$$light, heavy pass rc=$$heavy"; [ $$light = 0 ] && [ $$heavy = 0 ]
 
 # The kinds of test conftest marks from the fixtures they use (tests/conftest.py).
 HEAVY_MARKS := bpf or netns or real_nccl or prometheus or slow or require_root
