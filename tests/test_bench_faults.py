@@ -227,6 +227,13 @@ def test_two_fault_set_writes_truth_first_scores_it_and_cleans_up(tmp_path):
             t = next(t for t in truths if t["run"] == d["run"])
             assert any(s["run"] == d["run"] and s["alert"] == d["what"] and s["state"] == "firing"
                        and s["from_s"] <= d["t"] - t["onset"] + 1 for s in spans), (d, spans)
+    # each run's culprit figures: every rank's time in call, through the run, on its own communicators
+    figures = scoring.read_jsonl(tmp_path / "figures.jsonl")
+    for t in truths:
+        mine = [f for f in figures
+                if f["run"] == t["run"] and f["series"] == "nccl:collective_time_seconds:median3_mean5s"]
+        assert {f["labels"]["rank"] for f in mine} >= {"0", "1", "2", "3"}, (t["run"], mine)
+        assert all(len(f["t_s"]) == len(f["v"]) > 0 and min(f["t_s"]) < 0 for f in mine), mine
     result = json.loads((tmp_path / "result.json").read_text())
     rescored = scoring.score(truths, dets, ["prometheus", "hang", "explain"])
     assert result["faults"] == rescored["faults"] and result["healthy"] == rescored["healthy"]

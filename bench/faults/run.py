@@ -13,7 +13,9 @@ hang` on the agent's /metrics, `nccl-exporter explain --nodes` on its query
 endpoint. Every answer that names a culprit goes to detections.jsonl;
 bench/faults/score.py scores the two files. alerts.jsonl keeps each run's
 alert timeline (pending and firing spans, from the onset) to tell why a
-culprit came late.
+culprit came late, and figures.jsonl the culprit alerts' recorded series
+over the run (FIGURES, every 5 s from the job's start) to tell why by how
+much, after Prometheus is gone.
 
 As root, from the repository root, under the heavy lock:
 
@@ -41,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,6 +76,13 @@ WARMUP_S = (30, 40)
 # the slowest, NcclLinkRetransmits, needs its 30 s window and an evaluation or two
 COOL_DOWN_S = 90
 SUITE_TIMING = {"warmup": (5, 10), "wait": 30}
+# The recorded series behind the culprit-naming alerts (alerts/nccl.yml), kept per run in
+# figures.jsonl: each rank's time in call and its communicator's median (NcclRankLate), the
+# links that may be lossy (NcclLinkRetransmits, NcclRankLate), run-queue delay
+# (NcclRankCpuStarved) and the sends' wait for their GPU (NcclRankGpuSlow).
+FIGURES = ("nccl:collective_time_seconds:median3_mean5s", "nccl:collective_time_seconds:comm_median3_mean5s",
+           "nccl:tcp_retransmits:lossy_candidate_increase30s", "nccl:runqueue_delay_seconds:rate15s",
+           "nccl:network_send_gpu_wait_seconds:rate15s")
 
 
 class Agent:
@@ -172,6 +182,21 @@ class Prometheus:
                                       "labels": labels})
                     begin = t
         return sorted(spans, key=lambda x: (x["from_s"], x["alert"]))
+
+    def figures(self, t0: float, t1: float, onset: float, comms: set[str]) -> list[dict]:
+        """FIGURES between t0 and t1 (Unix s), one sample per evaluation, times in seconds from
+        the onset; a series of another job's communicator is left out."""
+        out = []
+        for name in FIGURES:
+            q = urllib.parse.urlencode({"query": name, "start": f"{t0:.3f}", "end": f"{t1:.3f}", "step": 5})
+            for s in json.loads(get(f"{self.api}/query_range?{q}"))["data"]["result"]:
+                labels = {k: v for k, v in s["metric"].items() if k != "__name__"}
+                if "comm" in labels and not any(c.startswith(labels["comm"]) for c in comms):
+                    continue
+                out.append({"series": name, "labels": labels,
+                            "t_s": [round(float(t) - onset, 1) for t, _ in s["values"]],
+                            "v": [float(v) for _, v in s["values"]]})
+        return out
 
     def close(self) -> None:
         stop_proc(self.proc, signal.SIGTERM)
@@ -340,7 +365,7 @@ def job_map(agent: Agent, pids: list[int]) -> dict:
 
 
 def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmup=WARMUP_S,
-            wait_s: float | None = None, commit: str = "", alerts_out=None) -> None:
+            wait_s: float | None = None, commit: str = "", alerts_out=None, figures_out=None) -> None:
     from exporter.simulator.cluster import Cluster, start_job
 
     fault = FAULTS[name]()
@@ -381,13 +406,17 @@ def one_run(run_id, name, lib, work, agent, prom, truth_out, det_out, rng, warmu
                 extra = fault.inject(ctx, culprit_rank)
                 log(f"{run_id}   injected: {extra}")
                 time.sleep(fault.wait_s)
-                if alerts_out is not None:
+                comms = {c for c, _ in ranks_of}
+                for out, what, rows in ((alerts_out, "alert timeline", prom.timeline),
+                                        (figures_out, "figures", prom.figures)):
+                    if out is None:
+                        continue
                     try:
-                        for span in prom.timeline(start, time.time(), truth["onset"], {c for c, _ in ranks_of}):
-                            alerts_out.write(json.dumps({"run": run_id, **span}) + "\n")
-                        alerts_out.flush()
+                        for row in rows(start, time.time(), truth["onset"], comms):
+                            out.write(json.dumps({"run": run_id, **row}) + "\n")
+                        out.flush()
                     except (OSError, ValueError, KeyError) as e:
-                        log(f"{run_id}   alert timeline not written: {e}")
+                        log(f"{run_id}   {what} not written: {e}")
             finally:
                 det.stop()
                 fault.clear(ctx)
@@ -479,7 +508,7 @@ def main(argv=None) -> int:
         agent.start()
         prom = Prometheus(work, f"127.0.0.1:{agent.port}")
         with open(truth_path, "w") as truth_out, open(det_path, "w") as det_out, \
-                open(a.out / "alerts.jsonl", "w") as alerts_out:
+                open(a.out / "alerts.jsonl", "w") as alerts_out, open(a.out / "figures.jsonl", "w") as figures_out:
             for i, name in enumerate(plan, 1):
                 if i > 1:
                     waited = prom.cool_down()
@@ -487,7 +516,8 @@ def main(argv=None) -> int:
                         log(f"cool-down: {waited:.0f} s until the previous run's alerts resolved")
                 log(f"run {i} of {len(plan)}: {name} (about {expected_s(plan[i - 1:]) / 60 + 0.5:.0f} min left)")
                 one_run(f"r{first + i:03d}", name, lib, work, agent, prom, truth_out, det_out, rng,
-                        warmup=warmup, wait_s=timing.get("wait"), commit=commit, alerts_out=alerts_out)
+                        warmup=warmup, wait_s=timing.get("wait"), commit=commit, alerts_out=alerts_out,
+                        figures_out=figures_out)
     except KeyboardInterrupt:
         log("interrupted: cleaning up (the runs so far are scored)")
     finally:
