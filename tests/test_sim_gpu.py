@@ -258,7 +258,10 @@ def test_broadcast_desync_intervals_are_rejected(lib, plugin, tmp_path, mode, re
     older kernel's timers: both (mode 1: an interval before its own enqueue) or
     the older start with its own stop (mode 2: longer than the host knew of it).
     Each such record is flagged with that reason; the ones before the first
-    Broadcast are exact and unflagged."""
+    Broadcast are exact and unflagged. In mode 1 a record delivered less than a
+    kernel's length after its enqueue (the host thread preempted, CI saw it)
+    is longer than the host knew of it too, and the plugin checks that first
+    (plugin/gpu.c, judge): either reason rejects it, and EARLY is seen."""
     script = tmp_path / "bcast.py"
     script.write_text(BCAST)
     truth, plog = tmp_path / "truth.jsonl", tmp_path / "plugin.log"
@@ -274,16 +277,19 @@ def test_broadcast_desync_intervals_are_rejected(lib, plugin, tmp_path, mode, re
     kern = {(r["comm_hash"], r["rank"], r["seq"]): r for r in gpu_kernels(recs, "ALL_REDUCE")}
     done = [r for r in log if r["event"] == "done"]
     assert len(done) == len(kern) == 18
-    rejected = 0
+    rejected = with_reason = 0
+    allowed = {reason} if reason == 0x80 else {0x100, 0x80}
     for r in done:
         t = kern[(r["comm"][2:], int(r["rank"]), int(r["seq"]))]
         flags = int(r["flags"], 16) & 0x380
         if t["desync"]:
-            assert flags == reason, (r, t)
+            assert flags in allowed, (r, t)
             rejected += 1
+            with_reason += flags == reason
         else:
             assert flags == 0 and int(r["gpu_start_timer"]) == t["gpu_start_timer"], (r, t)
     assert rejected == 2 * 7                                            # AllReduces after the first Broadcast
+    assert with_reason >= 1, (with_reason, rejected)
     assert max(int(r["rejected"]) for r in log if r["event"] == "finalize") == rejected
 
 
