@@ -85,6 +85,11 @@ FIGURES = ("nccl:collective_time_seconds:median3_mean5s", "nccl:collective_time_
            "nccl:network_send_gpu_wait_seconds:rate15s")
 
 
+def another_jobs(labels: dict, comms: set[str]) -> bool:
+    """A series of a communicator not among this job's (comms: full ids; labels carry a prefix)."""
+    return "comm" in labels and not any(c.startswith(labels["comm"]) for c in comms)
+
+
 class Agent:
     """`nccl-exporter run` with --db and --query-listen, restartable."""
 
@@ -170,7 +175,7 @@ class Prometheus:
         spans = []
         for s in got["data"]["result"]:
             labels = {k: v for k, v in s["metric"].items() if k not in ("__name__", "alertname", "alertstate")}
-            if "comm" in labels and not any(c.startswith(labels["comm"]) for c in comms):
+            if another_jobs(labels, comms):
                 continue
             ts = [float(t) for t, _ in s["values"]]
             begin = ts[0]
@@ -191,7 +196,7 @@ class Prometheus:
             q = urllib.parse.urlencode({"query": name, "start": f"{t0:.3f}", "end": f"{t1:.3f}", "step": 5})
             for s in json.loads(get(f"{self.api}/query_range?{q}"))["data"]["result"]:
                 labels = {k: v for k, v in s["metric"].items() if k != "__name__"}
-                if "comm" in labels and not any(c.startswith(labels["comm"]) for c in comms):
+                if another_jobs(labels, comms):
                     continue
                 out.append({"series": name, "labels": labels,
                             "t_s": [round(float(t) - onset, 1) for t, _ in s["values"]],
